@@ -1,0 +1,15 @@
+"""kvbridge: move and keep the KV cache of LLM requests between prefill and decode workers."""
+
+from .errors import *  # noqa: F401,F403
+from .errors import __all__ as _errors_all
+from .handle import KVHandle
+from .layout import KVLayout, KVOrder, TokenOrder
+from .policy import Backoff, Retry, Timeout
+from .pool import KVPool
+from .receiver import FetchResult, KVReceiver
+from .sender import KVSender
+
+__version__ = "0.1.0"
+
+__all__ = ["KVLayout", "KVOrder", "TokenOrder", "KVPool", "KVHandle", "KVSender", "KVReceiver",
+           "FetchResult", "Retry", "Backoff", "Timeout", "__version__", *_errors_all]

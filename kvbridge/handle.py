@@ -1,0 +1,230 @@
+"""KVHandle: the versioned, compact, authenticated ticket naming one request's KV blocks.
+
+Binary form (big-endian)::
+
+    magic "KVH" | version u8 | flags u8 | body ... | mac[16]
+
+The body holds ids, URLs, the layout hash, block ids, generations and per-block
+checksums as packed arrays whose width (1/2/4 bytes) is chosen per handle, so a
+1,000-block handle is ~12 KiB. The MAC is HMAC-SHA256 (truncated to 128 bits)
+over everything before it, keyed by the sender's secret: a shared secret when
+configured (then receivers can verify too), otherwise a random per-sender key.
+
+Checksums are xxh3-64 over each block's parts in canonical order: ~30 GB/s on
+one core here (faster than any wire we drive, so verification costs a few % of a
+transfer), 64 bits make an undetected random corruption ~2^-64 likely; tampering
+is the MAC's job, not the checksum's.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import hashlib
+import hmac
+import struct
+import sys
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
+
+from .errors import BadHandle
+
+__all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "compute_mac"]
+
+HANDLE_VERSION = 1
+MAGIC = b"KVH"
+MAC_LEN = 16
+MAX_HANDLE_BYTES = 8 << 20
+MAX_BLOCKS = 1 << 20
+_HEAD = struct.Struct("!3sBB")
+_FIXED = struct.Struct("!16s16s8sIIQQQ")  # handle id, token, layout hash, num_tokens, nblocks, epoch, fence, expiry
+_WIDTH_CODE = {1: "B", 2: "H", 4: "I"}
+
+
+def compute_mac(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()[:MAC_LEN]
+
+
+def _width(values: Sequence[int]) -> int:
+    m = max(values, default=0)
+    return 1 if m < 256 else 2 if m < 65536 else 4
+
+
+def _pack_ints(values: Sequence[int], width: int) -> bytes:
+    a = array.array(_WIDTH_CODE[width], values)
+    if sys.byteorder == "little" and width > 1:
+        a.byteswap()
+    return a.tobytes()
+
+
+def _unpack_ints(data: bytes, width: int) -> list[int]:
+    a = array.array(_WIDTH_CODE[width])
+    a.frombytes(data)
+    if sys.byteorder == "little" and width > 1:
+        a.byteswap()
+    return a.tolist()
+
+
+class _Reader:
+    def __init__(self, data: bytes, pos: int, end: int) -> None:
+        self.data, self.pos, self.end = data, pos, end
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.pos + n > self.end:
+            raise BadHandle("handle is truncated")
+        out = self.data[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u16(self) -> int:
+        return int.from_bytes(self.take(2), "big")
+
+    def u32(self) -> int:
+        return int.from_bytes(self.take(4), "big")
+
+    def text(self) -> str:
+        try:
+            return self.take(self.u16()).decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadHandle("handle text field is not UTF-8") from None
+
+
+def _text(s: str) -> bytes:
+    b = s.encode("utf-8")
+    if len(b) > 0xFFFF:
+        raise BadHandle("handle text field over 65535 bytes")
+    return len(b).to_bytes(2, "big") + b
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Names the blocks of one request in one sender's pool. Immutable; build via ``KVSender.publish``."""
+
+    handle_id: bytes                 # 16 random bytes, the sender's key for this handle
+    request_id: str
+    layout_hash: str                 # KVLayout.compat_hash (16 hex digits)
+    urls: tuple[str, ...]            # where the sender serves it, preferred first
+    block_ids: tuple[int, ...]
+    generations: tuple[int, ...]
+    checksums: tuple[int, ...]       # xxh3-64 per block, or () when not computed
+    num_tokens: int
+    codec: str = "raw"
+    token: bytes = b"\0" * 16        # read capability the sender checks
+    lease_id: str = ""
+    fence_epoch: int = 0
+    fence: int = 0
+    expires_at_ms: int = 0           # unix ms when the sender frees the blocks if unreleased
+    mac: bytes = b""
+    _raw: Optional[bytes] = field(default=None, repr=False, compare=False)
+
+    # -- identity ------------------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.handle_id.hex()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+    # -- binary form ---------------------------------------------------------------------
+    def body(self) -> bytes:
+        n = len(self.block_ids)
+        if not (len(self.generations) == n and len(self.checksums) in (0, n)):
+            raise BadHandle("block_ids, generations and checksums must have equal lengths")
+        try:
+            lh = bytes.fromhex(self.layout_hash)
+        except ValueError:
+            raise BadHandle("layout_hash must be 16 hex digits") from None
+        if len(lh) != 8 or len(self.handle_id) != 16 or len(self.token) != 16:
+            raise BadHandle("handle_id/token must be 16 bytes and layout_hash 8 bytes")
+        wb, wg = _width(self.block_ids), _width(self.generations)
+        flags_arrays = bytes([wb, wg, 1 if self.checksums else 0])
+        parts = [
+            _HEAD.pack(MAGIC, HANDLE_VERSION, 0),
+            _FIXED.pack(self.handle_id, self.token, lh, self.num_tokens, n,
+                        self.fence_epoch, self.fence, self.expires_at_ms),
+            _text(self.request_id), _text(self.codec), _text(self.lease_id),
+            bytes([len(self.urls)]), *(_text(u) for u in self.urls),
+            flags_arrays,
+            _pack_ints(self.block_ids, wb), _pack_ints(self.generations, wg),
+        ]
+        if self.checksums:
+            parts.append(struct.pack(f"!{n}Q", *self.checksums))
+        return b"".join(parts)
+
+    def to_bytes(self) -> bytes:
+        if self._raw is not None:
+            return self._raw
+        if len(self.mac) != MAC_LEN:
+            raise BadHandle("handle is not signed; sign it with .signed(key)")
+        raw = self.body() + self.mac
+        object.__setattr__(self, "_raw", raw)
+        return raw
+
+    def signed(self, key: bytes) -> "KVHandle":
+        body = self.body()
+        mac = compute_mac(key, body)
+        h = replace(self, mac=mac, _raw=None)
+        object.__setattr__(h, "_raw", body + mac)
+        return h
+
+    def verify(self, key: bytes) -> None:
+        """Raise :class:`BadHandle` unless the MAC matches ``key``."""
+        raw = self.to_bytes()
+        if not hmac.compare_digest(compute_mac(key, raw[:-MAC_LEN]), self.mac):
+            raise BadHandle("handle MAC does not verify: altered, forged, or a different secret")
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray | memoryview, key: Optional[bytes] = None) -> "KVHandle":
+        """Parse a handle; with ``key``, also verify its MAC. Garbage raises :class:`BadHandle`."""
+        data = bytes(data)
+        if len(data) > MAX_HANDLE_BYTES:
+            raise BadHandle(f"handle of {len(data)} bytes exceeds {MAX_HANDLE_BYTES}")
+        if len(data) < _HEAD.size + _FIXED.size + MAC_LEN:
+            raise BadHandle("handle is truncated")
+        magic, version, _flags = _HEAD.unpack_from(data, 0)
+        if magic != MAGIC:
+            raise BadHandle("not a kvbridge handle (bad magic)")
+        if version != HANDLE_VERSION:
+            raise BadHandle(f"handle version {version} unsupported (this kvbridge reads {HANDLE_VERSION})")
+        hid, token, lh, ntok, n, epoch, fence, expiry = _FIXED.unpack_from(data, _HEAD.size)
+        if n > MAX_BLOCKS:
+            raise BadHandle(f"handle names {n} blocks, over the {MAX_BLOCKS} limit")
+        r = _Reader(data, _HEAD.size + _FIXED.size, len(data) - MAC_LEN)
+        request_id, codec, lease_id = r.text(), r.text(), r.text()
+        urls = tuple(r.text() for _ in range(r.u8()))
+        wb, wg, has_sum = r.take(3)
+        if wb not in _WIDTH_CODE or wg not in _WIDTH_CODE or has_sum not in (0, 1):
+            raise BadHandle("handle array widths are invalid")
+        blocks = _unpack_ints(r.take(n * wb), wb)
+        gens = _unpack_ints(r.take(n * wg), wg)
+        sums = struct.unpack(f"!{n}Q", r.take(8 * n)) if has_sum else ()
+        if r.pos != r.end:
+            raise BadHandle("handle has trailing bytes")
+        h = cls(hid, request_id, lh.hex(), urls, tuple(blocks), tuple(gens), tuple(sums), ntok,
+                codec, token, lease_id, epoch, fence, expiry, data[-MAC_LEN:])
+        object.__setattr__(h, "_raw", data)
+        if key is not None:
+            h.verify(key)
+        return h
+
+    # -- JSON-safe form ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-safe dict (for an engine's ``kv_transfer_params``); round-trips exactly."""
+        return {"kvbridge_handle": HANDLE_VERSION,
+                "request_id": self.request_id, "num_tokens": self.num_tokens,
+                "num_blocks": self.num_blocks, "urls": list(self.urls),
+                "data": base64.b64encode(self.to_bytes()).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], key: Optional[bytes] = None) -> "KVHandle":
+        if not isinstance(d, dict) or d.get("kvbridge_handle") != HANDLE_VERSION or "data" not in d:
+            raise BadHandle("not a kvbridge handle dict (missing 'kvbridge_handle'/'data')")
+        try:
+            raw = base64.b64decode(d["data"], validate=True)
+        except (ValueError, TypeError):
+            raise BadHandle("handle dict 'data' is not base64") from None
+        return cls.from_bytes(raw, key)

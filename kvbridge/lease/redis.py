@@ -1,0 +1,589 @@
+"""The Redis (or Valkey) lease store: one Lua script, one round trip, per operation.
+
+Key layout (namespace ``ns``; the hash tag ``{ns}`` puts *every* key of a
+namespace on one Redis Cluster slot, because the fence counter and the epoch are
+shared by all leases and every script touches them)::
+
+    {ns}:epoch            random u63 per dataset, created with the first script run
+    {ns}:fence            fence counter (INCR)
+    {ns}:index            zset lease id -> time its hash expires (for ``list``)
+    {ns}:lease:<id>       hash per lease, PEXPIREAT lease expiry + tombstone grace
+    {ns}:events:<owner>   stream of release/abort/expire/revoke events (MAXLEN ~)
+
+In Cluster mode a namespace therefore lives on one shard; use several namespaces
+to spread load. The server must not evict keys (``maxmemory-policy noeviction``).
+Redis >= 6.2 or Valkey is assumed. Scripts are called with EVALSHA and loaded on
+``NoScriptError``. redis-py's own retries are off: :class:`~kvbridge.policy.Retry`
+applies to ``LeaseStoreUnavailable`` only, and every script is safe to repeat.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import secrets
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
+
+import redis as _redis
+import redis.asyncio as _aioredis
+from redis import exceptions as rx
+from redis.backoff import NoBackoff
+from redis.retry import Retry as _SyncRedisRetry
+from redis.asyncio.retry import Retry as _AsyncRedisRetry
+
+from ..errors import (ConfigError, KVBridgeError, LeaseConflict, LeaseError, LeaseExpired,
+                      LeaseNotFound, LeaseStoreUnavailable, StaleFence)
+from ..policy import Backoff, Retry
+from . import _scripts
+from .base import EVENT_KINDS, Fence, Lease, LeaseEvent, LeaseState, LeaseStore
+
+__all__ = ["RedisLeaseStore", "LeaseBatch", "DEFAULT_RETRY", "SCHEMES"]
+
+T = TypeVar("T")
+SCHEMES = ("redis", "rediss", "unix")
+DEFAULT_RETRY = Retry(attempts=4, backoff=Backoff(base=0.05, cap=0.5), deadline=5.0)
+_STATES = {"P": LeaseState.PUBLISHED, "C": LeaseState.CLAIMED,
+           "R": LeaseState.RELEASED, "A": LeaseState.ABORTED}
+_UNAVAILABLE = (rx.ConnectionError, rx.TimeoutError, rx.ReadOnlyError, rx.OutOfMemoryError,
+                rx.TryAgainError, rx.ClusterDownError)
+_ACCESS = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
+
+
+def redact(url: str) -> str:
+    """The URL without its password."""
+    p = urllib.parse.urlsplit(url)
+    if p.password is None:
+        return url
+    netloc = f"{p.username or ''}:***@{p.hostname or ''}" + (f":{p.port}" if p.port else "")
+    return urllib.parse.urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
+
+
+def map_redis_error(exc: BaseException, url: str) -> KVBridgeError:
+    """Map a redis-py (or socket) error to the kvbridge tree."""
+    where = redact(url)
+    if isinstance(exc, _ACCESS):
+        return ConfigError(f"lease server {where} refused access: {exc}",
+                           hint="check the credentials in the URL and the server's ACL")
+    if isinstance(exc, _UNAVAILABLE + (OSError,)):
+        return LeaseStoreUnavailable(f"lease server {where} unavailable: {exc}")
+    if isinstance(exc, rx.ResponseError):
+        return ConfigError(f"lease server {where} rejected a script: {exc}",
+                           hint="needs Redis >= 6.2 or Valkey; keep the namespace's keys for kvbridge")
+    return LeaseStoreUnavailable(f"lease server {where} failed: {exc!r}")
+
+
+def _refusal(reply: Sequence[Any], lease_id: str, who: str) -> LeaseError:
+    code = reply[0]
+    detail = reply[1] if len(reply) > 1 else ""
+    if code == "NOTFOUND":
+        return LeaseNotFound(f"lease {lease_id!r} not found (never published, or long gone)")
+    if code == "EXPIRED":
+        return LeaseExpired(f"lease {lease_id!r} expired")
+    if code == "REVOKED":
+        return LeaseExpired(f"lease {lease_id!r} was revoked by its owner")
+    if code == "ENDED":
+        state = _STATES[detail].value if detail in _STATES else detail
+        return LeaseExpired(f"lease {lease_id!r} is already {state}")
+    if code == "EXISTS":
+        return LeaseConflict(f"lease id {lease_id!r} already exists (owner {detail!r}); "
+                             "lease ids must be unique", hint="publish under a fresh id")
+    if code == "CONFLICT":
+        holder = f"claimer {detail!r}" if detail else "no claimer"
+        return LeaseConflict(f"lease {lease_id!r} is not claimed by {who!r} ({holder})")
+    if code == "NOTOWNER":
+        return LeaseConflict(f"lease {lease_id!r} is owned by {detail!r}, not {who!r}")
+    if code == "STALE":
+        return StaleFence(f"fence of {who!r} on lease {lease_id!r} is no longer current")
+    if code == "LAPSED":
+        return StaleFence(f"claim of {who!r} on lease {lease_id!r} lapsed (claim TTL passed)")
+    if code == "EPOCH":
+        return StaleFence(f"fence of lease {lease_id!r} is from an older lease-server epoch "
+                          "(the server lost its data)")
+    return LeaseError(f"lease {lease_id!r}: unexpected reply {list(reply)!r}")
+
+
+def _lease(r: Sequence[Any]) -> Lease:
+    _, lid, s, ow, cl, ep, fc, left, cleft, nb, mt = r
+    return Lease(lease_id=lid, owner=ow, state=_STATES[s], fence=Fence(int(ep), int(fc)),
+                 claimer=cl or None, ttl_ms_left=max(0, int(left)), num_blocks=int(nb),
+                 meta=json.loads(mt) if mt else {}, claim_ms_left=max(0, int(cleft)))
+
+
+def _ms(seconds: float, what: str) -> int:
+    if not seconds > 0:
+        raise ConfigError(f"{what} must be > 0 seconds, got {seconds!r}")
+    return max(1, int(seconds * 1000))
+
+
+def _check_name(value: str, what: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > 512:
+        raise ConfigError(f"{what} must be a non-empty string of at most 512 chars: {value!r}")
+    return value
+
+
+@dataclass
+class _Op:
+    """One script call: name, keys, args (after the epoch candidate), reply parser."""
+
+    script: str
+    keys: list[str]
+    args: list[Any]
+    parse: Callable[[Any], Any]
+
+
+class RedisLeaseStore(LeaseStore):
+    """Lease store on a Redis-protocol server. ``url``: ``redis://``, ``rediss://`` or ``unix://``."""
+
+    def __init__(self, url: str, namespace: str = "kvb", retry: Optional[Retry] = None, *,
+                 socket_timeout: float = 5.0, connect_timeout: float = 2.0,
+                 tombstone_s: float = 30.0, events_maxlen: int = 10_000,
+                 max_connections: Optional[int] = None) -> None:
+        super().__init__()
+        scheme = urllib.parse.urlsplit(url).scheme if isinstance(url, str) else ""
+        if scheme not in SCHEMES:
+            raise ConfigError(f"lease store URL must start with redis://, rediss:// or unix://: "
+                              f"{redact(str(url))!r}")
+        if not namespace or any(c in namespace for c in "{}:") or len(namespace) > 64:
+            raise ConfigError(f"namespace must be 1-64 chars without '{{', '}}', ':': {namespace!r}")
+        self.url = url
+        self.namespace = namespace
+        self.retry = retry or DEFAULT_RETRY
+        self._socket_timeout = socket_timeout
+        tag = "{" + namespace + "}"
+        self._common_keys = [f"{tag}:epoch", f"{tag}:fence", f"{tag}:index"]
+        self._lease_prefix = f"{tag}:lease:"
+        self._events_prefix = f"{tag}:events:"
+        self._grace_ms = _ms(tombstone_s, "tombstone_s")
+        self._maxlen = int(events_maxlen)
+        self._src = dict(_scripts.ALL)
+        self._sha = {k: hashlib.sha1(v.encode()).hexdigest() for k, v in self._src.items()}
+        self._cursors: dict[str, str] = {}
+        kw: dict[str, Any] = dict(decode_responses=True, socket_timeout=socket_timeout,
+                                  socket_connect_timeout=connect_timeout, protocol=2,
+                                  max_connections=max_connections)
+        self._akw = dict(kw, retry=_AsyncRedisRetry(NoBackoff(), 0))
+        try:
+            self._redis = _redis.Redis.from_url(url, retry=_SyncRedisRetry(NoBackoff(), 0), **kw)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"invalid lease store URL {redact(url)!r}: {exc}") from exc
+        self._ar: Optional[_aioredis.Redis] = None
+        self._aloop: Optional[asyncio.AbstractEventLoop] = None
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"RedisLeaseStore({redact(self.url)!r}, namespace={self.namespace!r})"
+
+    # -- building script calls ---------------------------------------------
+    def _keys(self, lease_id: str) -> list[str]:
+        return self._common_keys + [self._lease_prefix + lease_id]
+
+    def _head(self, lease_id: str) -> list[Any]:
+        return [self._grace_ms, self._events_prefix, self._maxlen, lease_id]
+
+    def _counted(self, stat: Optional[str], lease_id: str, who: str,
+                 ok: Callable[[Any], T]) -> Callable[[Any], T]:
+        def parse(reply: Any) -> T:
+            if reply[0] != "OK":
+                self._count("refused")
+                raise _refusal(reply, lease_id, who)
+            if stat:
+                self._count(stat)
+            return ok(reply)
+        return parse
+
+    def _op_publish(self, lease_id: str, owner: str, ttl_s: float, num_blocks: int,
+                    meta: Optional[dict[str, str]]) -> _Op:
+        _check_name(lease_id, "lease_id"), _check_name(owner, "owner")
+        if num_blocks < 0:
+            raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
+        mt = json.dumps({str(k): str(v) for k, v in (meta or {}).items()}, separators=(",", ":"))
+        args = self._head(lease_id) + [owner, _ms(ttl_s, "ttl_s"), int(num_blocks), mt,
+                                       secrets.token_hex(8)]
+        return _Op("publish", self._keys(lease_id), args,
+                   self._counted("published", lease_id, owner, _lease))
+
+    def _op_claim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> _Op:
+        _check_name(lease_id, "lease_id"), _check_name(claimer, "claimer")
+        args = self._head(lease_id) + [claimer, _ms(claim_ttl_s, "claim_ttl_s")]
+        return _Op("claim", self._keys(lease_id), args,
+                   self._counted("claimed", lease_id, claimer, _lease))
+
+    def _op_holder(self, script: str, stat: Optional[str], lease_id: str, claimer: str,
+                   fence: Fence, extra: Sequence[Any] = (),
+                   ok: Callable[[Any], Any] = lambda r: None) -> _Op:
+        _check_name(lease_id, "lease_id"), _check_name(claimer, "claimer")
+        if not isinstance(fence, Fence):
+            raise ConfigError(f"fence must be a Fence, got {type(fence).__name__}")
+        args = self._head(lease_id) + [claimer, str(fence.epoch), str(fence.counter), *extra]
+        return _Op(script, self._keys(lease_id), args, self._counted(stat, lease_id, claimer, ok))
+
+    def _op_release(self, lease_id: str, claimer: str, fence: Fence) -> _Op:
+        return self._op_holder("release", "released", lease_id, claimer, fence)
+
+    def _op_abort(self, lease_id: str, claimer: str, fence: Fence) -> _Op:
+        return self._op_holder("abort", "aborted", lease_id, claimer, fence)
+
+    def _op_validate(self, lease_id: str, claimer: str, fence: Fence) -> _Op:
+        return self._op_holder("validate", None, lease_id, claimer, fence)
+
+    def _op_renew(self, lease_id: str, who: str, ttl_s: float, fence: Optional[Fence]) -> _Op:
+        ms = _ms(ttl_s, "ttl_s")
+        if fence is not None:
+            return self._op_holder("renew_claim", None, lease_id, who, fence, [ms], _lease)
+        _check_name(lease_id, "lease_id"), _check_name(who, "owner")
+        return _Op("renew_owner", self._keys(lease_id), self._head(lease_id) + [who, ms],
+                   self._counted(None, lease_id, who, _lease))
+
+    def _op_revoke(self, lease_id: str, owner: str) -> _Op:
+        _check_name(lease_id, "lease_id"), _check_name(owner, "owner")
+
+        def ok(r: Any) -> Optional[LeaseState]:
+            if r[1] in ("P", "C"):
+                self._count("revoked")
+            return _STATES.get(r[1])
+        return _Op("revoke", self._keys(lease_id), self._head(lease_id) + [owner],
+                   self._counted(None, lease_id, owner, ok))
+
+    def _op_get(self, lease_id: str) -> _Op:
+        _check_name(lease_id, "lease_id")
+        return _Op("get", self._keys(lease_id), self._head(lease_id),
+                   lambda r: _lease(r) if r[0] == "OK" else None)
+
+    def _op_sweep(self, owner: str, lease_ids: Sequence[str]) -> _Op:
+        ids = [_check_name(i, "lease_id") for i in lease_ids]
+        keys = self._common_keys + [self._lease_prefix + i for i in ids]
+        return _Op("sweep", keys, self._head("") + [owner],
+                   lambda r: {i: _STATES.get(s) for i, s in zip(ids, r)})
+
+    def _op_list(self, owner: Optional[str], limit: int) -> _Op:
+        args = self._head("") + [owner or "", int(limit), self._lease_prefix]
+        return _Op("list", self._common_keys, args, lambda r: [_lease(v) for v in r])
+
+    # -- running script calls ----------------------------------------------
+    @staticmethod
+    def _epoch_candidate() -> str:
+        return str(secrets.randbits(63) or 1)
+
+    def _argv(self, op: _Op) -> list[Any]:
+        return [*op.keys, self._epoch_candidate(), *op.args]
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        def attempt() -> T:
+            try:
+                return fn()
+            except (rx.RedisError, OSError) as exc:
+                raise map_redis_error(exc, self.url) from exc
+        return self.retry.call(attempt)
+
+    async def _acall(self, fn: Callable[[], Awaitable[T]]) -> T:
+        async def attempt() -> T:
+            try:
+                return await fn()
+            except (rx.RedisError, OSError) as exc:
+                raise map_redis_error(exc, self.url) from exc
+        return await self.retry.acall(attempt)
+
+    def _eval(self, op: _Op) -> Any:
+        try:
+            return self._redis.evalsha(self._sha[op.script], len(op.keys), *self._argv(op))
+        except rx.NoScriptError:
+            self._redis.script_load(self._src[op.script])
+            return self._redis.evalsha(self._sha[op.script], len(op.keys), *self._argv(op))
+
+    async def _aeval(self, op: _Op) -> Any:
+        r = self._aclient()
+        try:
+            return await r.evalsha(self._sha[op.script], len(op.keys), *self._argv(op))
+        except rx.NoScriptError:
+            await r.script_load(self._src[op.script])
+            return await r.evalsha(self._sha[op.script], len(op.keys), *self._argv(op))
+
+    def _run(self, op: _Op) -> Any:
+        return op.parse(self._call(lambda: self._eval(op)))
+
+    async def _arun(self, op: _Op) -> Any:
+        return op.parse(await self._acall(lambda: self._aeval(op)))
+
+    def _check_replies(self, replies: list[Any]) -> list[int]:
+        """Indices that hit NoScriptError; other Redis errors are raised (mapped)."""
+        missing = []
+        for i, r in enumerate(replies):
+            if isinstance(r, rx.NoScriptError):
+                missing.append(i)
+            elif isinstance(r, BaseException):
+                raise r
+        return missing
+
+    def _eval_many(self, ops: Sequence[_Op]) -> list[Any]:
+        def once(sel: Sequence[_Op]) -> list[Any]:
+            pipe = self._redis.pipeline(transaction=False)
+            for op in sel:
+                pipe.evalsha(self._sha[op.script], len(op.keys), *self._argv(op))
+            return pipe.execute(raise_on_error=False)
+        replies = once(ops)
+        missing = self._check_replies(replies)
+        if missing:
+            for name in {ops[i].script for i in missing}:
+                self._redis.script_load(self._src[name])
+            again = once([ops[i] for i in missing])
+            self._check_replies(again)
+            for i, r in zip(missing, again):
+                replies[i] = r
+        return replies
+
+    async def _aeval_many(self, ops: Sequence[_Op]) -> list[Any]:
+        r = self._aclient()
+
+        async def once(sel: Sequence[_Op]) -> list[Any]:
+            pipe = r.pipeline(transaction=False)
+            for op in sel:
+                pipe.evalsha(self._sha[op.script], len(op.keys), *self._argv(op))
+            return await pipe.execute(raise_on_error=False)
+        replies = await once(ops)
+        missing = self._check_replies(replies)
+        if missing:
+            for name in {ops[i].script for i in missing}:
+                await r.script_load(self._src[name])
+            again = await once([ops[i] for i in missing])
+            self._check_replies(again)
+            for i, rep in zip(missing, again):
+                replies[i] = rep
+        return replies
+
+    @staticmethod
+    def _parse_many(ops: Sequence[_Op], replies: Sequence[Any]) -> list[Any]:
+        out: list[Any] = []
+        for op, rep in zip(ops, replies):
+            try:
+                out.append(op.parse(rep))
+            except LeaseError as exc:
+                out.append(exc)
+        return out
+
+    def _run_many(self, ops: Sequence[_Op]) -> list[Any]:
+        if not ops:
+            return []
+        return self._parse_many(ops, self._call(lambda: self._eval_many(ops)))
+
+    async def _arun_many(self, ops: Sequence[_Op]) -> list[Any]:
+        if not ops:
+            return []
+        return self._parse_many(ops, await self._acall(lambda: self._aeval_many(ops)))
+
+    def _aclient(self) -> "_aioredis.Redis":
+        loop = asyncio.get_running_loop()
+        if self._ar is None or self._aloop is not loop:
+            self._ar = _aioredis.Redis.from_url(self.url, **self._akw)
+            self._aloop = loop
+        return self._ar
+
+    # -- blocking API --------------------------------------------------------
+    def publish(self, lease_id: str, owner: str, ttl_s: float, num_blocks: int = 0,
+                meta: Optional[dict[str, str]] = None) -> Lease:
+        return self._run(self._op_publish(lease_id, owner, ttl_s, num_blocks, meta))  # type: ignore[no-any-return]
+
+    def claim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> Lease:
+        return self._run(self._op_claim(lease_id, claimer, claim_ttl_s))  # type: ignore[no-any-return]
+
+    def renew(self, lease_id: str, who: str, ttl_s: float, fence: Optional[Fence] = None) -> Lease:
+        return self._run(self._op_renew(lease_id, who, ttl_s, fence))  # type: ignore[no-any-return]
+
+    def validate(self, lease_id: str, claimer: str, fence: Fence) -> None:
+        self._run(self._op_validate(lease_id, claimer, fence))
+
+    def release(self, lease_id: str, claimer: str, fence: Fence) -> None:
+        self._run(self._op_release(lease_id, claimer, fence))
+
+    def abort(self, lease_id: str, claimer: str, fence: Fence) -> None:
+        self._run(self._op_abort(lease_id, claimer, fence))
+
+    def revoke(self, lease_id: str, owner: str) -> Optional[LeaseState]:
+        return self._run(self._op_revoke(lease_id, owner))  # type: ignore[no-any-return]
+
+    def get(self, lease_id: str) -> Optional[Lease]:
+        return self._run(self._op_get(lease_id))  # type: ignore[no-any-return]
+
+    def list(self, owner: Optional[str] = None, limit: int = 10_000) -> list[Lease]:
+        return self._run(self._op_list(owner, limit))  # type: ignore[no-any-return]
+
+    def sweep(self, owner: str, lease_ids: Sequence[str]) -> dict[str, Optional[LeaseState]]:
+        if not lease_ids:
+            return {}
+        return self._run(self._op_sweep(owner, lease_ids))  # type: ignore[no-any-return]
+
+    def events(self, owner: str, timeout_s: float = 0.0) -> list[LeaseEvent]:
+        key = self._events_prefix + _check_name(owner, "owner")
+        block = self._block_ms(timeout_s)
+        raw = self._call(lambda: self._redis.xread({key: self._cursors.get(owner, "0-0")},
+                                                   count=1000, block=block))
+        return self._parse_events(owner, raw)
+
+    def batch(self) -> "LeaseBatch":
+        """Collect operations and run them in one pipelined round trip."""
+        return LeaseBatch(self)
+
+    def publish_many(self, owner: str, lease_ids: Sequence[str], ttl_s: float,
+                     num_blocks: int | Sequence[int] = 0) -> list[Lease | LeaseError]:
+        """Publish N leases in one round trip; refusals are returned in place."""
+        nbs = [num_blocks] * len(lease_ids) if isinstance(num_blocks, int) else list(num_blocks)
+        return self._run_many([self._op_publish(i, owner, ttl_s, n, None)
+                               for i, n in zip(lease_ids, nbs)])
+
+    def claim_many(self, claimer: str, lease_ids: Sequence[str],
+                   claim_ttl_s: float) -> list[Lease | LeaseError]:
+        """Claim N leases in one round trip; refusals are returned in place."""
+        return self._run_many([self._op_claim(i, claimer, claim_ttl_s) for i in lease_ids])
+
+    def release_many(self, claimer: str,
+                     items: Sequence[tuple[str, Fence]]) -> list[LeaseError | None]:
+        """Release N leases in one round trip; refusals are returned in place."""
+        return self._run_many([self._op_release(i, claimer, f) for i, f in items])
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._redis.close()
+
+    # -- awaitable API -------------------------------------------------------
+    async def apublish(self, lease_id: str, owner: str, ttl_s: float, num_blocks: int = 0,
+                       meta: Optional[dict[str, str]] = None) -> Lease:
+        return await self._arun(self._op_publish(lease_id, owner, ttl_s, num_blocks, meta))  # type: ignore[no-any-return]
+
+    async def aclaim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> Lease:
+        return await self._arun(self._op_claim(lease_id, claimer, claim_ttl_s))  # type: ignore[no-any-return]
+
+    async def arenew(self, lease_id: str, who: str, ttl_s: float,
+                     fence: Optional[Fence] = None) -> Lease:
+        return await self._arun(self._op_renew(lease_id, who, ttl_s, fence))  # type: ignore[no-any-return]
+
+    async def avalidate(self, lease_id: str, claimer: str, fence: Fence) -> None:
+        await self._arun(self._op_validate(lease_id, claimer, fence))
+
+    async def arelease(self, lease_id: str, claimer: str, fence: Fence) -> None:
+        await self._arun(self._op_release(lease_id, claimer, fence))
+
+    async def aabort(self, lease_id: str, claimer: str, fence: Fence) -> None:
+        await self._arun(self._op_abort(lease_id, claimer, fence))
+
+    async def arevoke(self, lease_id: str, owner: str) -> Optional[LeaseState]:
+        return await self._arun(self._op_revoke(lease_id, owner))  # type: ignore[no-any-return]
+
+    async def aget(self, lease_id: str) -> Optional[Lease]:
+        return await self._arun(self._op_get(lease_id))  # type: ignore[no-any-return]
+
+    async def alist(self, owner: Optional[str] = None, limit: int = 10_000) -> list[Lease]:
+        return await self._arun(self._op_list(owner, limit))  # type: ignore[no-any-return]
+
+    async def asweep(self, owner: str,
+                     lease_ids: Sequence[str]) -> dict[str, Optional[LeaseState]]:
+        if not lease_ids:
+            return {}
+        return await self._arun(self._op_sweep(owner, lease_ids))  # type: ignore[no-any-return]
+
+    async def aevents(self, owner: str, timeout_s: float = 0.0) -> list[LeaseEvent]:
+        key = self._events_prefix + _check_name(owner, "owner")
+        block = self._block_ms(timeout_s)
+        r = self._aclient()
+        raw = await self._acall(lambda: r.xread({key: self._cursors.get(owner, "0-0")},
+                                                count=1000, block=block))
+        return self._parse_events(owner, raw)
+
+    async def apublish_many(self, owner: str, lease_ids: Sequence[str], ttl_s: float,
+                            num_blocks: int | Sequence[int] = 0) -> list[Lease | LeaseError]:
+        nbs = [num_blocks] * len(lease_ids) if isinstance(num_blocks, int) else list(num_blocks)
+        return await self._arun_many([self._op_publish(i, owner, ttl_s, n, None)
+                                      for i, n in zip(lease_ids, nbs)])
+
+    async def aclaim_many(self, claimer: str, lease_ids: Sequence[str],
+                          claim_ttl_s: float) -> list[Lease | LeaseError]:
+        return await self._arun_many([self._op_claim(i, claimer, claim_ttl_s) for i in lease_ids])
+
+    async def arelease_many(self, claimer: str,
+                            items: Sequence[tuple[str, Fence]]) -> list[LeaseError | None]:
+        return await self._arun_many([self._op_release(i, claimer, f) for i, f in items])
+
+    async def aclose(self) -> None:
+        ar, self._ar = self._ar, None
+        if ar is not None:
+            if self._aloop is asyncio.get_running_loop():
+                await ar.aclose()
+        self.close()
+
+    # -- events helpers --------------------------------------------------------
+    def _block_ms(self, timeout_s: float) -> Optional[int]:
+        if timeout_s <= 0:
+            return None  # XREAD without BLOCK: return at once
+        cap = timeout_s if self._socket_timeout is None else max(0.001, self._socket_timeout - 0.25)
+        return max(1, int(min(timeout_s, cap) * 1000))
+
+    def _parse_events(self, owner: str, raw: Any) -> list[LeaseEvent]:
+        out: list[LeaseEvent] = []
+        for _key, entries in raw or []:
+            for eid, fields in entries:
+                self._cursors[owner] = eid
+                kind, lid = fields.get("k", ""), fields.get("id", "")
+                if kind in EVENT_KINDS:
+                    out.append(LeaseEvent(kind, lid))
+        return out
+
+
+class LeaseBatch:
+    """Operations collected for one pipelined round trip.
+
+    ``execute()`` returns one result per operation, in order: the value the
+    single call would return, or the :class:`~kvbridge.errors.LeaseError` it
+    would raise. Connection failures raise for the whole batch (retried: every
+    operation is safe to repeat).
+    """
+
+    def __init__(self, store: RedisLeaseStore) -> None:
+        self._store = store
+        self._ops: list[_Op] = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def publish(self, lease_id: str, owner: str, ttl_s: float, num_blocks: int = 0,
+                meta: Optional[dict[str, str]] = None) -> "LeaseBatch":
+        self._ops.append(self._store._op_publish(lease_id, owner, ttl_s, num_blocks, meta))
+        return self
+
+    def claim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> "LeaseBatch":
+        self._ops.append(self._store._op_claim(lease_id, claimer, claim_ttl_s))
+        return self
+
+    def renew(self, lease_id: str, who: str, ttl_s: float,
+              fence: Optional[Fence] = None) -> "LeaseBatch":
+        self._ops.append(self._store._op_renew(lease_id, who, ttl_s, fence))
+        return self
+
+    def validate(self, lease_id: str, claimer: str, fence: Fence) -> "LeaseBatch":
+        self._ops.append(self._store._op_validate(lease_id, claimer, fence))
+        return self
+
+    def release(self, lease_id: str, claimer: str, fence: Fence) -> "LeaseBatch":
+        self._ops.append(self._store._op_release(lease_id, claimer, fence))
+        return self
+
+    def abort(self, lease_id: str, claimer: str, fence: Fence) -> "LeaseBatch":
+        self._ops.append(self._store._op_abort(lease_id, claimer, fence))
+        return self
+
+    def revoke(self, lease_id: str, owner: str) -> "LeaseBatch":
+        self._ops.append(self._store._op_revoke(lease_id, owner))
+        return self
+
+    def get(self, lease_id: str) -> "LeaseBatch":
+        self._ops.append(self._store._op_get(lease_id))
+        return self
+
+    def execute(self) -> list[Any]:
+        ops, self._ops = self._ops, []
+        return self._store._run_many(ops)
+
+    async def aexecute(self) -> list[Any]:
+        ops, self._ops = self._ops, []
+        return await self._store._arun_many(ops)

@@ -1,0 +1,114 @@
+"""Retry and timeout policies: values passed in, never read from globals."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Optional, TypeVar
+
+from .errors import KVBridgeError, RetryableError, TransferTimeout
+
+__all__ = ["Backoff", "Retry", "Timeout", "Deadline", "NO_RETRY"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with full jitter: sleep ~ U(0, min(cap, base * 2**attempt))."""
+
+    base: float = 0.01
+    cap: float = 1.0
+    jitter: bool = True
+
+    def delay(self, attempt: int, rng: Optional[random.Random] = None) -> float:
+        d = min(self.cap, self.base * (2 ** attempt))
+        if self.jitter:
+            d = (rng or random).uniform(0, d)
+        return d
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """Per-phase limits in seconds: connect, one transfer, and lease TTL."""
+
+    connect: float = 5.0
+    transfer: float = 30.0
+    lease: float = 30.0
+
+
+class Deadline:
+    """An absolute point in monotonic time; ``remaining()`` never goes negative."""
+
+    def __init__(self, seconds: Optional[float]) -> None:
+        self.at = None if seconds is None else time.monotonic() + seconds
+
+    def remaining(self, default: float = 3600.0) -> float:
+        if self.at is None:
+            return default
+        return max(0.0, self.at - time.monotonic())
+
+    def expired(self) -> bool:
+        return self.at is not None and time.monotonic() >= self.at
+
+    def check(self, what: str = "operation") -> None:
+        if self.expired():
+            raise TransferTimeout(f"{what} passed its deadline")
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Retry retryable errors with backoff, at most ``attempts`` tries within ``deadline`` seconds.
+
+    Only :class:`~kvbridge.errors.RetryableError` (plus ``retry_on``) is retried;
+    final errors propagate at once.
+    """
+
+    attempts: int = 3
+    backoff: Backoff = field(default_factory=Backoff)
+    deadline: Optional[float] = 30.0
+    retry_on: tuple[type[BaseException], ...] = (RetryableError,)
+
+    def _should_retry(self, exc: BaseException, attempt: int, dl: Deadline) -> float | None:
+        if not isinstance(exc, self.retry_on) or attempt + 1 >= self.attempts:
+            return None
+        delay = self.backoff.delay(attempt)
+        if dl.at is not None and dl.remaining() <= delay:
+            return None
+        return delay
+
+    def call(self, fn: Callable[[], T], on_retry: Optional[Callable[[BaseException, int], None]] = None) -> T:
+        dl = Deadline(self.deadline)
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except KVBridgeError as exc:
+                delay = self._should_retry(exc, attempt, dl)
+                if delay is None:
+                    raise
+                if on_retry:
+                    on_retry(exc, attempt)
+                time.sleep(delay)
+                attempt += 1
+
+    async def acall(self, fn: Callable[[], Awaitable[T]],
+                    on_retry: Optional[Callable[[BaseException, int], None]] = None) -> T:
+        dl = Deadline(self.deadline)
+        attempt = 0
+        while True:
+            try:
+                return await fn()
+            except KVBridgeError as exc:
+                delay = self._should_retry(exc, attempt, dl)
+                if delay is None:
+                    raise
+                if on_retry:
+                    on_retry(exc, attempt)
+                await asyncio.sleep(delay)
+                attempt += 1
+
+
+NO_RETRY = Retry(attempts=1)

@@ -1,0 +1,273 @@
+"""KVPool: registered memory for ``num_blocks`` blocks per layer, an allocator and generations.
+
+The pool owns block bookkeeping (one source of truth): which blocks are free, their
+reference counts, and a per-block *generation* that changes on every free, so a
+handle that names (block, generation) can tell reused memory from its own KV.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import threading
+import weakref
+from collections import deque
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+import torch
+
+from .errors import ConfigError, LayoutMismatch, PoolError
+from .layout import KVLayout, KVOrder
+
+__all__ = ["KVPool", "SharedSegment"]
+
+_ALIGN = 4096
+TensorOrPair = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
+def _host_view(t: torch.Tensor) -> memoryview:
+    """A writable byte memoryview over a contiguous CPU tensor, without copying."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray(0))
+    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    return memoryview(arr).cast("B")
+
+
+class SharedSegment:
+    """A named POSIX shared-memory segment (``/dev/shm``) mapped into this process.
+
+    Unlike :mod:`multiprocessing.shared_memory` it registers nothing with a resource
+    tracker, so a peer that maps it never unlinks it by accident.
+    """
+
+    def __init__(self, name: str, size: int = 0, create: bool = False) -> None:
+        self.name = name
+        path = "/dev/shm/" + name
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise ConfigError(f"cannot open shared memory {path}: {exc}") from None
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.size = os.fstat(fd).st_size
+            self.mmap = mmap.mmap(fd, self.size) if self.size else None
+        finally:
+            os.close(fd)
+        self.owner = create
+        self.view = memoryview(self.mmap) if self.mmap is not None else memoryview(bytearray(0))
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mmap)) if self.mmap else 0
+        if create:
+            self._finalizer = weakref.finalize(self, SharedSegment._unlink, path)
+
+    @staticmethod
+    def _unlink(path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    def close(self) -> None:
+        """Unmap (and unlink, for the creator). Views handed out must be gone first."""
+        self.view.release()
+        if self.mmap is not None:
+            try:
+                self.mmap.close()
+            except BufferError:  # tensors still map it; the OS unmaps at exit
+                pass
+        if self.owner:
+            self._finalizer()
+
+
+class KVPool:
+    """Blocks of KV cache for every layer, plus their allocator and generations.
+
+    Build with :meth:`allocate` (kvbridge owns the memory) or :meth:`wrap` (an
+    engine's own cache, zero copy). ``buffers[i]`` is the torch tensor of buffer
+    ``i`` as numbered by :meth:`KVLayout.buffer_index`.
+    """
+
+    def __init__(self, layout: KVLayout, buffers: Sequence[torch.Tensor], num_blocks: int,
+                 segment: Optional[SharedSegment] = None, buffer_offsets: Sequence[int] = ()) -> None:
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.buffers = list(buffers)
+        self.segment = segment
+        self.buffer_offsets = list(buffer_offsets)  # byte offset of each buffer in `segment`
+        self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        self._lock = threading.Lock()
+        self._free: deque[int] = deque(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self._gens = [0] * num_blocks
+        self._views: Optional[list[memoryview]] = None
+        self.on_free: list[Callable[[list[int]], None]] = []
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def allocate(cls, layout: KVLayout, num_blocks: int, device: Union[str, torch.device] = "cpu",
+                 shared: bool = False, zero: bool = True) -> "KVPool":
+        """Allocate a pool. ``shared=True`` puts it in POSIX shared memory (needed by ``shm://``)."""
+        if num_blocks <= 0:
+            raise ConfigError("num_blocks must be positive")
+        device = torch.device(device)
+        shape = layout.buffer_shape(num_blocks)
+        if not shared:
+            alloc = torch.zeros if zero else torch.empty
+            bufs = [alloc(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_buffers)]
+            return cls(layout, bufs, num_blocks)
+        if device.type != "cpu":
+            raise ConfigError("shared=True pools live in host shared memory; use device='cpu'")
+        nbytes = num_blocks * layout.part_nbytes * (2 if layout.kv_order in (KVOrder.KV_FIRST, KVOrder.BLOCK_FIRST) else 1)
+        stride = -(-nbytes // _ALIGN) * _ALIGN
+        seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", stride * layout.num_buffers, create=True)
+        bufs, offs = [], []
+        for i in range(layout.num_buffers):
+            raw = torch.frombuffer(seg.mmap, dtype=torch.uint8, count=nbytes, offset=i * stride)
+            bufs.append(raw.view(layout.torch_dtype).view(shape))
+            offs.append(i * stride)
+        return cls(layout, bufs, num_blocks, segment=seg, buffer_offsets=offs)
+
+    @classmethod
+    def wrap(cls, layout: KVLayout, tensors: Sequence[TensorOrPair]) -> "KVPool":
+        """Wrap an engine's existing cache: one tensor per layer, or (K, V) per layer for SPLIT."""
+        if len(tensors) != layout.num_layers:
+            raise LayoutMismatch(f"expected {layout.num_layers} layers, got {len(tensors)}")
+        bufs: list[torch.Tensor] = []
+        for t in tensors:
+            if layout.kv_order is KVOrder.SPLIT:
+                if not (isinstance(t, (tuple, list)) and len(t) == 2):
+                    raise LayoutMismatch("a SPLIT layout wraps a (K, V) pair per layer")
+                bufs.extend(t)
+            else:
+                if not isinstance(t, torch.Tensor):
+                    raise LayoutMismatch(f"{layout.kv_order.value} layout wraps one tensor per layer")
+                bufs.append(t)
+        first = bufs[0]
+        if first.dim() < 1:
+            raise LayoutMismatch("KV buffers must have a block dimension")
+        num_blocks = first.shape[1] if layout.kv_order is KVOrder.KV_FIRST else first.shape[0]
+        want = layout.buffer_shape(num_blocks)
+        for i, b in enumerate(bufs):
+            if tuple(b.shape) != want:
+                raise LayoutMismatch(f"buffer {i} has shape {tuple(b.shape)}, layout says {want}")
+            if b.dtype != layout.torch_dtype:
+                raise LayoutMismatch(f"buffer {i} has dtype {b.dtype}, layout says {layout.dtype}")
+            if not b.is_contiguous():
+                raise LayoutMismatch(f"buffer {i} is not contiguous")
+            if b.device != first.device:
+                raise LayoutMismatch("all buffers must be on one device")
+        return cls(layout, bufs, num_blocks)
+
+    # -- memory access ---------------------------------------------------------------
+    @property
+    def is_host(self) -> bool:
+        return self.device.type == "cpu"
+
+    def host_views(self) -> list[memoryview]:
+        """Byte memoryviews over each buffer (CPU pools only); built once, reused."""
+        if not self.is_host:
+            raise ConfigError("host_views() needs a CPU pool; GPU pools are staged by the transport")
+        if self._views is None:
+            self._views = [_host_view(b) for b in self.buffers]
+        return self._views
+
+    def buffer_addresses(self) -> list[int]:
+        return [b.data_ptr() for b in self.buffers]
+
+    def layer_kv(self, layer: int) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V), each ``(num_blocks, *part_shape)``, or the latent tensor for MLA."""
+        L = self.layout
+        if L.kv_order is KVOrder.KV_FIRST:
+            b = self.buffers[layer]
+            return b[0], b[1]
+        if L.kv_order is KVOrder.BLOCK_FIRST:
+            b = self.buffers[layer]
+            return b[:, 0], b[:, 1]
+        if L.kv_order is KVOrder.SPLIT:
+            return self.buffers[2 * layer], self.buffers[2 * layer + 1]
+        return self.buffers[layer]
+
+    def block(self, layer: int, block_id: int) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """View of one block of one layer: (K, V) parts, or the latent part for MLA."""
+        self._check_ids([block_id])
+        kv = self.layer_kv(layer)
+        if isinstance(kv, tuple):
+            return kv[0][block_id], kv[1][block_id]
+        return kv[block_id]
+
+    # -- allocator -----------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def _check_ids(self, ids: Iterable[int]) -> None:
+        for b in ids:
+            if not isinstance(b, int) or not 0 <= b < self.num_blocks:
+                raise PoolError(f"block id {b!r} outside pool of {self.num_blocks} blocks")
+
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free blocks (refcount 1 each)."""
+        with self._lock:
+            if n > len(self._free):
+                raise PoolError(f"pool exhausted: asked {n} blocks, {len(self._free)} free",
+                                hint="free blocks or allocate a larger pool")
+            ids = [self._free.popleft() for _ in range(n)]
+            for b in ids:
+                self._refs[b] = 1
+        return ids
+
+    def ref(self, block_ids: Iterable[int]) -> None:
+        """Add a reference to allocated blocks (e.g. a published handle pins them)."""
+        ids = list(block_ids)
+        self._check_ids(ids)
+        with self._lock:
+            for b in ids:
+                if self._refs[b] <= 0:
+                    raise PoolError(f"block {b} is free; cannot take a reference")
+            for b in ids:
+                self._refs[b] += 1
+
+    def free(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop one reference each; blocks reaching zero return to the free list with a new
+        generation. Returns the ids actually freed."""
+        ids = list(block_ids)
+        self._check_ids(ids)
+        freed: list[int] = []
+        with self._lock:
+            for b in ids:
+                if self._refs[b] <= 0:
+                    raise PoolError(f"double free of block {b}")
+            for b in ids:
+                self._refs[b] -= 1
+                if self._refs[b] == 0:
+                    self._gens[b] = (self._gens[b] + 1) & 0xFFFFFFFF
+                    self._free.append(b)
+                    freed.append(b)
+        if freed:
+            for cb in list(self.on_free):
+                cb(freed)
+        return freed
+
+    def refcount(self, block_id: int) -> int:
+        return self._refs[block_id]
+
+    def generation(self, block_id: int) -> int:
+        return self._gens[block_id]
+
+    def generations(self, block_ids: Iterable[int]) -> list[int]:
+        g = self._gens
+        return [g[b] for b in block_ids]
+
+    def close(self) -> None:
+        self._views = None
+        self.buffers = []
+        if self.segment is not None:
+            self.segment.close()
+
+    def __repr__(self) -> str:
+        return (f"KVPool({self.num_blocks} blocks x {self.layout.num_layers} layers, "
+                f"{self.layout.block_nbytes} B/block, device={self.device}, free={self.num_free})")

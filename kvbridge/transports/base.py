@@ -1,0 +1,177 @@
+"""The Transport interface: small on purpose.
+
+A *server* (``Transport.serve``) exposes a :class:`BlockSource` -- the sender --
+at a URL. A *client* (an instance of a Transport subclass) reads blocks named by a
+handle into destination memory, in canonical order (see :mod:`kvbridge.layout`).
+
+Client methods: :meth:`Transport.read` / :meth:`Transport.aread` (one handle),
+:meth:`Transport.read_many` (many handles, pipelined where the backend can),
+:meth:`Transport.release` (tell the sender the handle is consumed),
+:meth:`Transport.close`, and :meth:`Transport.extra` for backend-specific facts.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import ctypes
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, Sequence
+
+from ..errors import KVBridgeError, ProtocolError
+from ..handle import KVHandle
+from ..layout import Segment
+from ..policy import Timeout
+
+if TYPE_CHECKING:
+    from ..pool import KVPool
+
+__all__ = ["Run", "Spans", "ReadGrant", "BlockSource", "Server", "Transport", "ReadOp",
+           "copy_runs", "total"]
+
+# (address, nbytes): a contiguous run of host memory
+Run = tuple[int, int]
+
+
+class Spans:
+    """Host memory of some blocks of a pool, in canonical order, as pool segments.
+
+    Transports take what suits them: :meth:`views` (memoryview slices, for socket
+    I/O) or :meth:`runs` (addresses, for memcpy). Both are derived lazily and cached.
+    """
+
+    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs")
+
+    def __init__(self, pool: "KVPool", segments: list[Segment]) -> None:
+        self.pool = pool
+        self.segments = segments
+        self.nbytes = sum(n for _, _, n in segments)
+        self._views: Optional[list[memoryview]] = None
+        self._runs: Optional[list[Run]] = None
+
+    @classmethod
+    def of_blocks(cls, pool: "KVPool", block_ids: Sequence[int]) -> "Spans":
+        return cls(pool, list(pool.layout.segments(list(block_ids), pool.num_blocks)))
+
+    def views(self) -> list[memoryview]:
+        if self._views is None:
+            hv = self.pool.host_views()
+            self._views = [hv[b][o:o + n] for b, o, n in self.segments]
+        return self._views
+
+    def runs(self) -> list[Run]:
+        if self._runs is None:
+            addrs = self.pool.buffer_addresses()
+            self._runs = [(addrs[b] + o, n) for b, o, n in self.segments]
+        return self._runs
+
+
+def total(runs: Sequence[Run]) -> int:
+    return sum(n for _, n in runs)
+
+
+def copy_runs(dst: Sequence[Run], src: Sequence[Run]) -> int:
+    """memcpy the byte stream described by ``src`` runs into ``dst`` runs (same total)."""
+    if total(dst) != total(src):
+        raise ProtocolError(f"size mismatch: destination {total(dst)} bytes, source {total(src)} bytes")
+    memmove = ctypes.memmove
+    i = j = 0
+    doff = soff = 0
+    moved = 0
+    while i < len(dst) and j < len(src):
+        da, dn = dst[i]
+        sa, sn = src[j]
+        n = min(dn - doff, sn - soff)
+        if n:
+            memmove(da + doff, sa + soff, n)
+            moved += n
+        doff += n
+        soff += n
+        if doff == dn:
+            i, doff = i + 1, 0
+        if soff == sn:
+            j, soff = j + 1, 0
+    return moved
+
+
+class ReadGrant(Protocol):
+    """Permission to read some blocks of a live handle; holds an in-flight count until closed."""
+
+    spans: Spans               # source memory in canonical order
+
+    def still_valid(self) -> bool: ...
+    def close(self) -> None: ...
+
+
+class BlockSource(Protocol):
+    """What a server serves from: the sender. It authorizes every read."""
+
+    def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]]) -> ReadGrant: ...
+    def release_remote(self, handle_bytes: bytes) -> None: ...
+
+
+class Server(abc.ABC):
+    url: str
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+@dataclass
+class ReadOp:
+    """One read in a batch: a handle, the destination runs, optional block indices."""
+
+    handle: KVHandle
+    dst: Spans
+    indices: Optional[list[int]] = None
+    result: Optional[int | KVBridgeError] = None
+
+
+class Transport(abc.ABC):
+    """A client for one URL scheme. Instances keep connections and are thread-safe."""
+
+    scheme: ClassVar[str]
+
+    def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
+        self.timeout = timeout
+        self.secret = secret
+
+    @classmethod
+    @abc.abstractmethod
+    def serve(cls, url: str, source: BlockSource, timeout: Timeout = Timeout()) -> Server:
+        """Start serving ``source`` at ``url`` (port 0 picks a free port); returns the server."""
+
+    @abc.abstractmethod
+    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None) -> int:
+        """Read the handle's blocks (all, or ``indices`` of them) into ``dst``; returns bytes."""
+
+    async def aread(self, url: str, handle: KVHandle, dst: Spans,
+                    indices: Optional[list[int]] = None) -> int:
+        """Awaitable read; backends with native async I/O override this."""
+        return await asyncio.to_thread(self.read, url, handle, dst, indices)
+
+    def read_many(self, url: str, ops: list[ReadOp]) -> list[ReadOp]:
+        """Read many handles from one sender; sets each op's result (bytes or error)."""
+        for op in ops:
+            try:
+                op.result = self.read(url, op.handle, op.dst, op.indices)
+            except KVBridgeError as exc:
+                op.result = exc
+        return ops
+
+    @abc.abstractmethod
+    def release(self, url: str, handle: KVHandle) -> None:
+        """Tell the sender that the handle is consumed (it frees the blocks)."""
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        """Backend-specific facts (e.g. 'connections'); ``default`` when unknown."""
+        return default
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "Transport":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

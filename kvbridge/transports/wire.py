@@ -1,0 +1,160 @@
+"""Wire frames shared by the socket transports (tcp, and shm's control channel).
+
+Every frame starts with a 16-byte header ``!2sBBIQ``: magic ``b"KB"``, version,
+type, request id, payload length. Control payloads are capped
+(:data:`MAX_CONTROL`); a DATA payload's length must equal what the request asked
+for. Anything else is a :class:`ProtocolError`. Socket errors are mapped to the
+kvbridge tree here, at the boundary.
+"""
+
+from __future__ import annotations
+
+import enum
+import socket
+import struct
+from typing import Optional, Sequence
+
+from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError,
+                      TransferTimeout, error_from_code)
+
+__all__ = ["Kind", "HEADER", "MAX_CONTROL", "pack", "unpack_header", "encode_read", "decode_read",
+           "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error"]
+
+MAGIC = b"KB"
+VERSION = 1
+HEADER = struct.Struct("!2sBBIQ")
+MAX_CONTROL = 16 << 20
+IOV_MAX = 1024
+
+
+class Kind(enum.IntEnum):
+    READ = 1       # handle + indices -> DATA | ERROR
+    DATA = 2
+    ERROR = 3
+    RELEASE = 4    # handle -> OK | ERROR
+    OK = 5
+    PING = 6
+    PONG = 7
+    MAP = 8        # shm: handle + indices -> MAPPED (segment runs) | ERROR
+    MAPPED = 9
+    DONE = 10      # shm: the copy finished -> OK (still valid) | ERROR (stale)
+
+
+def pack(kind: Kind, req_id: int, payload: bytes = b"", length: Optional[int] = None) -> bytes:
+    n = len(payload) if length is None else length
+    return HEADER.pack(MAGIC, VERSION, kind, req_id & 0xFFFFFFFF, n) + payload
+
+
+def unpack_header(buf: bytes) -> tuple[Kind, int, int]:
+    magic, version, kind, req_id, length = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError("bad frame magic: not a kvbridge peer")
+    if version != VERSION:
+        raise ProtocolError(f"frame version {version} unsupported (this side speaks {VERSION})")
+    try:
+        k = Kind(kind)
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {kind}") from None
+    if k is not Kind.DATA and length > MAX_CONTROL:
+        raise FrameTooLarge(f"{k.name} frame of {length} bytes exceeds {MAX_CONTROL}")
+    return k, req_id, length
+
+
+def encode_read(handle_bytes: bytes, indices: Optional[Sequence[int]]) -> bytes:
+    head = struct.pack("!I", len(handle_bytes)) + handle_bytes
+    if indices is None:
+        return head + b"\0"
+    return head + b"\1" + struct.pack(f"!I{len(indices)}I", len(indices), *indices)
+
+
+def decode_read(payload: bytes) -> tuple[bytes, Optional[list[int]]]:
+    try:
+        (hn,) = struct.unpack_from("!I", payload, 0)
+        handle = payload[4:4 + hn]
+        if len(handle) != hn:
+            raise ProtocolError("READ frame: truncated handle")
+        mode = payload[4 + hn]
+        if mode == 0 and len(payload) == 5 + hn:
+            return handle, None
+        if mode != 1:
+            raise ProtocolError("READ frame: bad index mode")
+        (n,) = struct.unpack_from("!I", payload, 5 + hn)
+        if len(payload) != 9 + hn + 4 * n:
+            raise ProtocolError("READ frame: index list length does not match")
+        return handle, list(struct.unpack_from(f"!{n}I", payload, 9 + hn))
+    except (struct.error, IndexError):
+        raise ProtocolError("READ frame is malformed") from None
+
+
+def encode_error(exc: KVBridgeError) -> bytes:
+    return struct.pack("!H", exc.code) + exc.message.encode("utf-8", "replace")[:4096]
+
+
+def decode_error(payload: bytes) -> KVBridgeError:
+    if len(payload) < 2:
+        return ProtocolError("malformed ERROR frame")
+    (code,) = struct.unpack_from("!H", payload, 0)
+    return error_from_code(code, payload[2:].decode("utf-8", "replace"))
+
+
+def map_os_error(exc: BaseException, what: str) -> KVBridgeError:
+    if isinstance(exc, KVBridgeError):
+        return exc
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return TransferTimeout(f"{what}: timed out")
+    return ConnectionLost(f"{what}: {exc.__class__.__name__}: {exc}")
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Receive exactly ``n`` bytes (control frames only)."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionLost("peer closed the connection")
+        got += k
+    return bytes(buf)
+
+
+def _advance(views: list[memoryview], i: int, n: int) -> int:
+    """Consume ``n`` bytes from ``views[i:]`` in place; returns the new index."""
+    while n:
+        v = views[i]
+        if n >= len(v):
+            n -= len(v)
+            i += 1
+        else:
+            views[i] = v[n:]
+            n = 0
+    return i
+
+
+def recv_scatter(sock: socket.socket, views: Sequence[memoryview]) -> int:
+    """Fill every view completely from the socket, scatter-gather (recvmsg_into)."""
+    vs = [v for v in views if len(v)]
+    i = 0
+    got = 0
+    while i < len(vs):
+        if len(vs) - i == 1:
+            k = sock.recv_into(vs[i], len(vs[i]), socket.MSG_WAITALL)
+        else:
+            k = sock.recvmsg_into(vs[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+        if k == 0:
+            raise ConnectionLost("peer closed the connection mid-transfer")
+        got += k
+        i = _advance(vs, i, k)
+    return got
+
+
+def send_all(sock: socket.socket, views: Sequence[memoryview | bytes]) -> int:
+    """Send every buffer, scatter-gather (sendmsg), handling partial sends."""
+    vs = [memoryview(v) if not isinstance(v, memoryview) else v for v in views if len(v)]
+    i = 0
+    sent = 0
+    while i < len(vs):
+        k = sock.sendmsg(vs[i:i + IOV_MAX])
+        sent += k
+        i = _advance(vs, i, k)
+    return sent
