@@ -43,7 +43,7 @@ class SharedSegment:
     tracker, so a peer that maps it never unlinks it by accident.
     """
 
-    def __init__(self, name: str, size: int = 0, create: bool = False) -> None:
+    def __init__(self, name: str, size: int = 0, create: bool = False, populate: bool = False) -> None:
         self.name = name
         path = "/dev/shm/" + name
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
@@ -55,7 +55,8 @@ class SharedSegment:
             if create:
                 os.ftruncate(fd, size)
             self.size = os.fstat(fd).st_size
-            self.mmap = mmap.mmap(fd, self.size) if self.size else None
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            self.mmap = mmap.mmap(fd, self.size, flags=flags) if self.size else None
         finally:
             os.close(fd)
         self.owner = create

@@ -27,7 +27,7 @@ import enum
 import threading
 from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import ClassVar, Optional
+from typing import ClassVar, List, Optional
 
 __all__ = [
     "LeaseState", "Fence", "Lease", "LeaseEvent", "LeaseStats", "LeaseStore",
@@ -200,10 +200,10 @@ class LeaseStore(abc.ABC):
     async def arevoke(self, lease_id: str, owner: str) -> Optional[LeaseState]: ...
 
     @abc.abstractmethod
-    async def aevents(self, owner: str, timeout_s: float = 0.0) -> list[LeaseEvent]: ...
+    async def aevents(self, owner: str, timeout_s: float = 0.0) -> List[LeaseEvent]: ...
 
     @abc.abstractmethod
-    async def asweep(self, owner: str, lease_ids: list[str]) -> dict[str, Optional[LeaseState]]: ...
+    async def asweep(self, owner: str, lease_ids: List[str]) -> dict[str, Optional[LeaseState]]: ...
 
     @abc.abstractmethod
     async def aclaim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> Lease: ...
@@ -225,7 +225,7 @@ class LeaseStore(abc.ABC):
     async def aget(self, lease_id: str) -> Optional[Lease]: ...
 
     @abc.abstractmethod
-    async def alist(self, owner: Optional[str] = None) -> list[Lease]: ...
+    async def alist(self, owner: Optional[str] = None) -> List[Lease]: ...
 
     @abc.abstractmethod
     async def aclose(self) -> None:

@@ -25,7 +25,7 @@ import json
 import secrets
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Optional, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, List, Optional, Sequence, TypeVar
 
 import redis as _redis
 import redis.asyncio as _aioredis
@@ -91,8 +91,9 @@ def _refusal(reply: Sequence[Any], lease_id: str, who: str) -> LeaseError:
         return LeaseConflict(f"lease id {lease_id!r} already exists (owner {detail!r}); "
                              "lease ids must be unique", hint="publish under a fresh id")
     if code == "CONFLICT":
-        holder = f"claimer {detail!r}" if detail else "no claimer"
-        return LeaseConflict(f"lease {lease_id!r} is not claimed by {who!r} ({holder})")
+        if not detail:
+            return LeaseConflict(f"lease {lease_id!r} is not claimed by {who!r} (no claimer)")
+        return LeaseConflict(f"lease {lease_id!r} is held by claimer {detail!r}, not {who!r}")
     if code == "NOTOWNER":
         return LeaseConflict(f"lease {lease_id!r} is owned by {detail!r}, not {who!r}")
     if code == "STALE":
@@ -414,7 +415,7 @@ class RedisLeaseStore(LeaseStore):
             return {}
         return self._run(self._op_sweep(owner, lease_ids))  # type: ignore[no-any-return]
 
-    def events(self, owner: str, timeout_s: float = 0.0) -> list[LeaseEvent]:
+    def events(self, owner: str, timeout_s: float = 0.0) -> List[LeaseEvent]:
         key = self._events_prefix + _check_name(owner, "owner")
         block = self._block_ms(timeout_s)
         raw = self._call(lambda: self._redis.xread({key: self._cursors.get(owner, "0-0")},
@@ -426,19 +427,19 @@ class RedisLeaseStore(LeaseStore):
         return LeaseBatch(self)
 
     def publish_many(self, owner: str, lease_ids: Sequence[str], ttl_s: float,
-                     num_blocks: int | Sequence[int] = 0) -> list[Lease | LeaseError]:
+                     num_blocks: int | Sequence[int] = 0) -> List[Lease | LeaseError]:
         """Publish N leases in one round trip; refusals are returned in place."""
         nbs = [num_blocks] * len(lease_ids) if isinstance(num_blocks, int) else list(num_blocks)
         return self._run_many([self._op_publish(i, owner, ttl_s, n, None)
                                for i, n in zip(lease_ids, nbs)])
 
     def claim_many(self, claimer: str, lease_ids: Sequence[str],
-                   claim_ttl_s: float) -> list[Lease | LeaseError]:
+                   claim_ttl_s: float) -> List[Lease | LeaseError]:
         """Claim N leases in one round trip; refusals are returned in place."""
         return self._run_many([self._op_claim(i, claimer, claim_ttl_s) for i in lease_ids])
 
     def release_many(self, claimer: str,
-                     items: Sequence[tuple[str, Fence]]) -> list[LeaseError | None]:
+                     items: Sequence[tuple[str, Fence]]) -> List[LeaseError | None]:
         """Release N leases in one round trip; refusals are returned in place."""
         return self._run_many([self._op_release(i, claimer, f) for i, f in items])
 
@@ -474,7 +475,7 @@ class RedisLeaseStore(LeaseStore):
     async def aget(self, lease_id: str) -> Optional[Lease]:
         return await self._arun(self._op_get(lease_id))  # type: ignore[no-any-return]
 
-    async def alist(self, owner: Optional[str] = None, limit: int = 10_000) -> list[Lease]:
+    async def alist(self, owner: Optional[str] = None, limit: int = 10_000) -> List[Lease]:
         return await self._arun(self._op_list(owner, limit))  # type: ignore[no-any-return]
 
     async def asweep(self, owner: str,
@@ -483,7 +484,7 @@ class RedisLeaseStore(LeaseStore):
             return {}
         return await self._arun(self._op_sweep(owner, lease_ids))  # type: ignore[no-any-return]
 
-    async def aevents(self, owner: str, timeout_s: float = 0.0) -> list[LeaseEvent]:
+    async def aevents(self, owner: str, timeout_s: float = 0.0) -> List[LeaseEvent]:
         key = self._events_prefix + _check_name(owner, "owner")
         block = self._block_ms(timeout_s)
         r = self._aclient()
@@ -492,17 +493,17 @@ class RedisLeaseStore(LeaseStore):
         return self._parse_events(owner, raw)
 
     async def apublish_many(self, owner: str, lease_ids: Sequence[str], ttl_s: float,
-                            num_blocks: int | Sequence[int] = 0) -> list[Lease | LeaseError]:
+                            num_blocks: int | Sequence[int] = 0) -> List[Lease | LeaseError]:
         nbs = [num_blocks] * len(lease_ids) if isinstance(num_blocks, int) else list(num_blocks)
         return await self._arun_many([self._op_publish(i, owner, ttl_s, n, None)
                                       for i, n in zip(lease_ids, nbs)])
 
     async def aclaim_many(self, claimer: str, lease_ids: Sequence[str],
-                          claim_ttl_s: float) -> list[Lease | LeaseError]:
+                          claim_ttl_s: float) -> List[Lease | LeaseError]:
         return await self._arun_many([self._op_claim(i, claimer, claim_ttl_s) for i in lease_ids])
 
     async def arelease_many(self, claimer: str,
-                            items: Sequence[tuple[str, Fence]]) -> list[LeaseError | None]:
+                            items: Sequence[tuple[str, Fence]]) -> List[LeaseError | None]:
         return await self._arun_many([self._op_release(i, claimer, f) for i, f in items])
 
     async def aclose(self) -> None:
@@ -519,7 +520,7 @@ class RedisLeaseStore(LeaseStore):
         cap = timeout_s if self._socket_timeout is None else max(0.001, self._socket_timeout - 0.25)
         return max(1, int(min(timeout_s, cap) * 1000))
 
-    def _parse_events(self, owner: str, raw: Any) -> list[LeaseEvent]:
+    def _parse_events(self, owner: str, raw: Any) -> List[LeaseEvent]:
         out: list[LeaseEvent] = []
         for _key, entries in raw or []:
             for eid, fields in entries:

@@ -79,7 +79,7 @@ class SocketServer(Server):
     def _serve_conn(self, conn: socket.socket) -> None:
         try:
             while not self._closed.is_set():
-                conn.settimeout(IDLE_TIMEOUT)
+                conn.settimeout(self.idle_timeout(conn))
                 try:
                     head = recv_exact(conn, HEADER.size)
                 except (ConnectionLost, OSError):
@@ -96,12 +96,20 @@ class SocketServer(Server):
         except (OSError, KVBridgeError) as exc:
             log.debug("connection closed: %s", exc)
         finally:
+            self.connection_closed(conn)
             with self._lock:
                 self._conns.discard(conn)
             try:
                 conn.close()
             except OSError:
                 pass
+
+    def idle_timeout(self, conn: socket.socket) -> float:
+        """How long to wait for the next frame on ``conn``."""
+        return IDLE_TIMEOUT
+
+    def connection_closed(self, conn: socket.socket) -> None:
+        """Hook: ``conn`` is gone (release what it held)."""
 
     def _reply_error(self, conn: socket.socket, req_id: int, exc: KVBridgeError) -> None:
         try:
