@@ -217,8 +217,8 @@ class ConfigError(FinalError):
     code = 41
 
 
-def _all_subclasses(cls: type) -> list[type]:
-    out = [cls]
+def _all_subclasses(cls: type[KVBridgeError]) -> list[type[KVBridgeError]]:
+    out: list[type[KVBridgeError]] = [cls]
     for sub in cls.__subclasses__():
         out.extend(_all_subclasses(sub))
     return out

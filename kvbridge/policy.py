@@ -24,9 +24,9 @@ class Backoff:
     jitter: bool = True
 
     def delay(self, attempt: int, rng: Optional[random.Random] = None) -> float:
-        d = min(self.cap, self.base * (2 ** attempt))
+        d: float = min(self.cap, self.base * (2.0 ** attempt))
         if self.jitter:
-            d = (rng or random).uniform(0, d)
+            d = float((rng or random).uniform(0, d))
         return d
 
 

@@ -122,7 +122,8 @@ class KVPool:
             return cls(layout, bufs, num_blocks)
         if device.type != "cpu":
             raise ConfigError("shared=True pools live in host shared memory; use device='cpu'")
-        nbytes = num_blocks * layout.part_nbytes * (2 if layout.kv_order in (KVOrder.KV_FIRST, KVOrder.BLOCK_FIRST) else 1)
+        parts_per_buffer = 2 if layout.kv_order in (KVOrder.KV_FIRST, KVOrder.BLOCK_FIRST) else 1
+        nbytes = num_blocks * layout.part_nbytes * parts_per_buffer
         stride = -(-nbytes // _ALIGN) * _ALIGN
         seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", stride * layout.num_buffers, create=True)
         bufs, offs = [], []

@@ -28,7 +28,7 @@ from .transports.registry import get_transport_class, scheme_of
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 
 log = logging.getLogger("kvbridge.receiver")
-HandleLike = Union[KVHandle, bytes, dict]
+HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 
 
 @dataclass

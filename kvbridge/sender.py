@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
-from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, PoolError,
+from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, PoolError,
                      ProtocolError, StaleHandle)
 from .handle import KVHandle
 from .integrity import block_checksums

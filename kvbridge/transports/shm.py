@@ -82,14 +82,14 @@ class ShmServer(SocketServer):
             return True
         if kind is Kind.DONE:
             with self._glock:
-                grant = self._open.get(conn, {}).pop(req_id, None)
-            if grant is None:
+                done: Optional[ReadGrant] = self._open.get(conn, {}).pop(req_id, None)
+            if done is None:
                 self._reply_error(conn, req_id, ProtocolError("DONE for no open mapping"))
                 return True
             try:
-                valid = grant.still_valid()
+                valid = done.still_valid()
             finally:
-                grant.close()
+                done.close()
             if valid:
                 conn.sendall(pack(Kind.OK, req_id))
             else:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import threading
 from collections import defaultdict
@@ -363,7 +362,10 @@ class TCPTransport(Transport):
                 k = sock.recvmsg_into(vs[i:i + IOV_MAX])[0]
             except (BlockingIOError, InterruptedError):
                 fut = loop.create_future()
-                loop.add_reader(sock.fileno(), lambda: fut.done() or fut.set_result(None))
+                def wake(fut: asyncio.Future[None] = fut) -> None:
+                    if not fut.done():
+                        fut.set_result(None)
+                loop.add_reader(sock.fileno(), wake)
                 try:
                     await fut
                 finally:

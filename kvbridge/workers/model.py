@@ -303,13 +303,15 @@ class _PagedCache:
             tab = torch.as_tensor(list(p.block_table[: -(-ctx // self.bs)]), dtype=torch.long, device=q.device)
             k, v = self._gather(K, tab, ctx), self._gather(V, tab, ctx)  # (ctx, kvh, d)
             qh = q[s:s + n].transpose(0, 1)[None]  # (1, nh, n, d): 4-D takes the flash kernel on CPU
-            kh, vh = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            g = nh // k.shape[1]  # GQA: query head h reads kv head h // g (HF repeat_kv)
+            kh = k.transpose(0, 1).repeat_interleave(g, dim=0)[None]
+            vh = v.transpose(0, 1).repeat_interleave(g, dim=0)[None]
             if p.num_cached == 0:
-                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
             else:
                 qpos = torch.arange(p.num_cached, ctx, device=q.device)
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
-                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
             out[s:s + n] = o[0].transpose(0, 1)
         if self.dec:
             B, kvh = len(self.dec), K.shape[-2] if not self.hnd else K.shape[1]
