@@ -114,6 +114,7 @@ class KVHandle:
     codec: str = "raw"
     token: bytes = b"\0" * 16        # read capability the sender checks
     lease_id: str = ""
+    lease_url: str = ""              # lease server the receiver claims in ("" = no lease)
     fence_epoch: int = 0
     fence: int = 0
     expires_at_ms: int = 0           # unix ms when the sender frees the blocks if unreleased
@@ -146,7 +147,7 @@ class KVHandle:
             _HEAD.pack(MAGIC, HANDLE_VERSION, 0),
             _FIXED.pack(self.handle_id, self.token, lh, self.num_tokens, n,
                         self.fence_epoch, self.fence, self.expires_at_ms),
-            _text(self.request_id), _text(self.codec), _text(self.lease_id),
+            _text(self.request_id), _text(self.codec), _text(self.lease_id), _text(self.lease_url),
             bytes([len(self.urls)]), *(_text(u) for u in self.urls),
             flags_arrays,
             _pack_ints(self.block_ids, wb), _pack_ints(self.generations, wg),
@@ -194,7 +195,7 @@ class KVHandle:
         if n > MAX_BLOCKS:
             raise BadHandle(f"handle names {n} blocks, over the {MAX_BLOCKS} limit")
         r = _Reader(data, _HEAD.size + _FIXED.size, len(data) - MAC_LEN)
-        request_id, codec, lease_id = r.text(), r.text(), r.text()
+        request_id, codec, lease_id, lease_url = r.text(), r.text(), r.text(), r.text()
         urls = tuple(r.text() for _ in range(r.u8()))
         wb, wg, has_sum = r.take(3)
         if wb not in _WIDTH_CODE or wg not in _WIDTH_CODE or has_sum not in (0, 1):
@@ -205,7 +206,7 @@ class KVHandle:
         if r.pos != r.end:
             raise BadHandle("handle has trailing bytes")
         h = cls(hid, request_id, lh.hex(), urls, tuple(blocks), tuple(gens), tuple(sums), ntok,
-                codec, token, lease_id, epoch, fence, expiry, data[-MAC_LEN:])
+                codec, token, lease_id, lease_url, epoch, fence, expiry, data[-MAC_LEN:])
         object.__setattr__(h, "_raw", data)
         if key is not None:
             h.verify(key)

@@ -4,26 +4,35 @@
 says what failed (``error``, ``failed_block_ids``) and what to do (``action``:
 retry elsewhere, refetch, or re-prefill). Invalid *input* -- a malformed handle,
 a layout that cannot match, bad destination block ids -- raises at once.
+
+A leased handle is fetched as claim -> read (under the claim's fence) -> validate
+after the bytes landed -> verify checksums -> release; any failure aborts the
+claim so the owner frees at once. Only bytes that passed validate-after-read are
+reported ok: a lease that expired or moved on during the read rejects them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .errors import (Action, BadHandle, IntegrityError, KVBridgeError, LayoutMismatch,
+from .errors import (Action, BadHandle, IntegrityError, KVBridgeError, LayoutMismatch, LeaseError,
                      PeerUnavailable, PoolError)
 from .handle import KVHandle
 from .integrity import block_checksums
+from .lease import Fence, LeaseStore, open_lease_store
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout
 from .pool import KVPool
 from .transports.base import ReadOp, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
+from .transports.wire import Claim
 
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 
@@ -59,11 +68,23 @@ class FetchResult:
 
 
 class KVReceiver:
-    """Fetch handles into ``pool``. ``secret``: verify handle MACs locally when shared."""
+    """Fetch handles into ``pool``. ``secret``: verify handle MACs locally when shared.
+
+    ``leases``: a Redis URL or :class:`LeaseStore` to claim in; None uses the lease
+    server named in each handle (this process's embedded one if the handle names
+    none); False claims nothing (only for handles published without leases).
+    """
 
     def __init__(self, pool: KVPool, *, secret: Optional[bytes] = None, retry: Retry = Retry(),
-                 timeout: Timeout = Timeout(), verify: bool = True) -> None:
+                 timeout: Timeout = Timeout(), verify: bool = True,
+                 leases: Union[str, LeaseStore, None, bool] = None, claimer: Optional[str] = None,
+                 claim_ttl: float = 30.0, lease_namespace: str = "kvb") -> None:
         self.pool = pool
+        self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+        self.claim_ttl = claim_ttl
+        self._leases_arg = leases
+        self._namespace = lease_namespace
+        self._stores: dict[str, LeaseStore] = {}
         self.secret = secret
         self.retry = retry
         self.timeout = timeout
@@ -71,6 +92,20 @@ class KVReceiver:
         self.stats = ReceiverStats()
         self._transports: dict[str, Transport] = {}
         self._lock = threading.Lock()
+
+    def lease_store(self, handle: KVHandle) -> Optional[LeaseStore]:
+        """The store to claim ``handle`` in, or None for an unleased handle."""
+        arg = self._leases_arg
+        if not handle.lease_id or arg is False:
+            return None
+        if isinstance(arg, LeaseStore):
+            return arg
+        url = arg if isinstance(arg, str) else handle.lease_url
+        with self._lock:
+            store = self._stores.get(url)
+            if store is None:
+                store = self._stores[url] = open_lease_store(url or None, namespace=self._namespace)
+        return store
 
     def transport(self, url: str) -> Transport:
         scheme = scheme_of(url)
@@ -118,21 +153,23 @@ class KVReceiver:
         return [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
 
     # -- one read, over the handle's URLs in order -------------------------------------------
-    def _read_once(self, handle: KVHandle, dst: Spans, idx: Optional[list[int]]) -> int:
+    def _read_once(self, handle: KVHandle, dst: Spans, idx: Optional[list[int]],
+                   claim: Optional[Claim] = None) -> int:
         last: Optional[KVBridgeError] = None
         for url in handle.urls:
             try:
-                return self.transport(url).read(url, handle, dst, idx)
+                return self.transport(url).read(url, handle, dst, idx, claim)
             except PeerUnavailable as exc:   # try the next URL of the same sender
                 last = exc
         assert last is not None
         raise last
 
-    async def _aread_once(self, handle: KVHandle, dst: Spans, idx: Optional[list[int]]) -> int:
+    async def _aread_once(self, handle: KVHandle, dst: Spans, idx: Optional[list[int]],
+                          claim: Optional[Claim] = None) -> int:
         last: Optional[KVBridgeError] = None
         for url in handle.urls:
             try:
-                return await self.transport(url).aread(url, handle, dst, idx)
+                return await self.transport(url).aread(url, handle, dst, idx, claim)
             except PeerUnavailable as exc:
                 last = exc
         assert last is not None
@@ -142,8 +179,21 @@ class KVReceiver:
         self.stats.retries += 1
         log.info("retrying after %s (attempt %d)", exc, attempt + 1)
 
-    def _finish(self, res: FetchResult, idx: Optional[list[int]], t0: float, release: bool) -> FetchResult:
-        """Verify checksums (refetching bad blocks once), release, record stats."""
+    def _claim(self, store: Optional[LeaseStore], h: KVHandle) -> Optional[Claim]:
+        if store is None:
+            return None
+        lease = self.retry.call(lambda: store.claim(h.lease_id, self.claimer, self.claim_ttl), self._on_retry)
+        return Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
+
+    def _validate(self, store: Optional[LeaseStore], h: KVHandle, claim: Optional[Claim]) -> None:
+        """Validate-after-read: the lease must still be ours, with the same fence."""
+        if store is not None and claim is not None:
+            self.retry.call(lambda: store.validate(h.lease_id, claim.claimer, Fence(claim.epoch, claim.counter)),
+                            self._on_retry)
+
+    def _finish(self, res: FetchResult, idx: Optional[list[int]], t0: float, release: bool,
+                store: Optional[LeaseStore] = None, claim: Optional[Claim] = None) -> FetchResult:
+        """Verify checksums (refetching bad blocks once), then release or abort; record stats."""
         h, dst = res.handle, res.dst_block_ids
         if res.error is None:
             bad = self._bad_blocks(h, dst, idx)
@@ -152,7 +202,8 @@ class KVReceiver:
                 sub_idx = [(idx[k] if idx is not None else k) for k in bad]
                 sub_dst = [dst[k] for k in bad]
                 try:
-                    self._read_once(h, Spans.of_blocks(self.pool, sub_dst), sub_idx)
+                    self._read_once(h, Spans.of_blocks(self.pool, sub_dst), sub_idx, claim)
+                    self._validate(store, h, claim)
                     still = self._bad_blocks(h, sub_dst, sub_idx)
                     bad = [bad[k] for k in still]
                 except KVBridgeError as exc:
@@ -166,15 +217,27 @@ class KVReceiver:
             if not res.failed_block_ids:
                 res.failed_block_ids = list(dst)
             self.stats.failed += 1
+            if store is not None and claim is not None and not isinstance(res.error, LeaseError):
+                self._end_claim(store, h, claim, abort=True)
         else:
             res.ok = True
             self.stats.ok += 1
             self.stats.bytes += res.nbytes
             if release:
-                self.release(h)
+                if store is not None and claim is not None:
+                    self._end_claim(store, h, claim, abort=False)
+                else:
+                    self.release(h)
         res.seconds = time.perf_counter() - t0
         self.stats.seconds += res.seconds
         return res
+
+    def _end_claim(self, store: LeaseStore, h: KVHandle, claim: Claim, abort: bool) -> None:
+        fence = Fence(claim.epoch, claim.counter)
+        try:
+            (store.abort if abort else store.release)(h.lease_id, claim.claimer, fence)
+        except KVBridgeError as exc:   # the owner still frees at expiry
+            log.warning("%s of lease %s failed: %s", "abort" if abort else "release", h.lease_id, exc)
 
     # -- public API --------------------------------------------------------------------------
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
@@ -185,15 +248,19 @@ class KVReceiver:
         self.stats.fetches += 1
         res = FetchResult(h, dst)
         spans = Spans.of_blocks(self.pool, dst)
+        store = self.lease_store(h)
+        claim: Optional[Claim] = None
 
         def attempt() -> int:
             res.attempts += 1
-            return self._read_once(h, spans, idx)
+            return self._read_once(h, spans, idx, claim)
         try:
+            claim = self._claim(store, h)
             res.nbytes = self.retry.call(attempt, self._on_retry)
+            self._validate(store, h, claim)
         except KVBridgeError as exc:
             res.error = exc
-        return self._finish(res, idx, t0, release)
+        return self._finish(res, idx, t0, release, store, claim)
 
     async def afetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
                      indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
@@ -203,15 +270,25 @@ class KVReceiver:
         self.stats.fetches += 1
         res = FetchResult(h, dst)
         spans = Spans.of_blocks(self.pool, dst)
+        store = self.lease_store(h)
+        claim: Optional[Claim] = None
 
         async def attempt() -> int:
             res.attempts += 1
-            return await self._aread_once(h, spans, idx)
+            return await self._aread_once(h, spans, idx, claim)
         try:
+            if store is not None:
+                lease = await self.retry.acall(lambda: store.aclaim(h.lease_id, self.claimer, self.claim_ttl),
+                                               self._on_retry)
+                claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
             res.nbytes = await self.retry.acall(attempt, self._on_retry)
+            if store is not None and claim is not None:
+                c = claim
+                await self.retry.acall(lambda: store.avalidate(h.lease_id, c.claimer, Fence(c.epoch, c.counter)),
+                                       self._on_retry)
         except KVBridgeError as exc:
             res.error = exc
-        return await asyncio.to_thread(self._finish, res, idx, t0, release)
+        return await asyncio.to_thread(self._finish, res, idx, t0, release, store, claim)
 
     def fetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                    release: bool = True) -> list[FetchResult]:
@@ -219,26 +296,43 @@ class KVReceiver:
         prepared = [self._prepare(h, d, None) for h, d in items]
         t0 = time.perf_counter()
         groups: dict[str, list[tuple[int, ReadOp]]] = {}
+        stores: list[Optional[LeaseStore]] = []
+        claim_errors: dict[int, KVBridgeError] = {}
         for k, (h, dst, _) in enumerate(prepared):
-            groups.setdefault(h.urls[0], []).append((k, ReadOp(h, Spans.of_blocks(self.pool, dst))))
+            store = self.lease_store(h)
+            stores.append(store)
+            op = ReadOp(h, Spans.of_blocks(self.pool, dst))
+            try:
+                op.claim = self._claim(store, h)
+            except KVBridgeError as exc:
+                claim_errors[k] = exc
+                continue
+            groups.setdefault(h.urls[0], []).append((k, op))
         results: list[Optional[FetchResult]] = [None] * len(prepared)
+        for k, claim_error in claim_errors.items():
+            self.stats.fetches += 1
+            res = FetchResult(prepared[k][0], prepared[k][1], error=claim_error)
+            results[k] = self._finish(res, None, t0, release)
         for url, ops in groups.items():
             self.transport(url).read_many(url, [op for _, op in ops])
             for k, op in ops:
                 h, dst, _ = prepared[k]
                 self.stats.fetches += 1
                 res = FetchResult(h, dst, attempts=1)
-                if isinstance(op.result, KVBridgeError) and op.result.retryable:
-                    try:   # fall back to the single-fetch path with its retry policy
-                        res.nbytes = self.retry.call(lambda: self._read_once(h, op.dst, None), self._on_retry)
+                try:
+                    if isinstance(op.result, KVBridgeError) and op.result.retryable:
+                        # fall back to the single-fetch path with its retry policy
+                        res.nbytes = self.retry.call(lambda: self._read_once(h, op.dst, None, op.claim),
+                                                     self._on_retry)
                         res.attempts += 1
-                    except KVBridgeError as exc:
-                        res.error = exc
-                elif isinstance(op.result, KVBridgeError):
-                    res.error = op.result
-                else:
-                    res.nbytes = int(op.result or 0)
-                results[k] = self._finish(res, None, t0, release)
+                    elif isinstance(op.result, KVBridgeError):
+                        raise op.result
+                    else:
+                        res.nbytes = int(op.result or 0)
+                    self._validate(stores[k], h, op.claim)
+                except KVBridgeError as exc:
+                    res.error = exc
+                results[k] = self._finish(res, None, t0, release, stores[k], op.claim)
         return [r for r in results if r is not None]
 
     async def afetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
@@ -261,9 +355,13 @@ class KVReceiver:
     def close(self) -> None:
         with self._lock:
             ts = list(self._transports.values())
+            stores = list(self._stores.values())
             self._transports.clear()
+            self._stores.clear()
         for t in ts:
             t.close()
+        for s in stores:
+            s.close()
 
     def __enter__(self) -> "KVReceiver":
         return self

@@ -172,7 +172,6 @@ class RedisLeaseStore(LeaseStore):
             raise ConfigError(f"invalid lease store URL {redact(url)!r}: {exc}") from exc
         self._ar: Optional[_aioredis.Redis] = None
         self._aloop: Optional[asyncio.AbstractEventLoop] = None
-        self.closed = False
 
     def __repr__(self) -> str:
         return f"RedisLeaseStore({redact(self.url)!r}, namespace={self.namespace!r})"
@@ -444,9 +443,8 @@ class RedisLeaseStore(LeaseStore):
         return self._run_many([self._op_release(i, claimer, f) for i, f in items])
 
     def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self._redis.close()
+        """Drop pooled connections (the store reconnects if used again)."""
+        self._redis.close()
 
     # -- awaitable API -------------------------------------------------------
     async def apublish(self, lease_id: str, owner: str, ttl_s: float, num_blocks: int = 0,
@@ -507,6 +505,11 @@ class RedisLeaseStore(LeaseStore):
         return await self._arun_many([self._op_release(i, claimer, f) for i, f in items])
 
     async def aclose(self) -> None:
+        """Drop the async connections of this event loop, and the blocking ones.
+
+        The async side binds to the loop it is first used on; call ``aclose()``
+        before that loop ends if the store is then used from another loop.
+        """
         ar, self._ar = self._ar, None
         if ar is not None:
             if self._aloop is asyncio.get_running_loop():

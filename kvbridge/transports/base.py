@@ -22,6 +22,7 @@ from ..errors import KVBridgeError, ProtocolError
 from ..handle import KVHandle
 from ..layout import Segment
 from ..policy import Timeout
+from .wire import Claim
 
 if TYPE_CHECKING:
     from ..pool import KVPool
@@ -106,7 +107,8 @@ class ReadGrant(Protocol):
 class BlockSource(Protocol):
     """What a server serves from: the sender. It authorizes every read."""
 
-    def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]]) -> ReadGrant: ...
+    def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
+                  claim: Optional[Claim] = None) -> ReadGrant: ...
     def release_remote(self, handle_bytes: bytes) -> None: ...
 
 
@@ -124,6 +126,7 @@ class ReadOp:
     handle: KVHandle
     dst: Spans
     indices: Optional[list[int]] = None
+    claim: Optional[Claim] = None
     result: Optional[int | KVBridgeError] = None
 
 
@@ -142,19 +145,22 @@ class Transport(abc.ABC):
         """Start serving ``source`` at ``url`` (port 0 picks a free port); returns the server."""
 
     @abc.abstractmethod
-    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None) -> int:
-        """Read the handle's blocks (all, or ``indices`` of them) into ``dst``; returns bytes."""
+    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
+             claim: Optional[Claim] = None) -> int:
+        """Read the handle's blocks (all, or ``indices`` of them) into ``dst``; returns bytes.
+
+        ``claim`` names the lease claimer and fence the read is made under (leased handles)."""
 
     async def aread(self, url: str, handle: KVHandle, dst: Spans,
-                    indices: Optional[list[int]] = None) -> int:
+                    indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> int:
         """Awaitable read; backends with native async I/O override this."""
-        return await asyncio.to_thread(self.read, url, handle, dst, indices)
+        return await asyncio.to_thread(self.read, url, handle, dst, indices, claim)
 
     def read_many(self, url: str, ops: list[ReadOp]) -> list[ReadOp]:
         """Read many handles from one sender; sets each op's result (bytes or error)."""
         for op in ops:
             try:
-                op.result = self.read(url, op.handle, op.dst, op.indices)
+                op.result = self.read(url, op.handle, op.dst, op.indices, op.claim)
             except KVBridgeError as exc:
                 op.result = exc
         return ops

@@ -11,6 +11,7 @@ from ..errors import ConfigError, PeerUnavailable
 from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSource, Server, Spans, Transport, copy_runs
+from .wire import Claim
 
 __all__ = ["InprocTransport"]
 
@@ -51,8 +52,9 @@ class InprocTransport(Transport):
             raise PeerUnavailable(f"no sender serves {url} in this process")
         return srv
 
-    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None) -> int:
-        grant = self._server(url).source.open_read(handle.to_bytes(), indices)
+    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
+             claim: Optional[Claim] = None) -> int:
+        grant = self._server(url).source.open_read(handle.to_bytes(), indices, claim)
         try:
             return copy_runs(dst.runs(), grant.spans.runs())
         finally:

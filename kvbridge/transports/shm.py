@@ -26,7 +26,7 @@ from ..policy import Timeout
 from ..pool import SharedSegment
 from .base import BlockSource, ReadGrant, Server, Spans, Transport, copy_runs
 from .tcp import SocketClient, SocketServer
-from .wire import (HEADER, Kind, decode_error, decode_read, encode_read, map_os_error, pack, recv_exact,
+from .wire import (HEADER, Claim, Kind, decode_error, decode_read, encode_read, map_os_error, pack, recv_exact,
                    unpack_header)
 
 __all__ = ["ShmTransport"]
@@ -61,8 +61,8 @@ class ShmServer(SocketServer):
     def handle(self, conn: socket.socket, kind: Kind, req_id: int, payload: bytes) -> bool:
         if kind is Kind.MAP:
             try:
-                handle_bytes, indices = decode_read(payload)
-                grant = self.source.open_read(handle_bytes, indices)
+                handle_bytes, indices, claim = decode_read(payload)
+                grant = self.source.open_read(handle_bytes, indices, claim)
             except KVBridgeError as exc:
                 self._reply_error(conn, req_id, exc)
                 return True
@@ -175,9 +175,10 @@ class ShmTransport(Transport):
                 self._maps.popitem(last=False)[1].close()
         return seg
 
-    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None) -> int:
+    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
+             claim: Optional[Claim] = None) -> int:
         client = self._client(url)
-        sock, kind, rid, length = client.call(Kind.MAP, encode_read(handle.to_bytes(), indices), f"map {url}")
+        sock, kind, rid, length = client.call(Kind.MAP, encode_read(handle.to_bytes(), indices, claim), f"map {url}")
         try:
             payload = recv_exact(sock, length) if length else b""
             if kind is Kind.ERROR:

@@ -23,7 +23,7 @@ from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable
 from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSource, ReadOp, Server, Spans, Transport
-from .wire import (HEADER, Kind, _advance, decode_error, decode_read, encode_error, encode_read,
+from .wire import (HEADER, Claim, Kind, _advance, decode_error, decode_read, encode_error, encode_read,
                    map_os_error, pack, recv_exact, recv_scatter, send_all, unpack_header, IOV_MAX)
 
 __all__ = ["TCPTransport", "SocketServer", "SocketClient", "parse_tcp_url"]
@@ -136,8 +136,8 @@ class SocketServer(Server):
 
     def _serve_read(self, conn: socket.socket, req_id: int, payload: bytes) -> bool:
         try:
-            handle_bytes, indices = decode_read(payload)
-            grant = self.source.open_read(handle_bytes, indices)
+            handle_bytes, indices, claim = decode_read(payload)
+            grant = self.source.open_read(handle_bytes, indices, claim)
         except KVBridgeError as exc:
             self._reply_error(conn, req_id, exc)
             return True
@@ -262,9 +262,10 @@ class TCPTransport(Transport):
                 c = self._clients[addr] = SocketClient(connect, self.timeout)
         return c
 
-    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None) -> int:
+    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
+             claim: Optional[Claim] = None) -> int:
         client = self._client(url)
-        sock, kind, _, length = client.call(Kind.READ, encode_read(handle.to_bytes(), indices), f"read {url}")
+        sock, kind, _, length = client.call(Kind.READ, encode_read(handle.to_bytes(), indices, claim), f"read {url}")
         try:
             n = _read_reply_data(sock, kind, length, dst, f"read {url}")
         except BaseException as exc:
@@ -291,7 +292,8 @@ class TCPTransport(Transport):
                 while sent < len(ops) and sent < i + PIPELINE_WINDOW:
                     rid = client.next_id()
                     ids.append(rid)
-                    sock.sendall(pack(Kind.READ, rid, encode_read(ops[sent].handle.to_bytes(), ops[sent].indices)))
+                    sock.sendall(pack(Kind.READ, rid, encode_read(ops[sent].handle.to_bytes(), ops[sent].indices,
+                                                                    ops[sent].claim)))
                     sent += 1
                 kind, rid, length = unpack_header(recv_exact(sock, HEADER.size))
                 if rid != ids[i]:
@@ -375,14 +377,15 @@ class TCPTransport(Transport):
                 raise ConnectionLost("peer closed the connection mid-transfer")
             i = _advance(vs, i, k)
 
-    async def aread(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None) -> int:
+    async def aread(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
+                    claim: Optional[Claim] = None) -> int:
         host, port = parse_tcp_url(url)
         loop = asyncio.get_running_loop()
         sock = await self._aconnect(loop, host, port)
         try:
             async with asyncio.timeout(self.timeout.transfer):
                 rid = 1
-                await loop.sock_sendall(sock, pack(Kind.READ, rid, encode_read(handle.to_bytes(), indices)))
+                await loop.sock_sendall(sock, pack(Kind.READ, rid, encode_read(handle.to_bytes(), indices, claim)))
                 kind, got, length = unpack_header(await self._arecv_exact(loop, sock, HEADER.size))
                 if kind is Kind.ERROR:
                     raise decode_error(await self._arecv_exact(loop, sock, length))

@@ -12,12 +12,12 @@ from __future__ import annotations
 import enum
 import socket
 import struct
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError,
                       TransferTimeout, error_from_code)
 
-__all__ = ["Kind", "HEADER", "MAX_CONTROL", "pack", "unpack_header", "encode_read", "decode_read",
+__all__ = ["Kind", "Claim", "HEADER", "MAX_CONTROL", "pack", "unpack_header", "encode_read", "decode_read",
            "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error"]
 
 MAGIC = b"KB"
@@ -60,29 +60,60 @@ def unpack_header(buf: bytes) -> tuple[Kind, int, int]:
     return k, req_id, length
 
 
-def encode_read(handle_bytes: bytes, indices: Optional[Sequence[int]]) -> bytes:
-    head = struct.pack("!I", len(handle_bytes)) + handle_bytes
+class Claim(NamedTuple):
+    """Who reads under which lease fence (sent with reads of leased handles)."""
+
+    claimer: str
+    epoch: int
+    counter: int
+
+
+_CLAIM = struct.Struct("!QQH")
+
+
+def encode_read(handle_bytes: bytes, indices: Optional[Sequence[int]], claim: Optional[Claim] = None) -> bytes:
+    """READ/MAP payload: handle, optional block indices, optional claim."""
+    parts = [struct.pack("!I", len(handle_bytes)), handle_bytes]
     if indices is None:
-        return head + b"\0"
-    return head + b"\1" + struct.pack(f"!I{len(indices)}I", len(indices), *indices)
+        parts.append(b"\0")
+    else:
+        parts += [b"\1", struct.pack(f"!I{len(indices)}I", len(indices), *indices)]
+    if claim is not None:
+        c = claim.claimer.encode("utf-8")
+        parts += [_CLAIM.pack(claim.epoch, claim.counter, len(c)), c]
+    return b"".join(parts)
 
 
-def decode_read(payload: bytes) -> tuple[bytes, Optional[list[int]]]:
+def decode_read(payload: bytes) -> tuple[bytes, Optional[list[int]], Optional[Claim]]:
     try:
         (hn,) = struct.unpack_from("!I", payload, 0)
         handle = payload[4:4 + hn]
         if len(handle) != hn:
             raise ProtocolError("READ frame: truncated handle")
         mode = payload[4 + hn]
-        if mode == 0 and len(payload) == 5 + hn:
-            return handle, None
-        if mode != 1:
+        pos = 5 + hn
+        indices: Optional[list[int]] = None
+        if mode == 1:
+            (n,) = struct.unpack_from("!I", payload, pos)
+            if n > (len(payload) - pos - 4) // 4:
+                raise ProtocolError("READ frame: index list longer than the frame")
+            indices = list(struct.unpack_from(f"!{n}I", payload, pos + 4))
+            pos += 4 + 4 * n
+        elif mode != 0:
             raise ProtocolError("READ frame: bad index mode")
-        (n,) = struct.unpack_from("!I", payload, 5 + hn)
-        if len(payload) != 9 + hn + 4 * n:
-            raise ProtocolError("READ frame: index list length does not match")
-        return handle, list(struct.unpack_from(f"!{n}I", payload, 9 + hn))
-    except (struct.error, IndexError):
+        claim = None
+        if pos < len(payload):
+            epoch, counter, cn = _CLAIM.unpack_from(payload, pos)
+            pos += _CLAIM.size
+            name = payload[pos:pos + cn]
+            if len(name) != cn:
+                raise ProtocolError("READ frame: truncated claimer")
+            claim = Claim(name.decode("utf-8"), epoch, counter)
+            pos += cn
+        if pos != len(payload):
+            raise ProtocolError("READ frame has trailing bytes")
+        return handle, indices, claim
+    except (struct.error, IndexError, UnicodeDecodeError):
         raise ProtocolError("READ frame is malformed") from None
 
 
