@@ -57,7 +57,8 @@ class Engine:
 
     def forward(self, pieces: Sequence[SeqPiece]) -> torch.Tensor:
         """One forward pass over several sequences' new tokens; see :meth:`CausalLM.forward`."""
-        return self.model(pieces, self.pool)
+        logits: torch.Tensor = self.model(pieces, self.pool)
+        return logits
 
     def prefill(self, prompt_ids: TokenIds, block_ids: Sequence[int], chunk_size: Optional[int] = None,
                 num_cached: int = 0) -> torch.Tensor:
@@ -143,12 +144,12 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # one per output token
     finish_time: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
-    _gen: Optional[torch.Generator] = field(default=None, repr=False)
-    _budget: int = field(default=0, repr=False)  # blocks reserved for the whole request
+    _gen: Optional[torch.Generator] = field(default=None, init=False, repr=False)
+    _budget: int = field(default=0, init=False, repr=False)  # blocks reserved for the whole request
 
     def __post_init__(self) -> None:
         self.prompt_ids = [int(t) for t in self.prompt_ids]
-        if self.params.seed is not None and self._gen is None:
+        if self.params.seed is not None:
             self._gen = torch.Generator()
 
     @property
@@ -209,6 +210,8 @@ class Scheduler:
         self.ready: deque[Request] = deque()  # prefilled elsewhere, blocks held, waiting for a slot
         self.running: list[Request] = []  # admission order
         self._reserved = 0  # blocks promised to running requests but not yet allocated
+        self._stepping = False
+        self._aborts: set[str] = set()  # running requests to abort when the current step ends
         self.num_steps = 0
 
     # -- intake ---------------------------------------------------------------------------
@@ -257,7 +260,8 @@ class Scheduler:
         return req
 
     def abort(self, request_id: str) -> bool:
-        """Finish a request now with ``FinishReason.ABORTED``; False if unknown or done."""
+        """Finish a request with ``FinishReason.ABORTED`` and free its blocks; False if unknown
+        or done. A running request aborted during a step (from another thread) ends after it."""
         with self._lock:
             for q in (self.waiting, self.ready):
                 for r in q:
@@ -271,11 +275,18 @@ class Scheduler:
                         return True
             for r in self.running:
                 if r.request_id == request_id:
-                    self.running.remove(r)
-                    self._reserved -= r._budget - len(r.block_ids)
-                    self._finish(r, self.clock(), FinishReason.ABORTED)
+                    if self._stepping:
+                        self._aborts.add(request_id)
+                    else:
+                        self._drop(r, FinishReason.ABORTED)
                     return True
         return False
+
+    def _drop(self, r: Request, reason: FinishReason) -> None:
+        """Finish a running request (lock held)."""
+        self.running.remove(r)
+        self._reserved -= r._budget - len(r.block_ids)
+        self._finish(r, self.clock(), reason)
 
     @property
     def has_work(self) -> bool:
@@ -321,6 +332,20 @@ class Scheduler:
         touched: list[Request] = []
         with self._lock:
             running = list(self.running)
+            self._stepping = True
+        try:
+            self._run_step(running, touched)
+        finally:
+            with self._lock:
+                self._stepping = False
+                for r in [r for r in self.running if r.request_id in self._aborts]:
+                    self._drop(r, FinishReason.ABORTED)
+                    touched.append(r)
+                self._aborts.clear()
+        self.num_steps += 1
+        return touched
+
+    def _run_step(self, running: list[Request], touched: list[Request]) -> None:
         dec = [r for r in running if r.state is RequestState.DECODE
                and self._ensure_blocks(r, r.num_computed + 1)]
         if dec:
@@ -354,8 +379,6 @@ class Scheduler:
                 r.state = RequestState.DECODE
                 self._emit(r, sample_token(logits, r.params, 0, r._gen), self.clock())
                 touched.append(r)
-        self.num_steps += 1
-        return touched
 
     def _done_after(self, r: Request, tok: int) -> bool:
         if _stops(tok, r.params, self.eos_id):

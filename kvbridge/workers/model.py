@@ -49,7 +49,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict[str, Any]] = None  # HF rope_scaling / rope_parameters (llama3)
     rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = True
+    tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2: True
     o_bias: bool = False  # Llama attention_bias=True biases o_proj too
     mlp_bias: bool = False
@@ -96,14 +96,14 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    # tests: ~0.1M parameters, a forward of a short prompt takes well under a millisecond
-    "tiny": ModelConfig(tie_word_embeddings=False),
-    # examples and end-to-end tests: 4 layers, hidden 256, GQA 8/2
+    # tests: 0.11M parameters; 2 layers, hidden 64, GQA 4/2, head_dim 16, byte vocab
+    "tiny": ModelConfig(),
+    # examples and end-to-end tests: 2.9M parameters; a 2,048-token prefill ~0.27 s on one core
     "small": ModelConfig(hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8,
-                         num_kv_heads=2, head_dim=32, tie_word_embeddings=False),
-    # benchmarks: a 2,048-token prefill takes a few hundred ms on one core (see README of workers)
+                         num_kv_heads=2, head_dim=32),
+    # benchmarks: 9.2M parameters; a 2,048-token prefill ~0.67 s on one core, decode ~4 ms/token
     "bench": ModelConfig(hidden_size=512, intermediate_size=1024, num_layers=4, num_heads=8,
-                         num_kv_heads=2, head_dim=64, tie_word_embeddings=False),
+                         num_kv_heads=2, head_dim=64),
 }
 
 
@@ -150,7 +150,8 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
+        inv: torch.Tensor = self.inv_freq  # type: ignore[assignment]
+        freqs = positions.to(torch.float32)[:, None] * inv.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -196,7 +197,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(T, self.nkv, self.hd)
         cache.write(layer, k, v)
         out = cache.attend(layer, q, self.scale)
-        return self.o_proj(out.reshape(T, self.nh * self.hd))
+        y: torch.Tensor = self.o_proj(out.reshape(T, self.nh * self.hd))
+        return y
 
 
 class MLP(nn.Module):
@@ -208,7 +210,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        y: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return y
 
 
 class DecoderLayer(nn.Module):
@@ -222,7 +225,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: "_PagedCache", layer: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        y: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return y
 
 
 class _Body(nn.Module):
@@ -332,8 +336,9 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.model = _Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        with torch.random.fork_rng(devices=[]):  # torch's default init must not move the caller's RNG
+            self.model = _Body(cfg)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.to(cfg.torch_dtype)
@@ -347,7 +352,9 @@ class CausalLM(nn.Module):
 
         Scales keep activations O(1) and logits spread (std ~2), so greedy decoding
         is not degenerate: embeddings N(0, 1), linear weights N(0, 1/fan_in),
-        biases N(0, 0.1), norm weights 1 + N(0, 0.1), lm_head N(0, 4/hidden).
+        biases N(0, 0.1), norm weights 1 + N(0, 0.1), lm_head N(0, 4/hidden). (With tied
+        embeddings the lm_head is the N(0, 1) embedding and greedy output tends to repeat
+        the current token; the presets are untied.) The caller's torch RNG is untouched.
         """
         if isinstance(cfg, str):
             cfg = ModelConfig.preset(cfg)
@@ -378,13 +385,15 @@ class CausalLM(nn.Module):
     def check_pool(self, pool: Any) -> None:
         """Raise :class:`ConfigError` unless ``pool`` can hold this model's KV."""
         L, c = pool.layout, self.config
+        if pool.device != self.device:
+            raise ConfigError(f"pool on {pool.device}, model on {self.device}")
         if L.latent or (L.num_layers, L.num_kv_heads, L.head_dim) != (c.num_layers, c.num_kv_heads, c.head_dim):
             raise ConfigError(f"pool layout ({L.num_layers} layers, {L.num_kv_heads} kv heads, head_dim "
                               f"{L.head_dim}, latent={L.latent}) does not fit model ({c.num_layers}, "
                               f"{c.num_kv_heads}, {c.head_dim})")
 
-    @torch.inference_mode()
-    def forward(self, pieces: Sequence[SeqPiece], pool: Any) -> torch.Tensor:  # type: ignore[override]
+    @torch.no_grad()
+    def forward(self, pieces: Sequence[SeqPiece], pool: Any) -> torch.Tensor:
         """Run new tokens of several sequences, write their KV into ``pool``, return logits.
 
         Returns (P, vocab) float32 logits of the last new token of each piece, or,
@@ -409,7 +418,8 @@ class CausalLM(nn.Module):
             x = layer(x, cos, sin, cache, i)
         if not any(p.all_logits for p in pieces):
             x = x[torch.tensor([s + n - 1 for s, n in cache.spans], device=dev)]
-        return self.lm_head(self.model.norm(x)).float()
+        logits: torch.Tensor = self.lm_head(self.model.norm(x))
+        return logits.float()
 
 
 # -- Hugging Face checkpoints -----------------------------------------------------------
