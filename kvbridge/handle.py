@@ -119,7 +119,7 @@ class KVHandle:
     fence: int = 0
     expires_at_ms: int = 0           # unix ms when the sender frees the blocks if unreleased
     mac: bytes = b""
-    _raw: Optional[bytes] = field(default=None, repr=False, compare=False)
+    _raw: Optional[bytes] = field(default=None, init=False, repr=False, compare=False)
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -165,10 +165,21 @@ class KVHandle:
         object.__setattr__(self, "_raw", raw)
         return raw
 
+    def lease_digest(self) -> str:
+        """The lease id a handle must carry: SHA-256 of everything but its lease fields and MAC.
+
+        It includes the secret read token, so only a holder of the genuine handle can name
+        (claim, abort) its lease, and any alteration of the handle -- even one that recomputes
+        this digest -- names a lease that does not exist. Receivers check it before claiming.
+        """
+        bare = replace(self, lease_id="", lease_url="", fence_epoch=0, fence=0, expires_at_ms=0,
+                       mac=b"")
+        return hashlib.sha256(b"kvbridge-lease\0" + bare.body()).hexdigest()[:32]
+
     def signed(self, key: bytes) -> "KVHandle":
         body = self.body()
         mac = compute_mac(key, body)
-        h = replace(self, mac=mac, _raw=None)
+        h = replace(self, mac=mac)
         object.__setattr__(h, "_raw", body + mac)
         return h
 

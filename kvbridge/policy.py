@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar
 
-from .errors import KVBridgeError, RetryableError, TransferTimeout
+from .errors import RetryableError, TransferTimeout
 
 __all__ = ["Backoff", "Retry", "Timeout", "Deadline", "NO_RETRY"]
 
@@ -85,7 +85,7 @@ class Retry:
         while True:
             try:
                 return fn()
-            except KVBridgeError as exc:
+            except Exception as exc:
                 delay = self._should_retry(exc, attempt, dl)
                 if delay is None:
                     raise
@@ -101,7 +101,7 @@ class Retry:
         while True:
             try:
                 return await fn()
-            except KVBridgeError as exc:
+            except Exception as exc:
                 delay = self._should_retry(exc, attempt, dl)
                 if delay is None:
                     raise

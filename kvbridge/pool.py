@@ -141,16 +141,18 @@ class KVPool:
         bufs: list[torch.Tensor] = []
         for t in tensors:
             if layout.kv_order is KVOrder.SPLIT:
-                if not (isinstance(t, (tuple, list)) and len(t) == 2):
-                    raise LayoutMismatch("a SPLIT layout wraps a (K, V) pair per layer")
+                if not (isinstance(t, (tuple, list)) and len(t) == 2
+                        and all(isinstance(x, torch.Tensor) for x in t)):
+                    raise LayoutMismatch("a SPLIT layout wraps a (K, V) pair of tensors per layer")
                 bufs.extend(t)
             else:
                 if not isinstance(t, torch.Tensor):
                     raise LayoutMismatch(f"{layout.kv_order.value} layout wraps one tensor per layer")
                 bufs.append(t)
         first = bufs[0]
-        if first.dim() < 1:
-            raise LayoutMismatch("KV buffers must have a block dimension")
+        if first.dim() != len(layout.buffer_shape(1)):
+            raise LayoutMismatch(f"KV buffers must have {len(layout.buffer_shape(1))} dimensions, "
+                                 f"got shape {tuple(first.shape)}")
         num_blocks = first.shape[1] if layout.kv_order is KVOrder.KV_FIRST else first.shape[0]
         want = layout.buffer_shape(num_blocks)
         for i, b in enumerate(bufs):
@@ -239,10 +241,13 @@ class KVPool:
         ids = list(block_ids)
         self._check_ids(ids)
         freed: list[int] = []
+        counts: dict[int, int] = {}
+        for b in ids:
+            counts[b] = counts.get(b, 0) + 1
         with self._lock:
-            for b in ids:
-                if self._refs[b] <= 0:
-                    raise PoolError(f"double free of block {b}")
+            for b, k in counts.items():
+                if self._refs[b] < k:
+                    raise PoolError(f"double free of block {b} (refcount {self._refs[b]}, freed {k}x)")
             for b in ids:
                 self._refs[b] -= 1
                 if self._refs[b] == 0:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .errors import (Action, BadHandle, IntegrityError, KVBridgeError, LayoutMismatch, LeaseError,
+from .errors import (AccessDenied, Action, BadHandle, IntegrityError, KVBridgeError, LayoutMismatch, LeaseError,
                      PeerUnavailable, PoolError)
 from .handle import KVHandle
 from .integrity import block_checksums
@@ -126,6 +126,8 @@ class KVReceiver:
             raise BadHandle(f"expected a KVHandle, bytes or dict, got {type(handle).__name__}")
         elif self.secret is not None:
             handle.verify(self.secret)
+        if handle.lease_id and handle.lease_id != handle.lease_digest():
+            raise AccessDenied("handle's token or contents do not match its lease: altered or forged")
         if handle.layout_hash != self.pool.layout.compat_hash:
             raise LayoutMismatch(
                 f"handle layout {handle.layout_hash} != this pool's {self.pool.layout.compat_hash} "
@@ -217,7 +219,10 @@ class KVReceiver:
             if not res.failed_block_ids:
                 res.failed_block_ids = list(dst)
             self.stats.failed += 1
-            if store is not None and claim is not None and not isinstance(res.error, LeaseError):
+            # Abort only a genuine claim that failed; a refused (altered) handle or a lease we no
+            # longer hold is not ours to end.
+            if (store is not None and claim is not None
+                    and not isinstance(res.error, (LeaseError, BadHandle, AccessDenied))):
                 self._end_claim(store, h, claim, abort=True)
         else:
             res.ok = True

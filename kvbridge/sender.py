@@ -22,7 +22,7 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence, Union
 
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, LeaseStoreUnavailable, PoolError,
@@ -100,6 +100,7 @@ class KVSender:
         self.checksums = checksums and pool.is_host
         self._key = secret if secret is not None else os.urandom(32)
         self._records: dict[bytes, _Record] = {}
+        self._by_lease: dict[str, _Record] = {}
         self._pending: list[_Record] = []
         self._lock = threading.Condition()
         self.stats = SenderStats()
@@ -151,27 +152,27 @@ class KVSender:
         if not 0 <= num_tokens <= len(ids) * L.block_size:
             raise ConfigError(f"{num_tokens} tokens do not fit {len(ids)} blocks of {L.block_size}")
         ttl = self.ttl if ttl is None else ttl
-        handle_id = os.urandom(16)
-        sent_at = time.monotonic()
-        lease_fields: dict[str, object] = {}
-        if self.leases is not None:
-            lease = self.leases.publish(handle_id.hex(), self.owner, ttl, num_blocks=len(ids),
-                                        meta={"request_id": request_id[:200]})
-            lease_fields = dict(lease_id=lease.lease_id, lease_url=getattr(self.leases, "url", ""),
-                                fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
-        handle = KVHandle(
-            handle_id=handle_id, request_id=request_id, layout_hash=L.compat_hash,
+        bare = KVHandle(
+            handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash,
             urls=self.urls, block_ids=tuple(ids), generations=tuple(self.pool.generations(ids)),
             checksums=tuple(block_checksums(self.pool, ids)) if self.checksums else (),
-            num_tokens=num_tokens, token=os.urandom(16),
-            expires_at_ms=int((time.time() + ttl) * 1000), **lease_fields,  # type: ignore[arg-type]
-        ).signed(self._key)
+            num_tokens=num_tokens, token=os.urandom(16))
+        sent_at = time.monotonic()
+        expires_at_ms = int((time.time() + ttl) * 1000)
+        if self.leases is not None:
+            lease = self.leases.publish(bare.lease_digest(), self.owner, ttl, num_blocks=len(ids),
+                                        meta={"request_id": request_id[:200]})
+            bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
+                           fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
+        handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
         deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if self.leases else sent_at + ttl
         rec = _Record(handle, handle.to_bytes(), ids, deadline)
         with self._lock:
             if self._closed:
                 raise ConfigError("sender is closed")
             self._records[handle.handle_id] = rec
+            if handle.lease_id:
+                self._by_lease[handle.lease_id] = rec
             self._lock.notify_all()
         self.stats.published += 1
         self.stats.blocks_published += len(ids)
@@ -253,6 +254,7 @@ class KVSender:
             rec.live = False
             rec.reason = reason
             self._records.pop(rec.handle.handle_id, None)
+            self._by_lease.pop(rec.handle.lease_id, None)
         if self.leases is not None and rec.handle.lease_id and reason not in ("released", "aborted"):
             # Revoke in Redis first: after this, no claimer's validate can succeed.
             try:
@@ -325,7 +327,7 @@ class KVSender:
         while not self._closed:
             try:
                 for ev in self.leases.events(self.owner, timeout_s=0.2):
-                    rec = self._records.get(bytes.fromhex(ev.lease_id)) if len(ev.lease_id) == 32 else None
+                    rec = self._by_lease.get(ev.lease_id)
                     if rec is not None and ev.kind in ("released", "aborted"):
                         self._end(rec, ev.kind)
                 if time.monotonic() >= next_sweep:

@@ -14,7 +14,9 @@ A claimed lease whose ``cu`` passed is effectively P; a P/C lease whose ``ex``
 passed is effectively X. Terminal records stay ``grace`` ms as tombstones, so a
 late caller learns "expired/released" rather than "not found".
 
-Replies are arrays: ``{'OK', ...}`` or ``{CODE, detail}`` with CODE one of
+Replies: a lease view is one JSON string (cheap to parse: one bulk reply)
+``[id, state, owner, claimer, epoch, fence counter, lease ms left, claim ms left,
+blocks, meta json]``; other replies are arrays ``{'OK', ...}`` or ``{CODE, detail}``, CODE one of
 EXISTS NOTFOUND EXPIRED REVOKED ENDED CONFLICT STALE LAPSED EPOCH NOTOWNER.
 The events stream key (prefix .. owner) and the lease keys built by ``list``
 are not passed in KEYS: they share the namespace hash tag, hence the slot.
@@ -75,7 +77,8 @@ local function view(id, h, s)
   if s == 'P' then cl = '' end
   if s == 'P' or s == 'C' then left = h.ex - NOW end
   if s == 'C' then cleft = h.cu - NOW end
-  return {'OK', id, s, h.ow, cl, h.ep, h.fc, left, cleft, h.nb, h.mt}
+  return cjson.encode({id, s, h.ow, cl, h.ep, string.format('%d', h.fc),
+                       string.format('%d', left), string.format('%d', cleft), h.nb, h.mt})
 end
 
 local function gone(s)

@@ -27,7 +27,7 @@ import enum
 import threading
 from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import ClassVar, List, Optional
+from typing import ClassVar, List, Optional, Sequence, TypeVar
 
 __all__ = [
     "LeaseState", "Fence", "Lease", "LeaseEvent", "LeaseStats", "LeaseStore",
@@ -35,6 +35,7 @@ __all__ = [
 ]
 
 U64_MAX = (1 << 64) - 1
+_S = TypeVar("_S", bound="LeaseStore")
 EVENT_KINDS = ("released", "aborted", "expired", "revoked")
 
 
@@ -99,7 +100,7 @@ class LeaseEvent:
 
 @dataclass
 class LeaseStats:
-    """Per-store counters of successful operations and refusals (LeaseError raised)."""
+    """Per-store counters: successful calls (idempotent repeats count again) and refusals."""
 
     published: int = 0
     claimed: int = 0
@@ -154,7 +155,7 @@ class LeaseStore(abc.ABC):
         """Events for ``owner`` since the last call, waiting at most ``timeout_s``."""
 
     @abc.abstractmethod
-    def sweep(self, owner: str, lease_ids: list[str]) -> dict[str, Optional[LeaseState]]:
+    def sweep(self, owner: str, lease_ids: Sequence[str]) -> dict[str, Optional[LeaseState]]:
         """States of the owner's leases in one round trip (None: gone, expired or revoked)."""
 
     # -- claimer side ------------------------------------------------------
@@ -203,7 +204,8 @@ class LeaseStore(abc.ABC):
     async def aevents(self, owner: str, timeout_s: float = 0.0) -> List[LeaseEvent]: ...
 
     @abc.abstractmethod
-    async def asweep(self, owner: str, lease_ids: List[str]) -> dict[str, Optional[LeaseState]]: ...
+    async def asweep(self, owner: str,
+                     lease_ids: Sequence[str]) -> dict[str, Optional[LeaseState]]: ...
 
     @abc.abstractmethod
     async def aclaim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> Lease: ...
@@ -232,14 +234,14 @@ class LeaseStore(abc.ABC):
         """Release connections (both sides)."""
 
     # -- context managers --------------------------------------------------
-    def __enter__(self) -> "LeaseStore":
+    def __enter__(self: _S) -> _S:
         return self
 
     def __exit__(self, et: Optional[type[BaseException]], ev: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
         self.close()
 
-    async def __aenter__(self) -> "LeaseStore":
+    async def __aenter__(self: _S) -> _S:
         return self
 
     async def __aexit__(self, et: Optional[type[BaseException]], ev: Optional[BaseException],

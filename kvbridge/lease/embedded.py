@@ -24,7 +24,8 @@ from typing import Any, Optional
 
 from ..errors import BackendUnavailable, ConfigError, LeaseStoreUnavailable
 from ..policy import Retry
-from .redis import SCHEMES, RedisLeaseStore, redact
+from ._mapping import redact
+from .redis import SCHEMES, RedisLeaseStore
 
 __all__ = ["EmbeddedRedis", "find_server_binary", "default_lease_url", "resolve_lease_url",
            "open_lease_store"]

@@ -12,9 +12,12 @@ shared by all leases and every script touches them)::
 
 In Cluster mode a namespace therefore lives on one shard; use several namespaces
 to spread load. The server must not evict keys (``maxmemory-policy noeviction``).
-Redis >= 6.2 or Valkey is assumed. Scripts are called with EVALSHA and loaded on
-``NoScriptError``. redis-py's own retries are off: :class:`~kvbridge.policy.Retry`
-applies to ``LeaseStoreUnavailable`` only, and every script is safe to repeat.
+Redis >= 6.2 or Valkey is assumed. Failover to an asynchronous replica can lose
+acknowledged writes (fence increments included) without changing the epoch, so
+run the lease server without automatic failover (or make writes synchronous).
+Scripts are called with EVALSHA and loaded on ``NoScriptError``. redis-py's own
+retries are off: :class:`~kvbridge.policy.Retry` applies to
+``LeaseStoreUnavailable`` only, and every script is safe to repeat.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import math
 import secrets
 import urllib.parse
 from dataclasses import dataclass
@@ -34,10 +38,11 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry as _SyncRedisRetry
 from redis.asyncio.retry import Retry as _AsyncRedisRetry
 
-from ..errors import (ConfigError, KVBridgeError, LeaseConflict, LeaseError, LeaseExpired,
-                      LeaseNotFound, LeaseStoreUnavailable, StaleFence)
+from ..errors import ConfigError, LeaseError
 from ..policy import Backoff, Retry
 from . import _scripts
+from ._mapping import STATES as _STATES
+from ._mapping import map_redis_error, redact, refusal
 from .base import EVENT_KINDS, Fence, Lease, LeaseEvent, LeaseState, LeaseStore
 
 __all__ = ["RedisLeaseStore", "LeaseBatch", "DEFAULT_RETRY", "SCHEMES"]
@@ -45,76 +50,17 @@ __all__ = ["RedisLeaseStore", "LeaseBatch", "DEFAULT_RETRY", "SCHEMES"]
 T = TypeVar("T")
 SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_RETRY = Retry(attempts=4, backoff=Backoff(base=0.05, cap=0.5), deadline=5.0)
-_STATES = {"P": LeaseState.PUBLISHED, "C": LeaseState.CLAIMED,
-           "R": LeaseState.RELEASED, "A": LeaseState.ABORTED}
-_UNAVAILABLE = (rx.ConnectionError, rx.TimeoutError, rx.ReadOnlyError, rx.OutOfMemoryError,
-                rx.TryAgainError, rx.ClusterDownError)
-_ACCESS = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
 
 
-def redact(url: str) -> str:
-    """The URL without its password."""
-    p = urllib.parse.urlsplit(url)
-    if p.password is None:
-        return url
-    netloc = f"{p.username or ''}:***@{p.hostname or ''}" + (f":{p.port}" if p.port else "")
-    return urllib.parse.urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
-
-
-def map_redis_error(exc: BaseException, url: str) -> KVBridgeError:
-    """Map a redis-py (or socket) error to the kvbridge tree."""
-    where = redact(url)
-    if isinstance(exc, _ACCESS):
-        return ConfigError(f"lease server {where} refused access: {exc}",
-                           hint="check the credentials in the URL and the server's ACL")
-    if isinstance(exc, _UNAVAILABLE + (OSError,)):
-        return LeaseStoreUnavailable(f"lease server {where} unavailable: {exc}")
-    if isinstance(exc, rx.ResponseError):
-        return ConfigError(f"lease server {where} rejected a script: {exc}",
-                           hint="needs Redis >= 6.2 or Valkey; keep the namespace's keys for kvbridge")
-    return LeaseStoreUnavailable(f"lease server {where} failed: {exc!r}")
-
-
-def _refusal(reply: Sequence[Any], lease_id: str, who: str) -> LeaseError:
-    code = reply[0]
-    detail = reply[1] if len(reply) > 1 else ""
-    if code == "NOTFOUND":
-        return LeaseNotFound(f"lease {lease_id!r} not found (never published, or long gone)")
-    if code == "EXPIRED":
-        return LeaseExpired(f"lease {lease_id!r} expired")
-    if code == "REVOKED":
-        return LeaseExpired(f"lease {lease_id!r} was revoked by its owner")
-    if code == "ENDED":
-        state = _STATES[detail].value if detail in _STATES else detail
-        return LeaseExpired(f"lease {lease_id!r} is already {state}")
-    if code == "EXISTS":
-        return LeaseConflict(f"lease id {lease_id!r} already exists (owner {detail!r}); "
-                             "lease ids must be unique", hint="publish under a fresh id")
-    if code == "CONFLICT":
-        if not detail:
-            return LeaseConflict(f"lease {lease_id!r} is not claimed by {who!r} (no claimer)")
-        return LeaseConflict(f"lease {lease_id!r} is held by claimer {detail!r}, not {who!r}")
-    if code == "NOTOWNER":
-        return LeaseConflict(f"lease {lease_id!r} is owned by {detail!r}, not {who!r}")
-    if code == "STALE":
-        return StaleFence(f"fence of {who!r} on lease {lease_id!r} is no longer current")
-    if code == "LAPSED":
-        return StaleFence(f"claim of {who!r} on lease {lease_id!r} lapsed (claim TTL passed)")
-    if code == "EPOCH":
-        return StaleFence(f"fence of lease {lease_id!r} is from an older lease-server epoch "
-                          "(the server lost its data)")
-    return LeaseError(f"lease {lease_id!r}: unexpected reply {list(reply)!r}")
-
-
-def _lease(r: Sequence[Any]) -> Lease:
-    _, lid, s, ow, cl, ep, fc, left, cleft, nb, mt = r
+def _lease(view: str) -> Lease:
+    lid, s, ow, cl, ep, fc, left, cleft, nb, mt = json.loads(view)
     return Lease(lease_id=lid, owner=ow, state=_STATES[s], fence=Fence(int(ep), int(fc)),
                  claimer=cl or None, ttl_ms_left=max(0, int(left)), num_blocks=int(nb),
                  meta=json.loads(mt) if mt else {}, claim_ms_left=max(0, int(cleft)))
 
 
 def _ms(seconds: float, what: str) -> int:
-    if not seconds > 0:
+    if not (seconds > 0 and math.isfinite(seconds)):
         raise ConfigError(f"{what} must be > 0 seconds, got {seconds!r}")
     return max(1, int(seconds * 1000))
 
@@ -186,9 +132,9 @@ class RedisLeaseStore(LeaseStore):
     def _counted(self, stat: Optional[str], lease_id: str, who: str,
                  ok: Callable[[Any], T]) -> Callable[[Any], T]:
         def parse(reply: Any) -> T:
-            if reply[0] != "OK":
+            if isinstance(reply, list) and reply[0] != "OK":
                 self._count("refused")
-                raise _refusal(reply, lease_id, who)
+                raise refusal(reply, lease_id, who)
             if stat:
                 self._count(stat)
             return ok(reply)
@@ -196,7 +142,8 @@ class RedisLeaseStore(LeaseStore):
 
     def _op_publish(self, lease_id: str, owner: str, ttl_s: float, num_blocks: int,
                     meta: Optional[dict[str, str]]) -> _Op:
-        _check_name(lease_id, "lease_id"), _check_name(owner, "owner")
+        _check_name(lease_id, "lease_id")
+        _check_name(owner, "owner")
         if num_blocks < 0:
             raise ConfigError(f"num_blocks must be >= 0, got {num_blocks}")
         mt = json.dumps({str(k): str(v) for k, v in (meta or {}).items()}, separators=(",", ":"))
@@ -206,7 +153,8 @@ class RedisLeaseStore(LeaseStore):
                    self._counted("published", lease_id, owner, _lease))
 
     def _op_claim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> _Op:
-        _check_name(lease_id, "lease_id"), _check_name(claimer, "claimer")
+        _check_name(lease_id, "lease_id")
+        _check_name(claimer, "claimer")
         args = self._head(lease_id) + [claimer, _ms(claim_ttl_s, "claim_ttl_s")]
         return _Op("claim", self._keys(lease_id), args,
                    self._counted("claimed", lease_id, claimer, _lease))
@@ -214,7 +162,8 @@ class RedisLeaseStore(LeaseStore):
     def _op_holder(self, script: str, stat: Optional[str], lease_id: str, claimer: str,
                    fence: Fence, extra: Sequence[Any] = (),
                    ok: Callable[[Any], Any] = lambda r: None) -> _Op:
-        _check_name(lease_id, "lease_id"), _check_name(claimer, "claimer")
+        _check_name(lease_id, "lease_id")
+        _check_name(claimer, "claimer")
         if not isinstance(fence, Fence):
             raise ConfigError(f"fence must be a Fence, got {type(fence).__name__}")
         args = self._head(lease_id) + [claimer, str(fence.epoch), str(fence.counter), *extra]
@@ -233,12 +182,14 @@ class RedisLeaseStore(LeaseStore):
         ms = _ms(ttl_s, "ttl_s")
         if fence is not None:
             return self._op_holder("renew_claim", None, lease_id, who, fence, [ms], _lease)
-        _check_name(lease_id, "lease_id"), _check_name(who, "owner")
+        _check_name(lease_id, "lease_id")
+        _check_name(who, "owner")
         return _Op("renew_owner", self._keys(lease_id), self._head(lease_id) + [who, ms],
                    self._counted(None, lease_id, who, _lease))
 
     def _op_revoke(self, lease_id: str, owner: str) -> _Op:
-        _check_name(lease_id, "lease_id"), _check_name(owner, "owner")
+        _check_name(lease_id, "lease_id")
+        _check_name(owner, "owner")
 
         def ok(r: Any) -> Optional[LeaseState]:
             if r[1] in ("P", "C"):
@@ -250,7 +201,7 @@ class RedisLeaseStore(LeaseStore):
     def _op_get(self, lease_id: str) -> _Op:
         _check_name(lease_id, "lease_id")
         return _Op("get", self._keys(lease_id), self._head(lease_id),
-                   lambda r: _lease(r) if r[0] == "OK" else None)
+                   lambda r: _lease(r) if isinstance(r, str) else None)
 
     def _op_sweep(self, owner: str, lease_ids: Sequence[str]) -> _Op:
         ids = [_check_name(i, "lease_id") for i in lease_ids]

@@ -62,6 +62,8 @@ def get_transport_class(scheme_or_url: str) -> type[Transport]:
     except ImportError as exc:
         hint = (spec or {}).get("err", f"the backend module {mod_name} could not be imported")
         raise BackendUnavailable(f"{scheme}:// is not available: {exc}", hint=hint) from None
-    cls: type[Transport] = getattr(mod, cls_name)
+    cls = getattr(mod, cls_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise BackendUnavailable(f"{scheme}:// backend {target!r} names no Transport class")
     _loaded[scheme] = cls
     return cls

@@ -19,11 +19,11 @@ from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
+from ..errors import ConfigError, ConnectionLost, FrameTooLarge, KVBridgeError, PeerUnavailable, ProtocolError
 from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSource, ReadOp, Server, Spans, Transport
-from .wire import (HEADER, Claim, Kind, _advance, decode_error, decode_read, encode_error, encode_read,
+from .wire import (HEADER, MAX_CONTROL, Claim, Kind, _advance, decode_error, decode_read, encode_error, encode_read,
                    map_os_error, pack, recv_exact, recv_scatter, send_all, unpack_header, IOV_MAX)
 
 __all__ = ["TCPTransport", "SocketServer", "SocketClient", "parse_tcp_url"]
@@ -86,6 +86,8 @@ class SocketServer(Server):
                 conn.settimeout(self.timeout.transfer)   # a peer that stalls mid-frame is dropped
                 try:
                     kind, req_id, length = unpack_header(head)
+                    if length > MAX_CONTROL:   # DATA headers included: peers never send data here
+                        raise FrameTooLarge(f"{kind.name} frame of {length} bytes exceeds {MAX_CONTROL}")
                     payload = recv_exact(conn, length) if length else b""
                 except ProtocolError as exc:
                     self._reply_error(conn, 0, exc)
@@ -396,6 +398,8 @@ class TCPTransport(Transport):
                 await self._arecv_scatter(loop, sock, dst.views())
         except BaseException as exc:
             sock.close()   # an error reply is rare; a fresh connection is simpler than resync
+            if not isinstance(exc, Exception):
+                raise      # cancellation and interrupts propagate as they are
             raise map_os_error(exc, f"read from {url}") from None
         self._aclients[(id(loop), host, port)].append(sock)
         return dst.nbytes

@@ -129,6 +129,10 @@ def decode_error(payload: bytes) -> KVBridgeError:
 
 
 def map_os_error(exc: BaseException, what: str) -> KVBridgeError:
+    """Map a socket-level failure into the error tree. Cancellation and interrupts are not
+    failures of the peer: they are re-raised as they are."""
+    if not isinstance(exc, Exception):
+        raise exc
     if isinstance(exc, KVBridgeError):
         return exc
     if isinstance(exc, (socket.timeout, TimeoutError)):

@@ -1,0 +1,761 @@
+"""Transport benchmark: kvbridge tcp:// and shm:// against ceilings measured in the same run.
+
+Two processes: a *sender* process (spawned, ``multiprocessing`` 'spawn') owns the
+sender pool, a :class:`kvbridge.KVSender` and a plain-socket server; this process
+is the *receiver* and does all the timing, around ``receiver.fetch`` and around
+the plain-socket receive. Handles travel from the sender to the receiver over a
+pipe, outside the timed region.
+
+Every figure is a ratio against a ceiling measured in the same repetition,
+interleaved with it (the order rotates each repetition), so machine noise hits
+both sides alike:
+
+* tcp   vs. plain socket: the receiver sends an 8-byte request, the sender
+  ``sendall``s that many bytes from a preallocated buffer, the receiver
+  ``recv_into``s a preallocated buffer in a loop (TCP_NODELAY both sides).
+  ratio = ceiling time / kvbridge time (a throughput ratio, higher is better).
+* shm   vs. memcpy: ``ctypes.memmove`` between two preallocated buffers of the
+  same size in the receiver process.
+* latency: one-block 4 KiB tcp read / fetch vs. a plain 4 KiB ping-pong;
+  ratio = kvbridge median / ping-pong median (lower is better).
+
+Run::
+
+    python -m bench.transport [--quick] [--reps N] [--out bench/results/transport.json]
+                              [--md bench/results/transport.md]
+
+Progress goes to stderr, the Markdown table to stdout (and ``--md``), every raw
+sample and the summaries to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import inspect
+import json
+import math
+import multiprocessing as mp
+import os
+import platform
+import random
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+KiB, MiB = 1 << 10, 1 << 20
+REQ = struct.Struct("!Q")
+
+CONTIG_SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
+QUICK_MAX = 64 * MiB
+TCP_TARGET_CONTIG = 0.9      # tcp >= 0.9x plain socket, sizes >= 1 MiB
+SHM_TARGET = 0.8             # shm >= 0.8x memcpy, sizes >= 1 MiB and block-shaped
+TCP_TARGET_BLOCKS = 0.8      # block-shaped tcp >= 0.8x plain socket
+LATENCY_TARGET = 2.0         # kvbridge latency <= 2x plain ping-pong
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ============================================================================== shapes
+
+def contig_layout(nbytes: int) -> dict[str, Any]:
+    """A one-layer, one-block vLLM layout whose single block is ``nbytes`` (K then V: one run)."""
+    if nbytes % 128:
+        raise ValueError("contiguous sizes must be multiples of 128 bytes")
+    # part = 16 tokens x 1 head x head_dim x 2 bytes = nbytes / 2
+    return dict(num_layers=1, num_kv_heads=1, head_dim=nbytes // 64, block_size=16,
+                dtype="bfloat16", kv_order="kv_first", token_order="NHD")
+
+
+def flash_layout(num_layers: int, heads: int, head_dim: int, block_size: int = 16) -> dict[str, Any]:
+    return dict(num_layers=num_layers, num_kv_heads=heads, head_dim=head_dim, block_size=block_size,
+                dtype="bfloat16", kv_order="kv_first", token_order="NHD")
+
+
+def scattered_ids(pool_blocks: int, n: int, seed: int) -> list[int]:
+    """``n`` non-adjacent block ids (every other block), shuffled: no two merge into a run."""
+    ids = list(range(0, pool_blocks, 2))[:n]
+    if len(ids) < n:
+        raise ValueError("pool too small for every-other-block ids")
+    random.Random(seed).shuffle(ids)
+    return ids
+
+
+@dataclass
+class Case:
+    """One shape to move: a layout, a pool size, source and destination block ids."""
+
+    name: str
+    group: str                  # "contiguous" | "blocks"
+    layout: dict[str, Any]
+    pool_blocks: int
+    src_ids: list[int]
+    dst_ids: list[int]
+    nbytes: int = 0
+    segments: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def make_case(name: str, group: str, layout: dict[str, Any], pool_blocks: int,
+              src_ids: list[int], dst_ids: list[int]) -> Case:
+    from kvbridge.layout import KVLayout
+    L = KVLayout.from_dict(layout)
+    segs = list(L.segments(src_ids, pool_blocks))
+    return Case(name, group, layout, pool_blocks, src_ids, dst_ids,
+                nbytes=len(src_ids) * L.block_nbytes, segments=len(segs),
+                extra={"part_nbytes": L.part_nbytes})
+
+
+def fmt_size(n: int) -> str:
+    if n >= MiB and n % MiB == 0:
+        return f"{n // MiB} MiB"
+    if n >= KiB and n % KiB == 0:
+        return f"{n // KiB} KiB"
+    return f"{n} B"
+
+
+def contig_case(nbytes: int) -> Case:
+    return make_case(fmt_size(nbytes), "contiguous", contig_layout(nbytes), 1, [0], [0])
+
+
+def block_cases(quick: bool) -> list[Case]:
+    out = []
+    # 32 layers x 64 blocks of 16 tokens x 8 heads x 128 dim, bf16: part 32 KiB, 128 MiB per handle
+    L = flash_layout(32, 8, 128)
+    out.append(make_case("32L x 64 blk, 32 KiB parts", "blocks", L, 256,
+                         scattered_ids(256, 64, 1), scattered_ids(256, 64, 2)))
+    # 16 KiB parts (4 heads x 128 dim), 128 blocks: the same 128 MiB in twice as many pieces
+    L = flash_layout(32, 4, 128)
+    out.append(make_case("32L x 128 blk, 16 KiB parts", "blocks", L, 256,
+                         scattered_ids(256, 128, 3), scattered_ids(256, 128, 4)))
+    return out
+
+
+# ============================================================================== data
+
+def fill_bytes(t: Any, seed: int) -> None:
+    """Fill a contiguous CPU tensor with deterministic pseudo-random bytes."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    t.view(torch.uint8).view(-1).random_(0, 256, generator=g)
+
+
+def fill_pool(pool: Any, seed: int) -> None:
+    for i, b in enumerate(pool.buffers):
+        fill_bytes(b, seed * 1000 + i)
+
+
+def host_buffer(nbytes: int, value: Optional[int] = None, seed: Optional[int] = None) -> Any:
+    """A preallocated, touched uint8 tensor."""
+    import torch
+    t = torch.empty(max(nbytes, 1), dtype=torch.uint8)
+    if seed is not None:
+        fill_bytes(t, seed)
+    else:
+        t.fill_(0x5A if value is None else value)
+    return t
+
+
+def tensor_view(t: Any) -> memoryview:
+    return memoryview((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+# ============================================================================== sender process
+
+PLAIN_SEED = 7_777
+
+
+class _PlainServer:
+    """Request/response plain socket: read an 8-byte size, ``sendall`` that many bytes."""
+
+    def __init__(self) -> None:
+        self.lst = socket.create_server(("127.0.0.1", 0))
+        self.port = self.lst.getsockname()[1]
+        self.view = memoryview(b"")
+        self.buf: Any = None
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="plain-accept").start()
+
+    def set_size(self, nbytes: int) -> None:
+        self.view = memoryview(b"")
+        self.buf = host_buffer(nbytes, seed=PLAIN_SEED)
+        self.view = tensor_view(self.buf)
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.lst.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="plain-conn").start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        req = bytearray(REQ.size)
+        try:
+            while True:
+                got = 0
+                while got < REQ.size:
+                    k = conn.recv_into(memoryview(req)[got:])
+                    if not k:
+                        return
+                    got += k
+                (n,) = REQ.unpack(req)
+                conn.sendall(self.view[:n])
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.lst.close()
+        except OSError:
+            pass
+
+
+def sender_main(conn: Any) -> None:
+    """Entry point of the sender process: answers commands from the receiver over ``conn``."""
+    import torch  # noqa: F401  (imported once, before timing)
+    from kvbridge.layout import KVLayout
+    from kvbridge.pool import KVPool
+    from kvbridge.sender import KVSender
+
+    torch.set_num_threads(1)
+    plain = _PlainServer()
+    pool: Optional[KVPool] = None
+    sender: Optional[KVSender] = None
+
+    def teardown() -> None:
+        nonlocal pool, sender
+        if sender is not None:
+            sender.close()
+        if pool is not None:
+            pool.close()
+        sender = pool = None
+        gc.collect()
+
+    try:
+        while True:
+            try:
+                cmd, arg = conn.recv()
+            except EOFError:
+                return
+            try:
+                if cmd == "setup":
+                    teardown()
+                    L = KVLayout.from_dict(arg["layout"])
+                    pool = KVPool.allocate(L, arg["pool_blocks"], shared=arg["transport"] == "shm")
+                    fill_pool(pool, arg["seed"])
+                    pool.alloc(arg["pool_blocks"])          # the engine's reference: never freed here
+                    listen = "tcp://127.0.0.1:0" if arg["transport"] == "tcp" else "shm://"
+                    # Leases are a separate subsystem (bench them elsewhere): measure the transport alone.
+                    kw = {"leases": False} if "leases" in inspect.signature(KVSender).parameters else {}
+                    sender = KVSender(pool, listen, ttl=3600.0, **kw)
+                    if arg.get("plain_nbytes"):
+                        plain.set_size(arg["plain_nbytes"])
+                    conn.send(("ok", {"url": sender.url, "plain_port": plain.port, "pid": os.getpid()}))
+                elif cmd == "publish":
+                    assert pool is not None and sender is not None
+                    ids = arg["block_ids"]
+                    out = []
+                    for _ in range(arg["count"]):
+                        pool.ref(ids)                       # each handle pins its own reference
+                        h = sender.publish(arg.get("request_id", "bench"), ids,
+                                           len(ids) * pool.layout.block_size, ttl=arg.get("ttl", 3600.0))
+                        out.append(h.to_bytes())
+                    conn.send(("ok", out))
+                elif cmd == "stats":
+                    conn.send(("ok", None if sender is None else dict(vars(sender.stats))))
+                elif cmd == "teardown":
+                    teardown()
+                    conn.send(("ok", None))
+                elif cmd == "exit":
+                    conn.send(("ok", None))
+                    return
+                else:
+                    conn.send(("err", f"unknown command {cmd!r}"))
+            except Exception as exc:  # report, keep serving
+                conn.send(("err", f"{type(exc).__name__}: {exc}"))
+    finally:
+        teardown()
+        plain.close()
+
+
+class SenderProc:
+    """The spawned sender process, driven over a pipe. Always ``close()`` it (kills on failure)."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=sender_main, args=(child,), name="kvb-bench-sender", daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, cmd: str, arg: Any = None, timeout: float = 300.0) -> Any:
+        self.conn.send((cmd, arg))
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"sender process died (exit code {self.proc.exitcode}) during {cmd!r}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"sender did not answer {cmd!r} within {timeout}s")
+        status, val = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(f"sender: {val}")
+        return val
+
+    def close(self) -> None:
+        try:
+            if self.proc.is_alive():
+                try:
+                    self.call("exit", timeout=10.0)
+                except Exception:
+                    pass
+                self.proc.join(timeout=10.0)
+        finally:
+            if self.proc.is_alive():
+                self.proc.terminate()
+                self.proc.join(timeout=5.0)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(timeout=5.0)
+            self.conn.close()
+
+    def __enter__(self) -> "SenderProc":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ============================================================================== receiver-side primitives
+
+class PlainClient:
+    """The ceiling's receiving side: request ``n`` bytes, ``recv_into`` a preallocated buffer."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def fetch(self, view: memoryview, n: int) -> int:
+        sock = self.sock
+        sock.sendall(REQ.pack(n))
+        got = 0
+        while got < n:
+            k = sock.recv_into(view[got:], n - got)
+            if not k:
+                raise ConnectionError("plain server closed the connection")
+            got += k
+        return got
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def memcpy(dst: Any, src: Any, n: int) -> None:
+    ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
+
+
+def summarize(xs: list[float]) -> dict[str, float]:
+    s = sorted(xs)
+    q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
+    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "q1": q[0], "q3": q[2], "n": len(s)}
+
+
+def _iters_for(nbytes: int, quick: bool, cap: int = 400) -> int:
+    """Transfers per repetition: about 64 MiB (quick: 32 MiB) moved, 1 to ``cap`` transfers."""
+    target = (32 if quick else 64) * MiB
+    return max(1, min(cap, math.ceil(target / nbytes)))
+
+
+# ============================================================================== the benchmark
+
+class Bench:
+    def __init__(self, reps: int, quick: bool, lat_iters: int = 1000, lat_reps: int = 5,
+                 sizes: Optional[list[int]] = None, blocks: bool = True, latency: bool = True,
+                 max_iters: int = 400) -> None:
+        self.max_iters = max_iters
+        self.reps = reps
+        self.quick = quick
+        self.lat_iters = lat_iters
+        self.lat_reps = lat_reps
+        self.sizes = sizes if sizes is not None else [s for s in CONTIG_SIZES if not quick or s <= QUICK_MAX]
+        self.blocks = blocks
+        self.latency = latency
+        self.results: list[dict[str, Any]] = []
+        self.latency_results: list[dict[str, Any]] = []
+        self.sender: Optional[SenderProc] = None
+
+    # -- plumbing -----------------------------------------------------------------------
+    def _setup(self, case: Case, transport: str, plain: bool) -> dict[str, Any]:
+        assert self.sender is not None
+        return self.sender.call("setup", {"layout": case.layout, "pool_blocks": case.pool_blocks,
+                                          "transport": transport, "seed": 1,
+                                          "plain_nbytes": case.nbytes if plain else 0})
+
+    def _handles(self, case: Case, count: int, ttl: float = 3600.0) -> list[Any]:
+        from kvbridge.handle import KVHandle
+        assert self.sender is not None
+        raws = self.sender.call("publish", {"block_ids": case.src_ids, "count": count, "ttl": ttl})
+        return [KVHandle.from_bytes(r) for r in raws]
+
+    def _recv_pool(self, case: Case) -> Any:
+        from kvbridge.layout import KVLayout
+        from kvbridge.pool import KVPool
+        pool = KVPool.allocate(KVLayout.from_dict(case.layout), case.pool_blocks)
+        for b in pool.buffers:
+            b.view(-1).view(__import__("torch").uint8).fill_(1)   # touch every page up front
+        return pool
+
+    def _check_dst(self, pool: Any, case: Case, handle: Any) -> None:
+        """The destination blocks hold exactly the sender's bytes (xxh3 per block)."""
+        from kvbridge.integrity import block_checksums
+        got = block_checksums(pool, case.dst_ids)
+        if list(got) != list(handle.checksums):
+            raise AssertionError(f"{case.name}: destination bytes differ from the sender's")
+
+    # -- one throughput comparison --------------------------------------------------------
+    def _compare(self, case: Case, transport: str, ceiling_name: str,
+                 ceiling: Callable[[int], None], variants: dict[str, Callable[[int], Callable[[int], None]]],
+                 targets: dict[str, float]) -> None:
+        """Time ``ceiling`` and each variant ``reps`` times, interleaved, rotating the order.
+
+        ``variants[name](iters)`` prepares (publishes handles) and returns ``run(i)``
+        doing one transfer; ``ceiling(i)`` does one ceiling transfer.
+        """
+        iters = _iters_for(case.nbytes, self.quick, self.max_iters)
+        names = [ceiling_name, *variants]
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        # warm-up: connections, mappings, page faults
+        ceiling(0)
+        for name, prep in variants.items():
+            run = prep(2)
+            run(0), run(1)
+        for rep in range(self.reps):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            runners: dict[str, Callable[[int], None]] = {ceiling_name: ceiling}
+            for name in variants:
+                runners[name] = variants[name](iters)
+            # Interleave single transfers (A B C A B C ...) so background load hits all alike.
+            acc = dict.fromkeys(names, 0.0)
+            seq = [(name, runners[name]) for name in order]
+            perf = time.perf_counter
+            gc.collect()
+            for i in range(iters):
+                for name, run in seq:
+                    t0 = perf()
+                    run(i)
+                    acc[name] += perf() - t0
+            for name in names:
+                samples[name].append(acc[name] / iters)
+            log(f"  {case.name:>28} {transport} rep {rep + 1}/{self.reps}: " + ", ".join(
+                f"{n} {case.nbytes / samples[n][-1] / 1e9:.2f} GB/s" for n in names))
+        for name in variants:
+            ratios = [c / k for c, k in zip(samples[ceiling_name], samples[name])]
+            target = targets.get(name)
+            rs = summarize(ratios)
+            self.results.append({
+                "case": case.name, "group": case.group, "nbytes": case.nbytes, "segments": case.segments,
+                "part_nbytes": case.extra.get("part_nbytes"), "transport": name, "ceiling": ceiling_name,
+                "iters_per_rep": iters, "reps": self.reps,
+                "kvbridge_s": samples[name], "ceiling_s": samples[ceiling_name],
+                "kvbridge_gbps": summarize([case.nbytes / s / 1e9 for s in samples[name]]),
+                "ceiling_gbps": summarize([case.nbytes / s / 1e9 for s in samples[ceiling_name]]),
+                "ratio": rs, "ratios": ratios, "target": target,
+                "pass": None if target is None else rs["median"] >= target,
+                "loadavg": os.getloadavg(),
+            })
+
+    def run_tcp(self, case: Case, target: Optional[float]) -> None:
+        from kvbridge.receiver import KVReceiver
+        info = self._setup(case, "tcp", plain=True)
+        pool = self._recv_pool(case)
+        plain_buf = host_buffer(case.nbytes, value=0)
+        plain_view = tensor_view(plain_buf)
+        client = PlainClient(info["plain_port"])
+        recv_v, recv_nv = KVReceiver(pool), KVReceiver(pool, verify=False)
+        last: dict[str, Any] = {}
+        try:
+            def ceiling(i: int) -> None:
+                client.fetch(plain_view, case.nbytes)
+
+            def variant(receiver: KVReceiver) -> Callable[[int], Callable[[int], None]]:
+                def prep(iters: int) -> Callable[[int], None]:
+                    hs = self._handles(case, iters)
+                    last["h"] = hs[-1]
+                    dst = case.dst_ids
+                    fetch = receiver.fetch
+
+                    def run(i: int) -> None:
+                        r = fetch(hs[i], dst)
+                        if not r.ok:
+                            raise RuntimeError(f"fetch failed: {r.error!r}")
+                    return run
+                return prep
+            self._compare(case, "tcp", "plain socket", ceiling,
+                          {"tcp (verify)": variant(recv_v), "tcp (verify=False)": variant(recv_nv)},
+                          {"tcp (verify)": target, "tcp (verify=False)": target} if target else {})
+            self._check_dst(pool, case, last["h"])
+        finally:
+            client.close()
+            recv_v.close()
+            recv_nv.close()
+            pool.close()
+
+    def run_shm(self, case: Case, target: Optional[float]) -> None:
+        from kvbridge.receiver import KVReceiver
+        self._setup(case, "shm", plain=False)
+        pool = self._recv_pool(case)
+        src, dst = host_buffer(case.nbytes, seed=3), host_buffer(case.nbytes, value=0)
+        recv_v, recv_nv = KVReceiver(pool), KVReceiver(pool, verify=False)
+        last: dict[str, Any] = {}
+        try:
+            def ceiling(i: int) -> None:
+                memcpy(dst, src, case.nbytes)
+
+            def variant(receiver: KVReceiver) -> Callable[[int], Callable[[int], None]]:
+                def prep(iters: int) -> Callable[[int], None]:
+                    hs = self._handles(case, iters)
+                    last["h"] = hs[-1]
+                    dst_ids = case.dst_ids
+                    fetch = receiver.fetch
+
+                    def run(i: int) -> None:
+                        r = fetch(hs[i], dst_ids)
+                        if not r.ok:
+                            raise RuntimeError(f"fetch failed: {r.error!r}")
+                    return run
+                return prep
+            self._compare(case, "shm", "memcpy", ceiling,
+                          {"shm (verify)": variant(recv_v), "shm (verify=False)": variant(recv_nv)},
+                          {"shm (verify)": target, "shm (verify=False)": target} if target else {})
+            self._check_dst(pool, case, last["h"])
+        finally:
+            recv_v.close()
+            recv_nv.close()
+            pool.close()
+
+    # -- latency ----------------------------------------------------------------------------
+    def run_latency(self) -> None:
+        from kvbridge.receiver import KVReceiver
+        from kvbridge.transports.base import Spans
+        case = contig_case(4 * KiB)
+        info = self._setup(case, "tcp", plain=True)
+        pool = self._recv_pool(case)
+        plain_buf = host_buffer(case.nbytes, value=0)
+        plain_view = tensor_view(plain_buf)
+        client = PlainClient(info["plain_port"])
+        rv, rnv = KVReceiver(pool), KVReceiver(pool, verify=False)
+        url = info["url"]
+        n_it = self.lat_iters
+        chunk = 10
+        try:
+            long_h = self._handles(case, 1)[0]
+            spans = Spans.of_blocks(pool, case.dst_ids)
+            tr = rv.transport(url)
+            dst = case.dst_ids
+
+            def ping(_: Any) -> None:
+                client.fetch(plain_view, 4096)
+
+            def read(_: Any) -> None:
+                tr.read(url, long_h, spans)
+
+            def fetch_keep(_: Any) -> None:
+                if not rv.fetch(long_h, dst, release=False).ok:
+                    raise RuntimeError("fetch failed")
+
+            def fetch_keep_nv(_: Any) -> None:
+                if not rnv.fetch(long_h, dst, release=False).ok:
+                    raise RuntimeError("fetch failed")
+
+            def fetch_release(h: Any) -> None:
+                if not rv.fetch(h, dst).ok:
+                    raise RuntimeError("fetch failed")
+
+            variants: dict[str, Callable[[Any], None]] = {
+                "plain 4 KiB ping-pong": ping,
+                "tcp read only (transport.read)": read,
+                "tcp fetch(release=False), verify": fetch_keep,
+                "tcp fetch(release=False), verify=False": fetch_keep_nv,
+                "tcp fetch (with release), verify": fetch_release,
+            }
+            names = list(variants)
+            # warm-up
+            for name in names:
+                hs = self._handles(case, 50) if name.endswith("(with release), verify") else [None] * 50
+                for h in hs:
+                    variants[name](h)
+            samples: dict[str, list[list[int]]] = {n: [] for n in names}
+            for rep in range(self.lat_reps):
+                fresh = iter(self._handles(case, n_it))
+                per: dict[str, list[int]] = {n: [] for n in names}
+                gc.collect()
+                for start in range(0, n_it, chunk):
+                    k = min(chunk, n_it - start)
+                    rot = (start // chunk + rep) % len(names)
+                    for name in names[rot:] + names[:rot]:
+                        fn = variants[name]
+                        out = per[name]
+                        for _ in range(k):
+                            arg = next(fresh) if fn is fetch_release else None
+                            t0 = time.perf_counter_ns()
+                            fn(arg)
+                            out.append(time.perf_counter_ns() - t0)
+                for n in names:
+                    samples[n].append(per[n])
+                log(f"  latency rep {rep + 1}/{self.lat_reps}: " + ", ".join(
+                        f"{n} {statistics.median(per[n]) / 1e3:.1f} us" for n in names))
+            base = [statistics.median(x) for x in samples[names[0]]]
+            for n in names:
+                meds = [statistics.median(x) for x in samples[n]]
+                ratios = [m / b for m, b in zip(meds, base)]
+                target = None if n == names[0] else LATENCY_TARGET
+                rs = summarize(ratios)
+                self.latency_results.append({
+                    "case": n, "nbytes": 4096, "iters_per_rep": n_it, "reps": self.lat_reps,
+                    "median_us_per_rep": [m / 1e3 for m in meds],
+                    "median_us": summarize([m / 1e3 for m in meds]),
+                    "all_samples_median_us": statistics.median([v for x in samples[n] for v in x]) / 1e3,
+                    "p99_us": sorted(v for x in samples[n] for v in x)[int(0.99 * n_it * self.lat_reps) - 1] / 1e3,
+                    "ratio_vs_pingpong": rs, "ratios": ratios, "target": target,
+                    "pass": None if target is None else rs["median"] <= target,
+                    "samples_ns": samples[n],
+                })
+            self._check_dst(pool, case, long_h)
+        finally:
+            client.close()
+            rv.close()
+            rnv.close()
+            pool.close()
+
+    # -- driver -------------------------------------------------------------------------------
+    def run(self, sender: Optional[SenderProc] = None) -> None:
+        """Run every section; spawns (and always kills) a sender process unless given one."""
+        import torch
+        torch.set_num_threads(1)     # no OpenMP workers spinning on the second core between fills
+        t0 = time.perf_counter()
+        own = sender is None
+        self.sender = SenderProc() if sender is None else sender
+        try:
+            for size in self.sizes:
+                case = contig_case(size)
+                target_tcp = TCP_TARGET_CONTIG if size >= MiB else None
+                target_shm = SHM_TARGET if size >= MiB else None
+                log(f"[contiguous {case.name}] tcp vs plain socket")
+                self.run_tcp(case, target_tcp)
+                log(f"[contiguous {case.name}] shm vs memcpy")
+                self.run_shm(case, target_shm)
+            if self.blocks:
+                for case in block_cases(self.quick):
+                    log(f"[blocks {case.name}: {case.segments} runs of {fmt_size(case.extra['part_nbytes'])}]"
+                        " tcp vs plain socket")
+                    self.run_tcp(case, TCP_TARGET_BLOCKS)
+                    log(f"[blocks {case.name}] shm vs memcpy")
+                    self.run_shm(case, SHM_TARGET)
+            if self.latency:
+                log(f"[latency 4 KiB, {self.lat_reps} reps x {self.lat_iters} iterations]")
+                self.run_latency()
+            self.sender.call("teardown")
+        finally:
+            if own:
+                self.sender.close()
+            self.sender = None
+        self.elapsed = time.perf_counter() - t0
+
+    # -- output ------------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        import torch
+        import kvbridge
+        return {
+            "benchmark": "kvbridge transport",
+            "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "quick": self.quick, "reps": self.reps, "elapsed_s": getattr(self, "elapsed", None),
+            "machine": {"python": platform.python_version(), "platform": platform.platform(),
+                        "cpus": os.cpu_count(), "torch": torch.__version__,
+                        "kvbridge": getattr(kvbridge, "__version__", "?"),
+                        "loadavg_at_end": os.getloadavg()},   # other tenants' load: judge the spread by it
+            "method": {
+                "throughput_ratio": "ceiling seconds / kvbridge seconds, paired per repetition "
+                                    "(interleaved, rotating order); pass = median ratio >= target",
+                "latency_ratio": "kvbridge median / plain ping-pong median, per repetition; "
+                                 "pass = median ratio <= target",
+                "tcp_ceiling": "plain loopback socket, 8-byte request then sendall/recv_into, TCP_NODELAY",
+                "shm_ceiling": "ctypes.memmove between two preallocated buffers in the receiver process",
+                "kvbridge_timed": "receiver.fetch(handle, dst) with default release=True, fresh handle each",
+            },
+            "throughput": self.results,
+            "latency": self.latency_results,
+        }
+
+    def markdown(self) -> str:
+        lines = ["| size / shape | transport | kvbridge GB/s (median) | ceiling GB/s (median) | "
+                 "ratio median [min–max] | target | pass/fail |",
+                 "|---|---|---:|---:|---|---|---|"]
+        for r in self.results:
+            shape = r["case"] if r["group"] == "contiguous" else \
+                f"{r['case']} ({fmt_size(r['nbytes'])}, {r['segments']} runs)"
+            tgt = f"≥ {r['target']:.1f}× {r['ceiling']}" if r["target"] else f"— (vs {r['ceiling']})"
+            pf = "—" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
+            rt = r["ratio"]
+            lines.append(f"| {shape} | {r['transport']} | {r['kvbridge_gbps']['median']:.2f} | "
+                         f"{r['ceiling_gbps']['median']:.2f} | {rt['median']:.2f} "
+                         f"[{rt['min']:.2f}–{rt['max']:.2f}] | {tgt} | {pf} |")
+        if self.latency_results:
+            lines += ["", "| 4 KiB latency | kvbridge µs (median) | ping-pong µs (median) | "
+                      "ratio median [min–max] | target | pass/fail |",
+                      "|---|---:|---:|---|---|---|"]
+            base = self.latency_results[0]["median_us"]["median"]
+            for r in self.latency_results[1:]:
+                rt = r["ratio_vs_pingpong"]
+                pf = "PASS" if r["pass"] else "FAIL"
+                lines.append(f"| {r['case']} | {r['median_us']['median']:.1f} | {base:.1f} | "
+                             f"{rt['median']:.2f} [{rt['min']:.2f}–{rt['max']:.2f}] | "
+                             f"≤ {r['target']:.1f}× | {pf} |")
+        return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.transport", description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repetitions")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 7, quick 3)")
+    ap.add_argument("--out", default="bench/results/transport.json")
+    ap.add_argument("--md", default="bench/results/transport.md")
+    ap.add_argument("--lat-iters", type=int, default=1000, help="latency iterations per repetition (>= 1000)")
+    ap.add_argument("--sizes", default=None, help="comma-separated contiguous sizes in bytes (override)")
+    ap.add_argument("--max-iters", type=int, default=400, help="cap on transfers per repetition")
+    ap.add_argument("--no-blocks", action="store_true")
+    ap.add_argument("--no-latency", action="store_true")
+    a = ap.parse_args(argv)
+    reps = a.reps or (3 if a.quick else 7)
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else None
+    b = Bench(reps, a.quick, lat_iters=a.lat_iters, lat_reps=3 if a.quick else 5, sizes=sizes,
+              blocks=not a.no_blocks, latency=not a.no_latency, max_iters=a.max_iters)
+    b.run()
+    emit(b, a.out, a.md)
+    return 0
+
+
+def emit(b: Bench, out: Optional[str], md_path: Optional[str]) -> None:
+    """Print the Markdown table to stdout; write it and the JSON (raw samples + summaries)."""
+    md = b.markdown()
+    sys.stdout.write(md)
+    for path, text in ((out, json.dumps(b.to_json(), indent=1)), (md_path, md)):
+        if path:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+            log(f"wrote {path}")
+
+if __name__ == "__main__":
+    sys.exit(main())

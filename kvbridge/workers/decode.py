@@ -1,0 +1,128 @@
+"""The decode worker: fetches a request's KV through its handle and continues generating.
+
+``POST /generate`` ``{"handle": {...}, "prompt_ids": [...], "output_ids": [first, ...],
+"sampling": {...}, "request_id": "...", "stream": true}``: the handle's KV covers
+``prompt_ids + output_ids[:-1]``; ``output_ids[-1]`` is fed next. The worker allocates
+blocks, ``receiver.fetch(handle, blocks)`` (claim, read, verify, release), hands the
+request to its continuous-batching scheduler with ``add_prefilled`` and streams new
+tokens as SSE ``data: {"token_ids": [...]}`` events, then ``{"done": true, ...}`` and
+``data: [DONE]``. A failed fetch answers before the stream starts with the error, its
+code and ``action`` (``reprefill`` when the KV is gone: HTTP 410).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Sequence, Union
+
+from ..errors import ConfigError, KVBridgeError, PoolError
+from ..handle import KVHandle
+from ..lease import LeaseStore
+from ..policy import Retry, Timeout
+from ..receiver import FetchResult, KVReceiver
+from .engine import Request
+from .model import CausalLM
+from .sampling import SamplingParams
+from .server import Ctx, EngineWorker, RequestWatch, WorkerConfig
+
+__all__ = ["DecodeWorker"]
+
+
+class DecodeWorker(EngineWorker):
+    """Decode side: KV arrives by handle; tokens leave by stream."""
+
+    role = "decode"
+
+    def __init__(self, cfg: WorkerConfig, leases: Union[str, LeaseStore, None] = None,
+                 model: Optional[CausalLM] = None, secret: Optional[bytes] = None,
+                 timeout: Timeout = Timeout(connect=2.0, transfer=30.0), retry: Retry = Retry(deadline=10.0)) -> None:
+        super().__init__(cfg, model)
+        self.receiver = KVReceiver(self.pool, leases=leases, secret=secret, timeout=timeout, retry=retry)
+        self.routes[("POST", "/generate")] = self._http_generate
+        self.fetches = {"ok": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+
+    def _alloc(self, n: int, timeout: float) -> list[int]:
+        """``n`` free blocks, waiting up to ``timeout`` seconds for running requests to free some."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.pool.alloc(n)
+            except PoolError:
+                if time.monotonic() >= deadline:
+                    raise PoolError(f"decode pool has no {n} free blocks after {timeout:.0f}s",
+                                    hint="add decode workers or --num-blocks") from None
+                time.sleep(0.01)
+
+    def start(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int], output_ids: Sequence[int],
+              sampling: SamplingParams, request_id: Optional[str] = None) -> tuple[Request, RequestWatch, FetchResult]:
+        """Fetch the KV of ``handle`` and queue the request's remaining decode steps.
+
+        Raises the fetch's error (with its ``action``) if the KV could not be fetched.
+        """
+        h = handle if isinstance(handle, KVHandle) else KVHandle.from_dict(handle)
+        outs = [int(t) for t in output_ids]
+        if not outs:
+            raise ConfigError("output_ids must hold at least the first token")
+        num_cached = len(prompt_ids) + len(outs) - 1
+        if h.num_tokens != num_cached:
+            raise ConfigError(f"handle holds {h.num_tokens} tokens of KV but prompt + outputs need {num_cached}")
+        if len(outs) >= sampling.max_tokens:
+            raise ConfigError("nothing left to decode: output_ids already reach max_tokens")
+        blocks = self._alloc(h.num_blocks, timeout=min(30.0, self.cfg.request_timeout))
+        try:
+            res = self.receiver.fetch(h, blocks)
+        except BaseException:
+            self.pool.free(blocks)
+            raise
+        if not res.ok:
+            self.pool.free(blocks)
+            self.fetches["failed"] += 1
+            err = res.error or KVBridgeError("fetch failed")
+            raise err
+        self.fetches["ok"] += 1
+        self.fetches["bytes"] += res.nbytes
+        self.fetches["seconds"] += res.seconds
+        kw = {"request_id": request_id} if request_id else {}
+        req = Request(list(prompt_ids) + outs[:-1], sampling, **kw)
+        watch = RequestWatch()
+        self.loop.submit_prefilled(req, blocks, num_cached, outs, watch)
+        return req, watch, res
+
+    def generate(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int],
+                 output_ids: Sequence[int], sampling: SamplingParams,
+                 request_id: Optional[str] = None) -> tuple[list[int], dict[str, Any]]:
+        """Blocking form of :meth:`start`: every output token (earlier ones included) and timings."""
+        req, watch, res = self.start(handle, prompt_ids, output_ids, sampling, request_id)
+        self.wait_done(req, watch, self.cfg.request_timeout)
+        return list(req.output_ids), self._timings(req, res)
+
+    @staticmethod
+    def _timings(req: Request, res: FetchResult) -> dict[str, Any]:
+        return {"kv_transfer_s": res.seconds, "kv_bytes": res.nbytes, "fetch_attempts": res.attempts,
+                "decode_s": (req.finish_time or time.perf_counter()) - (req.arrival_time or 0.0),
+                "finish_reason": req.finish_reason.value if req.finish_reason else None}
+
+    def _http_generate(self, ctx: Ctx) -> None:
+        body = ctx.json()
+        if not isinstance(body.get("handle"), dict):
+            raise ConfigError("handle (the prefill worker's handle dict) is required")
+        prompt = body.get("prompt_ids")
+        if not isinstance(prompt, list) or not prompt:
+            raise ConfigError("prompt_ids must be a non-empty list of token ids")
+        outs = body.get("output_ids")
+        if outs is None and "first_token" in body:
+            outs = [body["first_token"]]
+        params = SamplingParams.from_dict(body.get("sampling") or {})
+        req, watch, res = self.start(body["handle"], prompt, outs or [], params, body.get("request_id"))
+        self.stream(ctx, req, watch, len(outs or []), bool(body.get("stream", True)),
+                    lambda: self._timings(req, res))
+
+    def health(self) -> dict[str, Any]:
+        h = super().health()
+        h.update(fetches=dict(self.fetches), receiver=self.receiver.stats.as_dict())
+        return h
+
+    def close(self) -> None:
+        super().close()
+        self.receiver.close()
+        self.pool.close()

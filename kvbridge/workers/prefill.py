@@ -1,0 +1,130 @@
+"""The prefill worker: computes prompts' KV with chunked prefill and publishes it as handles.
+
+``POST /prefill`` ``{"prompt_ids": [...], "sampling": {...}, "request_id": "..."}`` runs
+the prompt through the engine (``max_tokens=1``, ``keep_blocks=True``), samples the
+first token, publishes the blocks with :class:`KVSender` and answers
+``{"handle": {...} | null, "first_token", "num_tokens", "finish_reason", "timings"}``.
+No handle is published when the first token already ends the request (stop token, or
+``max_tokens == 1``). Unfetched handles are freed by the sender's TTL / lease expiry.
+``GET /health`` also reports the sender's URLs and counters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from typing import Any, Optional, Sequence, Union
+
+from ..errors import ConfigError
+from ..lease import LeaseStore
+from ..sender import KVSender
+from .engine import FinishReason, Request
+from .model import CausalLM
+from .sampling import SamplingParams
+from .server import Ctx, EngineWorker, RequestWatch, WorkerConfig
+
+__all__ = ["PrefillWorker", "listen_urls"]
+
+
+def listen_urls(transport: str, host: str = "127.0.0.1") -> list[str]:
+    """KVSender listen URLs for ``--transport``: shm also listens on tcp as a fallback."""
+    if transport == "tcp":
+        return [f"tcp://{host}:0"]
+    if transport == "shm":
+        return ["shm://", f"tcp://{host}:0"]
+    if transport == "inproc":
+        return [f"inproc://prefill-{os.getpid()}-{os.urandom(4).hex()}"]
+    raise ConfigError(f"--transport must be tcp, shm or inproc, not {transport!r}")
+
+
+class PrefillWorker(EngineWorker):
+    """Prefill side: an engine whose finished prompts become published :class:`KVHandle` s."""
+
+    role = "prefill"
+
+    def __init__(self, cfg: WorkerConfig, transport: Union[str, Sequence[str]] = "tcp",
+                 leases: Union[str, LeaseStore, None] = None, ttl: float = 30.0,
+                 model: Optional[CausalLM] = None, secret: Optional[bytes] = None) -> None:
+        urls = listen_urls(transport) if isinstance(transport, str) else list(transport)
+        super().__init__(cfg, model, shared_pool=any(u.startswith("shm://") for u in urls))
+        self.transport = transport if isinstance(transport, str) else ",".join(urls)
+        self.sender = KVSender(self.pool, urls, ttl=ttl, leases=leases, secret=secret)
+        self.routes[("POST", "/prefill")] = self._http_prefill
+
+    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                request_id: Optional[str] = None, publish: bool = True, force: bool = False,
+                timeout: Optional[float] = None) -> dict[str, Any]:
+        """Run one prompt to its first token; publish its KV unless the request is already done.
+
+        ``force`` publishes even then (a re-prefill, whose first token the caller already has).
+        """
+        t_in = time.perf_counter()
+        kw = {"request_id": request_id} if request_id else {}
+        req = Request(list(prompt_ids), replace(sampling, max_tokens=1), keep_blocks=True, **kw)
+        watch = RequestWatch()
+        self.loop.submit(req, watch)
+        try:
+            self.wait_done(req, watch, timeout or self.cfg.request_timeout)
+        except BaseException:
+            self._reclaim(req)
+            raise
+        if req.finish_reason is FinishReason.ABORTED:
+            self._reclaim(req)
+            raise ConfigError(f"prefill of {req.request_id} was aborted")
+        first = req.output_ids[0]
+        done = not force and (req.finish_reason is FinishReason.STOP or sampling.max_tokens <= 1)
+        t_pub = time.perf_counter()
+        handle = None
+        if done or not publish:
+            self.pool.free(req.block_ids)
+        else:
+            try:
+                handle = self.sender.publish(req.request_id, req.block_ids, len(req.prompt_ids))
+            except BaseException:
+                self.pool.free(req.block_ids)
+                raise
+        req.block_ids = []
+        admitted = watch.admitted_at if watch.admitted_at is not None else req.arrival_time
+        arrival = req.arrival_time or t_in
+        return {
+            "request_id": req.request_id,
+            "handle": handle.to_dict() if handle is not None else None,
+            "first_token": first, "num_tokens": len(req.prompt_ids),
+            "finish_reason": "stop" if req.finish_reason is FinishReason.STOP else (
+                "length" if done else None),
+            "timings": {"queue_s": max(0.0, (admitted or arrival) - arrival),
+                        "prefill_s": (req.token_times[0] - (admitted or arrival)),
+                        "publish_s": time.perf_counter() - t_pub,
+                        "total_s": time.perf_counter() - t_in},
+        }
+
+    def _reclaim(self, req: Request) -> None:
+        """Free the blocks of a prefill that failed or was aborted (``keep_blocks`` keeps them)."""
+        deadline = time.monotonic() + 5.0
+        while not req.finished and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+
+    def _http_prefill(self, ctx: Ctx) -> None:
+        body = ctx.json()
+        ids = body.get("prompt_ids")
+        if not isinstance(ids, list) or not ids:
+            raise ConfigError("prompt_ids must be a non-empty list of token ids")
+        params = SamplingParams.from_dict(body.get("sampling") or {})
+        out = self.prefill(ids, params, request_id=body.get("request_id"), publish=bool(body.get("publish", True)),
+                           force=bool(body.get("force", False)), timeout=body.get("timeout"))
+        ctx.send_json(200, out)
+
+    def health(self) -> dict[str, Any]:
+        h = super().health()
+        h.update(transport=self.transport, sender_urls=list(self.sender.urls), live_handles=self.sender.num_live,
+                 sender=self.sender.stats.as_dict())
+        return h
+
+    def close(self) -> None:
+        super().close()
+        self.sender.close()
+        self.pool.close()

@@ -1,0 +1,216 @@
+"""Faults on purpose: claimer death, owner death, lease expiry, Redis kill/restart, lost scripts."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import pytest
+import redis
+
+from kvbridge.errors import (ConfigError, LeaseConflict, LeaseExpired, LeaseNotFound,
+                             LeaseStoreUnavailable, StaleFence)
+from kvbridge.lease import (EmbeddedRedis, Fence, LeaseEvent, LeaseState, RedisLeaseStore,
+                            default_lease_url, open_lease_store, owner_deadline,
+                            resolve_lease_url)
+from kvbridge.lease.embedded import _free_port
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_claimer_death_takeover_and_late_calls_refused(store: RedisLeaseStore) -> None:
+    store.publish("a", "owner", ttl_s=30)
+    first = store.claim("a", "A", claim_ttl_s=0.2)
+    time.sleep(0.3)  # A died mid-fetch: its claim lapses, the lease is claimable again
+    got = store.get("a")
+    assert got is not None and got.state is LeaseState.PUBLISHED and got.claimer is None
+    second = store.claim("a", "B", claim_ttl_s=30)
+    assert second.fence > first.fence and second.fence.epoch == first.fence.epoch
+    # A's late validate, release, abort, renew, re-claim: all refused
+    with pytest.raises(LeaseConflict):
+        store.validate("a", "A", first.fence)
+    with pytest.raises(LeaseConflict):
+        store.release("a", "A", first.fence)
+    with pytest.raises(LeaseConflict):
+        store.abort("a", "A", first.fence)
+    with pytest.raises(LeaseConflict):
+        store.renew("a", "A", 10, fence=first.fence)
+    with pytest.raises(LeaseConflict):
+        store.claim("a", "A", 10)
+    store.validate("a", "B", second.fence)
+    store.release("a", "B", second.fence)
+    assert store.events("owner") == [LeaseEvent("released", "a")]
+
+
+def test_lapsed_claimer_without_takeover_is_stale(store: RedisLeaseStore) -> None:
+    store.publish("a", "owner", ttl_s=30)
+    first = store.claim("a", "A", claim_ttl_s=0.1)
+    time.sleep(0.2)
+    with pytest.raises(StaleFence, match="lapsed"):
+        store.validate("a", "A", first.fence)
+    with pytest.raises(StaleFence):
+        store.release("a", "A", first.fence)
+    again = store.claim("a", "A", 30)  # A may claim afresh: a new fence
+    assert again.fence > first.fence
+    with pytest.raises(StaleFence):
+        store.validate("a", "A", first.fence)
+    store.validate("a", "A", again.fence)
+
+
+def test_owner_death_fetch_fails_fast(store: RedisLeaseStore) -> None:
+    store.publish("a", "owner", ttl_s=0.2)  # the owner dies: no heartbeat renews the lease
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    with pytest.raises(LeaseExpired):
+        store.claim("a", "dec", 5)
+    assert time.monotonic() - t0 < 0.5  # final at once, not retried
+
+
+def test_slow_read_past_lease_expiry_rejected() -> None:
+    """Simulated owner/claimer pair: counts of stale reads and leaked blocks are zero."""
+    with EmbeddedRedis() as srv, RedisLeaseStore(srv.url, namespace="slow") as s:
+        freed: set[str] = set()
+        stale_reads = 0
+        for i in range(5):
+            lid = f"l{i}"
+            sent = time.monotonic()
+            s.publish(lid, "owner", ttl_s=0.3)
+            deadline = owner_deadline(sent, 0.3, margin_s=0.05)
+            c = s.claim(lid, "dec", 5)
+            time.sleep(0.4)  # slow read; the owner frees at its local deadline meanwhile
+            while time.monotonic() < deadline:
+                time.sleep(0.01)
+            freed.add(lid)
+            try:
+                s.validate(lid, "dec", c.fence)
+                stale_reads += 1  # validate said "valid" after the free: a stale read
+            except LeaseExpired:
+                pass
+        assert stale_reads == 0 and freed == {f"l{i}" for i in range(5)}
+
+
+def _assert_unavailable_fast(fn: Callable[[], Any]) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(LeaseStoreUnavailable):
+        fn()
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_redis_restart_with_data_loss(own_server: EmbeddedRedis, make_store: Any) -> None:
+    s: RedisLeaseStore = make_store(own_server.url)
+    s.publish("a", "owner", ttl_s=30)
+    old = s.claim("a", "dec", 30)
+    own_server.kill()
+    # downtime: every operation fails retryably, after the retry policy, quickly
+    _assert_unavailable_fast(lambda: s.validate("a", "dec", old.fence))
+    _assert_unavailable_fast(lambda: s.publish("b", "owner", ttl_s=30))
+    _assert_unavailable_fast(lambda: s.claim_many("dec", ["a", "b"], 30))
+    _assert_unavailable_fast(lambda: s.events("owner", timeout_s=0.1))
+    _assert_unavailable_fast(lambda: s.sweep("owner", ["a"]))
+    own_server.restart()  # same port, empty dataset
+    with pytest.raises(StaleFence, match="epoch"):
+        s.validate("a", "dec", old.fence)
+    with pytest.raises(StaleFence):
+        s.release("a", "dec", old.fence)
+    with pytest.raises(LeaseNotFound):
+        s.claim("a", "dec", 30)
+    assert s.sweep("owner", ["a"]) == {"a": None}  # the owner frees after its deadline
+    # the same id republished and claimed: the fence never repeats, the old one stays refused
+    p = s.publish("a", "owner", ttl_s=30)
+    new = s.claim("a", "dec", 30)
+    assert new.fence.epoch != old.fence.epoch
+    assert new.fence != old.fence and p.fence != old.fence
+    with pytest.raises(StaleFence):
+        s.validate("a", "dec", old.fence)
+    s.validate("a", "dec", new.fence)
+
+
+def test_operations_recover_after_restart_within_retry(own_server: EmbeddedRedis,
+                                                       make_store: Any) -> None:
+    from kvbridge.policy import Backoff, Retry
+
+    s: RedisLeaseStore = make_store(
+        own_server.url, retry=Retry(attempts=50, backoff=Backoff(0.05, 0.1, jitter=False),
+                                    deadline=10.0))
+    s.publish("a", "owner", ttl_s=30)
+    own_server.stop()
+    import threading
+
+    threading.Timer(0.3, own_server.restart).start()
+    lease = s.publish("b", "owner", ttl_s=30)  # retried until the server is back
+    assert lease.state is LeaseState.PUBLISHED
+    assert s.get("a") is None
+
+
+def test_connection_refused_is_unavailable(make_store: Any) -> None:
+    s: RedisLeaseStore = make_store(f"redis://127.0.0.1:{_free_port()}/0")
+    _assert_unavailable_fast(lambda: s.publish("a", "owner", 1))
+    with pytest.raises(LeaseStoreUnavailable) as info:
+        s.get("a")
+    assert info.value.retryable and not isinstance(info.value.__cause__, LeaseStoreUnavailable)
+
+
+def test_unix_socket_url(server: EmbeddedRedis, make_store: Any) -> None:
+    s: RedisLeaseStore = make_store(server.unix_url)
+    tcp: RedisLeaseStore = make_store(server.url)
+    s.publish("u", "owner", ttl_s=10)
+    c = tcp.claim("u", "dec", 5)  # same dataset through both transports
+    s.validate("u", "dec", c.fence)
+
+
+def test_script_flush_reloads(server: EmbeddedRedis, store: RedisLeaseStore) -> None:
+    raw = redis.Redis.from_url(server.url)
+    try:
+        store.publish("a", "owner", ttl_s=10)
+        raw.script_flush()
+        c = store.claim("a", "dec", 5)  # NoScriptError -> SCRIPT LOAD -> EVALSHA
+        raw.script_flush()
+        res = store.publish_many("owner", ["b", "c"], ttl_s=10)
+        assert [x.state for x in res] == [LeaseState.PUBLISHED] * 2  # type: ignore[union-attr]
+        raw.script_flush()
+        store.release("a", "dec", c.fence)
+    finally:
+        raw.close()
+
+
+def test_epoch_key_loss_detected(server: EmbeddedRedis, store: RedisLeaseStore, ns: str) -> None:
+    """Even if only the epoch key vanished, old leases and fences are refused."""
+    store.publish("a", "owner", ttl_s=10)
+    c = store.claim("a", "dec", 5)
+    raw = redis.Redis.from_url(server.url)
+    try:
+        raw.delete("{" + ns + "}:epoch")
+    finally:
+        raw.close()
+    with pytest.raises(StaleFence):
+        store.validate("a", "dec", c.fence)
+    with pytest.raises(LeaseExpired):
+        store.claim("a", "dec", 5)
+    assert store.get("a") is None
+
+
+def test_embedded_server_lifecycle() -> None:
+    srv = EmbeddedRedis(unix_socket=False)
+    try:
+        srv.start()
+        assert srv.running and srv.url.startswith("redis://127.0.0.1:")
+        with pytest.raises(ConfigError):
+            srv.unix_url
+        port = srv.port
+        srv.restart()
+        assert srv.port == port and srv.running
+        srv.kill()
+        assert not srv.running
+    finally:
+        srv.close()
+
+
+def test_default_url_is_shared_and_resolved() -> None:
+    url = default_lease_url()
+    assert resolve_lease_url(None) == url == default_lease_url()
+    assert resolve_lease_url("redis://h:1/0") == "redis://h:1/0"
+    with pytest.raises(ConfigError):
+        resolve_lease_url("http://h:1")
+    with open_lease_store(None, namespace="dflt") as s:
+        lease = s.publish("x", "owner", ttl_s=5)
+        assert lease.fence != Fence.ZERO
