@@ -8,21 +8,76 @@ import xxhash
 
 from .pool import KVPool
 
-__all__ = ["block_checksums"]
+__all__ = ["block_checksums", "StreamVerifier"]
 
 
 def block_checksums(pool: KVPool, block_ids: Sequence[int]) -> list[int]:
     """One 64-bit xxh3 per block over all its layers and parts (host pools only)."""
     L = pool.layout
     views = pool.host_views()
-    nb = pool.num_blocks
+    n = L.part_nbytes
+    plan = [(views[L.buffer_index(layer, part)], *L.part_base_stride(part, pool.num_blocks))
+            for layer in range(L.num_layers) for part in range(L.num_parts)]
     out = []
-    seg = L.segment
     for b in block_ids:
         h = xxhash.xxh3_64()
-        for layer in range(L.num_layers):
-            for part in range(L.num_parts):
-                buf, off, n = seg(layer, b, part, nb)
-                h.update(views[buf][off:off + n])
+        for view, base, stride in plan:
+            off = base + b * stride
+            h.update(view[off:off + n])
         out.append(h.intdigest())
     return out
+
+
+class StreamVerifier:
+    """Checksums of destination blocks computed as their bytes land, in stream order.
+
+    The canonical stream is (layer, part, block); each block's hash is updated with its
+    parts in (layer, part) order, which is exactly :func:`block_checksums`' order, so the
+    digests are comparable. Hashing right after each chunk lands reads it from cache
+    instead of making a second pass over DRAM.
+    """
+
+    def __init__(self, pool: KVPool, block_ids: Sequence[int]) -> None:
+        L = pool.layout
+        views = pool.host_views()
+        n = L.part_nbytes
+        self.parts: list[tuple[int, int, memoryview]] = []   # (stream end, block index, part view)
+        pos = 0
+        for layer in range(L.num_layers):
+            for part in range(L.num_parts):
+                view = views[L.buffer_index(layer, part)]
+                base, stride = L.part_base_stride(part, pool.num_blocks)
+                for k, b in enumerate(block_ids):
+                    off = base + b * stride
+                    pos += n
+                    self.parts.append((pos, k, view[off:off + n]))
+        self.total = pos
+        self._num_blocks = len(block_ids)
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over (a retried transfer resends the stream from its first byte)."""
+        self.hashers = [xxhash.xxh3_64() for _ in range(self._num_blocks)]
+        self._i = 0
+        self._done = 0
+
+    def advance(self, upto: int) -> None:
+        """Hash everything between the last call and byte ``upto`` of the stream."""
+        parts, hashers = self.parts, self.hashers
+        i, done = self._i, self._done
+        while done < upto and i < len(parts):
+            end, k, view = parts[i]
+            start = end - len(view)
+            stop = min(end, upto)
+            hashers[k].update(view[done - start:stop - start])
+            done = stop
+            if stop == end:
+                i += 1
+        self._i, self._done = i, done
+
+    @property
+    def complete(self) -> bool:
+        return self._done == self.total
+
+    def digests(self) -> list[int]:
+        return [h.intdigest() for h in self.hashers]

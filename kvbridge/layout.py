@@ -25,6 +25,7 @@ import enum
 import hashlib
 import json
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any, Iterator
 
 import torch
@@ -133,9 +134,9 @@ class KVLayout:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    @property
+    @cached_property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def num_parts(self) -> int:
@@ -150,7 +151,7 @@ class KVLayout:
             return (self.block_size, self.num_kv_heads, self.head_dim)
         return (self.num_kv_heads, self.block_size, self.head_dim)
 
-    @property
+    @cached_property
     def part_nbytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
@@ -191,22 +192,39 @@ class KVLayout:
             off = block * p
         return (self.buffer_index(layer, part), off, p)
 
+    def part_base_stride(self, part: int, num_blocks: int) -> tuple[int, int]:
+        """Byte offset of block 0's ``part`` in its buffer, and the stride between blocks."""
+        p = self.part_nbytes
+        if self.kv_order is KVOrder.KV_FIRST:
+            return part * num_blocks * p, p
+        if self.kv_order is KVOrder.BLOCK_FIRST:
+            return part * p, 2 * p
+        return 0, p
+
     def segments(self, block_ids: list[int], num_blocks: int,
                  layers: range | None = None) -> Iterator[Segment]:
-        """Segments of ``block_ids`` in canonical order, adjacent ones merged into runs."""
-        cur: list[int] | None = None
+        """Segments of ``block_ids`` in canonical order, adjacent ones merged into runs.
+
+        Same offsets as :meth:`segment`, computed once per (layer, part) for speed."""
+        for b in block_ids:
+            if not 0 <= b < num_blocks:
+                raise IndexError(f"block {b} outside a pool of {num_blocks} blocks")
+        p = self.part_nbytes
+        cur_buf, cur_off, cur_n = -1, 0, 0
         for layer in (layers if layers is not None else range(self.num_layers)):
             for part in range(self.num_parts):
+                buf = self.buffer_index(layer, part)
+                base, stride = self.part_base_stride(part, num_blocks)
                 for b in block_ids:
-                    buf, off, n = self.segment(layer, b, part, num_blocks)
-                    if cur is not None and cur[0] == buf and cur[1] + cur[2] == off:
-                        cur[2] += n
+                    off = base + b * stride
+                    if buf == cur_buf and cur_off + cur_n == off:
+                        cur_n += p
                         continue
-                    if cur is not None:
-                        yield (cur[0], cur[1], cur[2])
-                    cur = [buf, off, n]
-        if cur is not None:
-            yield (cur[0], cur[1], cur[2])
+                    if cur_n:
+                        yield (cur_buf, cur_off, cur_n)
+                    cur_buf, cur_off, cur_n = buf, off, p
+        if cur_n:
+            yield (cur_buf, cur_off, cur_n)
 
     # -- compatibility ---------------------------------------------------------------
     def compat_key(self) -> dict[str, Any]:
@@ -216,7 +234,7 @@ class KVLayout:
             d[k] = getattr(self, k).value
         return {k: d[k] for k in _COMPAT_FIELDS}
 
-    @property
+    @cached_property
     def compat_hash(self) -> str:
         """Stable 16-hex-digit hash of what decides whether two pools can exchange blocks."""
         blob = json.dumps(self.compat_key(), sort_keys=True).encode()

@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence, Union
 from .errors import (AccessDenied, Action, BadHandle, IntegrityError, KVBridgeError, LayoutMismatch, LeaseError,
                      PeerUnavailable, PoolError)
 from .handle import KVHandle
-from .integrity import block_checksums
+from .integrity import StreamVerifier, block_checksums
 from .lease import Fence, LeaseStore, open_lease_store
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout
@@ -146,12 +146,27 @@ class KVReceiver:
             raise BadHandle("handle names no sender URL")
         return handle, dst, idx
 
-    def _bad_blocks(self, handle: KVHandle, dst: list[int], idx: Optional[list[int]]) -> list[int]:
+    def _spans(self, handle: KVHandle, dst: list[int]) -> Spans:
+        """Destination memory; with verification on, hashed as it lands."""
+        spans = Spans.of_blocks(self.pool, dst)
+        if self.verify and handle.checksums:
+            spans.verifier = StreamVerifier(self.pool, dst)
+        return spans
+
+    @staticmethod
+    def _restart(spans: Spans) -> None:
+        """A new attempt restarts the stream: so does its verifier."""
+        if spans.verifier is not None:
+            spans.verifier.reset()
+
+    def _bad_blocks(self, handle: KVHandle, dst: list[int], idx: Optional[list[int]],
+                    spans: Optional[Spans] = None) -> list[int]:
         """Positions (into ``dst``) whose checksum does not match the handle's."""
         if not self.verify or not handle.checksums:
             return []
         want = handle.checksums if idx is None else [handle.checksums[i] for i in idx]
-        got = block_checksums(self.pool, dst)
+        v = spans.verifier if spans is not None else None
+        got = v.digests() if v is not None and v.complete else block_checksums(self.pool, dst)
         return [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
 
     # -- one read, over the handle's URLs in order -------------------------------------------
@@ -194,11 +209,12 @@ class KVReceiver:
                             self._on_retry)
 
     def _finish(self, res: FetchResult, idx: Optional[list[int]], t0: float, release: bool,
-                store: Optional[LeaseStore] = None, claim: Optional[Claim] = None) -> FetchResult:
+                store: Optional[LeaseStore] = None, claim: Optional[Claim] = None,
+                spans: Optional[Spans] = None) -> FetchResult:
         """Verify checksums (refetching bad blocks once), then release or abort; record stats."""
         h, dst = res.handle, res.dst_block_ids
         if res.error is None:
-            bad = self._bad_blocks(h, dst, idx)
+            bad = self._bad_blocks(h, dst, idx, spans)
             if bad:
                 self.stats.refetches += 1
                 sub_idx = [(idx[k] if idx is not None else k) for k in bad]
@@ -232,7 +248,7 @@ class KVReceiver:
                 if store is not None and claim is not None:
                     self._end_claim(store, h, claim, abort=False)
                 else:
-                    self.release(h)
+                    self.release(h, wait=False)
         res.seconds = time.perf_counter() - t0
         self.stats.seconds += res.seconds
         return res
@@ -252,12 +268,13 @@ class KVReceiver:
         t0 = time.perf_counter()
         self.stats.fetches += 1
         res = FetchResult(h, dst)
-        spans = Spans.of_blocks(self.pool, dst)
+        spans = self._spans(h, dst)
         store = self.lease_store(h)
         claim: Optional[Claim] = None
 
         def attempt() -> int:
             res.attempts += 1
+            self._restart(spans)
             return self._read_once(h, spans, idx, claim)
         try:
             claim = self._claim(store, h)
@@ -265,7 +282,7 @@ class KVReceiver:
             self._validate(store, h, claim)
         except KVBridgeError as exc:
             res.error = exc
-        return self._finish(res, idx, t0, release, store, claim)
+        return self._finish(res, idx, t0, release, store, claim, spans)
 
     async def afetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
                      indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
@@ -274,12 +291,13 @@ class KVReceiver:
         t0 = time.perf_counter()
         self.stats.fetches += 1
         res = FetchResult(h, dst)
-        spans = Spans.of_blocks(self.pool, dst)
+        spans = self._spans(h, dst)
         store = self.lease_store(h)
         claim: Optional[Claim] = None
 
         async def attempt() -> int:
             res.attempts += 1
+            self._restart(spans)
             return await self._aread_once(h, spans, idx, claim)
         try:
             if store is not None:
@@ -293,7 +311,7 @@ class KVReceiver:
                                        self._on_retry)
         except KVBridgeError as exc:
             res.error = exc
-        return await asyncio.to_thread(self._finish, res, idx, t0, release, store, claim)
+        return await asyncio.to_thread(self._finish, res, idx, t0, release, store, claim, spans)
 
     def fetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                    release: bool = True) -> list[FetchResult]:
@@ -306,7 +324,7 @@ class KVReceiver:
         for k, (h, dst, _) in enumerate(prepared):
             store = self.lease_store(h)
             stores.append(store)
-            op = ReadOp(h, Spans.of_blocks(self.pool, dst))
+            op = ReadOp(h, self._spans(h, dst))
             try:
                 op.claim = self._claim(store, h)
             except KVBridgeError as exc:
@@ -327,6 +345,7 @@ class KVReceiver:
                 try:
                     if isinstance(op.result, KVBridgeError) and op.result.retryable:
                         # fall back to the single-fetch path with its retry policy
+                        self._restart(op.dst)
                         res.nbytes = self.retry.call(lambda: self._read_once(h, op.dst, None, op.claim),
                                                      self._on_retry)
                         res.attempts += 1
@@ -337,18 +356,19 @@ class KVReceiver:
                     self._validate(stores[k], h, op.claim)
                 except KVBridgeError as exc:
                     res.error = exc
-                results[k] = self._finish(res, None, t0, release, stores[k], op.claim)
+                results[k] = self._finish(res, None, t0, release, stores[k], op.claim, op.dst)
         return [r for r in results if r is not None]
 
     async def afetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                           release: bool = True) -> list[FetchResult]:
         return list(await asyncio.gather(*(self.afetch(h, d, release=release) for h, d in items)))
 
-    def release(self, handle: KVHandle) -> bool:
-        """Tell the sender the KV is consumed. Failure is logged: the sender frees at expiry."""
+    def release(self, handle: KVHandle, wait: bool = True) -> bool:
+        """Tell the sender the KV is consumed (for handles without a lease). Failure is logged:
+        the sender frees at expiry. ``wait=False`` sends without waiting for the answer."""
         for url in handle.urls:
             try:
-                self.transport(url).release(url, handle)
+                self.transport(url).release(url, handle, wait)
                 return True
             except KVBridgeError as exc:
                 log.warning("release of %s via %s failed: %s", handle.request_id, url, exc)

@@ -16,7 +16,7 @@ import abc
 import asyncio
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 from ..errors import KVBridgeError, ProtocolError
 from ..handle import KVHandle
@@ -25,6 +25,7 @@ from ..policy import Timeout
 from .wire import Claim
 
 if TYPE_CHECKING:
+    from ..integrity import StreamVerifier
     from ..pool import KVPool
 
 __all__ = ["Run", "Spans", "ReadGrant", "BlockSource", "Server", "Transport", "ReadOp",
@@ -41,7 +42,7 @@ class Spans:
     I/O) or :meth:`runs` (addresses, for memcpy). Both are derived lazily and cached.
     """
 
-    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs")
+    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier")
 
     def __init__(self, pool: "KVPool", segments: list[Segment]) -> None:
         self.pool = pool
@@ -49,6 +50,12 @@ class Spans:
         self.nbytes = sum(n for _, _, n in segments)
         self._views: Optional[list[memoryview]] = None
         self._runs: Optional[list[Run]] = None
+        self.verifier: Optional["StreamVerifier"] = None   # hashes bytes as they land
+
+    def landed(self, upto: int) -> None:
+        """Transports call this as the first ``upto`` bytes of the stream have arrived."""
+        if self.verifier is not None:
+            self.verifier.advance(upto)
 
     @classmethod
     def of_blocks(cls, pool: "KVPool", block_ids: Sequence[int]) -> "Spans":
@@ -71,8 +78,14 @@ def total(runs: Sequence[Run]) -> int:
     return sum(n for _, n in runs)
 
 
-def copy_runs(dst: Sequence[Run], src: Sequence[Run]) -> int:
-    """memcpy the byte stream described by ``src`` runs into ``dst`` runs (same total)."""
+COPY_CHUNK = 1 << 20
+
+
+def copy_runs(dst: Sequence[Run], src: Sequence[Run], landed: Optional[Callable[[int], None]] = None) -> int:
+    """memcpy the byte stream described by ``src`` runs into ``dst`` runs (same total).
+
+    With ``landed``, copies go in chunks of at most 1 MiB and ``landed(total)`` follows
+    each, so a verifier can hash the bytes while they are in cache."""
     if total(dst) != total(src):
         raise ProtocolError(f"size mismatch: destination {total(dst)} bytes, source {total(src)} bytes")
     memmove = ctypes.memmove
@@ -83,9 +96,13 @@ def copy_runs(dst: Sequence[Run], src: Sequence[Run]) -> int:
         da, dn = dst[i]
         sa, sn = src[j]
         n = min(dn - doff, sn - soff)
+        if landed is not None:
+            n = min(n, COPY_CHUNK)
         if n:
             memmove(da + doff, sa + soff, n)
             moved += n
+            if landed is not None:
+                landed(moved)
         doff += n
         soff += n
         if doff == dn:
@@ -166,8 +183,10 @@ class Transport(abc.ABC):
         return ops
 
     @abc.abstractmethod
-    def release(self, url: str, handle: KVHandle) -> None:
-        """Tell the sender that the handle is consumed (it frees the blocks)."""
+    def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
+        """Tell the sender that the handle is consumed (it frees the blocks).
+
+        ``wait=False`` may skip the reply (best effort: an unreleased handle expires)."""
 
     def extra(self, name: str, default: Any = None) -> Any:
         """Backend-specific facts (e.g. 'connections'); ``default`` when unknown."""

@@ -56,9 +56,9 @@ class InprocTransport(Transport):
              claim: Optional[Claim] = None) -> int:
         grant = self._server(url).source.open_read(handle.to_bytes(), indices, claim)
         try:
-            return copy_runs(dst.runs(), grant.spans.runs())
+            return copy_runs(dst.runs(), grant.spans.runs(), dst.landed if dst.verifier is not None else None)
         finally:
             grant.close()
 
-    def release(self, url: str, handle: KVHandle) -> None:
+    def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         self._server(url).source.release_remote(handle.to_bytes())

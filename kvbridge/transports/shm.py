@@ -190,7 +190,8 @@ class ShmTransport(Transport):
             seg = self._segment(name)
             if any(o + n > seg.size for o, n in runs):
                 raise ProtocolError("sender named bytes outside its segment")
-            n = copy_runs(dst.runs(), [(seg.address + o, k) for o, k in runs])
+            n = copy_runs(dst.runs(), [(seg.address + o, k) for o, k in runs],
+                          dst.landed if dst.verifier is not None else None)
             sock.sendall(pack(Kind.DONE, rid))
             k2, _, l2 = unpack_header(recv_exact(sock, HEADER.size))
             body = recv_exact(sock, l2) if l2 else b""
@@ -206,17 +207,8 @@ class ShmTransport(Transport):
             raise decode_error(body)   # validate-after-read failed: the bytes must not be used
         return n
 
-    def release(self, url: str, handle: KVHandle) -> None:
-        client = self._client(url)
-        sock, kind, _, length = client.call(Kind.RELEASE, handle.to_bytes(), f"release {url}")
-        try:
-            body = recv_exact(sock, length) if length else b""
-        except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, f"release {url}") from None
-        client.put_back(sock)
-        if kind is Kind.ERROR:
-            raise decode_error(body)
+    def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
+        self._client(url).release(handle, wait, f"release {url}")
 
     def close(self) -> None:
         with self._lock:

@@ -19,12 +19,13 @@ from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ConnectionLost, FrameTooLarge, KVBridgeError, PeerUnavailable, ProtocolError
+from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
 from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSource, ReadOp, Server, Spans, Transport
-from .wire import (HEADER, MAX_CONTROL, Claim, Kind, _advance, decode_error, decode_read, encode_error, encode_read,
-                   map_os_error, pack, recv_exact, recv_scatter, send_all, unpack_header, IOV_MAX)
+from .wire import (HEADER, IOV_MAX, MAX_CONTROL, Claim, FrameReader, Kind, _advance, decode_error, decode_read,
+                   encode_error, encode_read, map_os_error, pack, recv_exact, recv_scatter, send_all,
+                   set_os_timeouts, unpack_header)
 
 __all__ = ["TCPTransport", "SocketServer", "SocketClient", "parse_tcp_url"]
 
@@ -76,22 +77,27 @@ class SocketServer(Server):
                              name=f"kvb-conn {self.url}").start()
 
     def _serve_conn(self, conn: socket.socket) -> None:
+        # Blocking socket with kernel timeouts: a peer that stalls mid-frame or mid-send for
+        # `transfer` seconds is dropped; between frames we wait up to idle_timeout().
+        tick = max(0.05, min(self.timeout.transfer, IDLE_TIMEOUT))
+        set_os_timeouts(conn, tick)
+        reader = FrameReader(conn)
+        idle = 0.0
         try:
             while not self._closed.is_set():
-                conn.settimeout(self.idle_timeout(conn))
                 try:
-                    head = recv_exact(conn, HEADER.size)
+                    kind, req_id, payload = reader.read_frame(MAX_CONTROL)
+                except BlockingIOError:
+                    idle += tick
+                    if not reader.empty or idle >= self.idle_timeout(conn):
+                        return
+                    continue
                 except (ConnectionLost, OSError):
                     return
-                conn.settimeout(self.timeout.transfer)   # a peer that stalls mid-frame is dropped
-                try:
-                    kind, req_id, length = unpack_header(head)
-                    if length > MAX_CONTROL:   # DATA headers included: peers never send data here
-                        raise FrameTooLarge(f"{kind.name} frame of {length} bytes exceeds {MAX_CONTROL}")
-                    payload = recv_exact(conn, length) if length else b""
-                except ProtocolError as exc:
+                except ProtocolError as exc:   # includes FrameTooLarge: peers never send data here
                     self._reply_error(conn, 0, exc)
                     return   # framing is lost: close
+                idle = 0.0
                 if not self.handle(conn, kind, req_id, payload):
                     return
         except (OSError, KVBridgeError) as exc:
@@ -122,13 +128,17 @@ class SocketServer(Server):
         """Answer one frame; return False to close the connection."""
         if kind is Kind.READ:
             return self._serve_read(conn, req_id, payload)
-        if kind is Kind.RELEASE:
+        if kind in (Kind.RELEASE, Kind.RELEASE_NOREPLY):
             try:
                 self.source.release_remote(payload)
             except KVBridgeError as exc:
-                self._reply_error(conn, req_id, exc)
+                if kind is Kind.RELEASE:
+                    self._reply_error(conn, req_id, exc)
+                else:
+                    log.info("release refused: %s", exc)
                 return True
-            conn.sendall(pack(Kind.OK, req_id))
+            if kind is Kind.RELEASE:
+                conn.sendall(pack(Kind.OK, req_id))
             return True
         if kind is Kind.PING:
             conn.sendall(pack(Kind.PONG, req_id, payload))
@@ -187,7 +197,7 @@ class SocketClient:
         sock = self._connect(self.timeout.connect)
         self.opened += 1
         _tune(sock)
-        sock.settimeout(self.timeout.transfer)
+        set_os_timeouts(sock, self.timeout.transfer)
         return sock
 
     def put_back(self, sock: socket.socket) -> None:
@@ -206,6 +216,27 @@ class SocketClient:
             idle, self._idle = self._idle, []
         for s in idle:
             s.close()
+
+    def release(self, handle: KVHandle, wait: bool, what: str) -> None:
+        """RELEASE (and read the answer), or RELEASE_NOREPLY: one send, no round trip."""
+        if not wait:
+            sock = self.acquire()
+            try:
+                sock.sendall(pack(Kind.RELEASE_NOREPLY, self.next_id(), handle.to_bytes()))
+            except BaseException as exc:
+                sock.close()
+                raise map_os_error(exc, what) from None
+            self.put_back(sock)
+            return
+        sock, kind, _, length = self.call(Kind.RELEASE, handle.to_bytes(), what)
+        try:
+            body = recv_exact(sock, length) if length else b""
+        except BaseException as exc:
+            sock.close()
+            raise map_os_error(exc, what) from None
+        self.put_back(sock)
+        if kind is Kind.ERROR:
+            raise decode_error(body)
 
     def call(self, kind: Kind, payload: bytes, what: str) -> tuple[socket.socket, Kind, int, int]:
         """Send one control frame and read the reply header (the caller reads the body)."""
@@ -229,7 +260,7 @@ def _read_reply_data(sock: socket.socket, kind: Kind, length: int, dst: Spans, w
         raise ProtocolError(f"{what}: expected DATA, got {kind.name}")
     if length != dst.nbytes:
         raise ProtocolError(f"{what}: sender offers {length} bytes, destination holds {dst.nbytes}")
-    return recv_scatter(sock, dst.views())
+    return recv_scatter(sock, dst.views(), dst.landed if dst.verifier is not None else None)
 
 
 class TCPTransport(Transport):
@@ -238,6 +269,7 @@ class TCPTransport(Transport):
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
         self._clients: dict[tuple[str, int], SocketClient] = {}
+        self._by_url: dict[str, SocketClient] = {}
         self._aclients: dict[tuple[int, str, int], list[socket.socket]] = defaultdict(list)
         self._lock = threading.Lock()
 
@@ -252,6 +284,9 @@ class TCPTransport(Transport):
         return SocketServer(lst, f"tcp://{host}:{real_port}", source, timeout)
 
     def _client(self, url: str) -> SocketClient:
+        c = self._by_url.get(url)
+        if c is not None:
+            return c
         addr = parse_tcp_url(url)
         with self._lock:
             c = self._clients.get(addr)
@@ -262,6 +297,7 @@ class TCPTransport(Transport):
                     except OSError as exc:
                         raise PeerUnavailable(f"cannot connect to tcp://{addr[0]}:{addr[1]}: {exc}") from None
                 c = self._clients[addr] = SocketClient(connect, self.timeout)
+            self._by_url[url] = c
         return c
 
     def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
@@ -316,17 +352,8 @@ class TCPTransport(Transport):
         client.put_back(sock)
         return ops
 
-    def release(self, url: str, handle: KVHandle) -> None:
-        client = self._client(url)
-        sock, kind, _, length = client.call(Kind.RELEASE, handle.to_bytes(), f"release {url}")
-        try:
-            body = recv_exact(sock, length) if length else b""
-        except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, f"release {url}") from None
-        client.put_back(sock)
-        if kind is Kind.ERROR:
-            raise decode_error(body)
+    def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
+        self._client(url).release(handle, wait, f"release {url}")
 
     def ping(self, url: str, payload: bytes = b"") -> None:
         client = self._client(url)
@@ -413,6 +440,7 @@ class TCPTransport(Transport):
         with self._lock:
             clients = list(self._clients.values())
             self._clients.clear()
+            self._by_url.clear()
         for c in clients:
             c.close()
         for socks in self._aclients.values():

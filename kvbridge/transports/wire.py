@@ -12,13 +12,14 @@ from __future__ import annotations
 import enum
 import socket
 import struct
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError,
                       TransferTimeout, error_from_code)
 
-__all__ = ["Kind", "Claim", "HEADER", "MAX_CONTROL", "pack", "unpack_header", "encode_read", "decode_read",
-           "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error"]
+__all__ = ["Kind", "Claim", "FrameReader", "set_os_timeouts", "HEADER", "MAX_CONTROL", "pack", "unpack_header",
+           "encode_read", "decode_read", "encode_error", "decode_error", "recv_exact", "recv_scatter",
+           "send_all", "map_os_error"]
 
 MAGIC = b"KB"
 VERSION = 1
@@ -38,6 +39,7 @@ class Kind(enum.IntEnum):
     MAP = 8        # shm: handle + indices -> MAPPED (segment runs) | ERROR
     MAPPED = 9
     DONE = 10      # shm: the copy finished -> OK (still valid) | ERROR (stale)
+    RELEASE_NOREPLY = 11  # handle -> nothing (best effort: the sender frees at expiry anyway)
 
 
 def pack(kind: Kind, req_id: int, payload: bytes = b"", length: Optional[int] = None) -> bytes:
@@ -135,9 +137,63 @@ def map_os_error(exc: BaseException, what: str) -> KVBridgeError:
         raise exc
     if isinstance(exc, KVBridgeError):
         return exc
-    if isinstance(exc, (socket.timeout, TimeoutError)):
+    if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
         return TransferTimeout(f"{what}: timed out")
     return ConnectionLost(f"{what}: {exc.__class__.__name__}: {exc}")
+
+
+def set_os_timeouts(sock: socket.socket, seconds: float) -> None:
+    """Make a blocking socket give up after ``seconds`` without progress, in the kernel
+    (SO_RCVTIMEO/SO_SNDTIMEO): one syscall per recv/send instead of poll + call."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+class FrameReader:
+    """Reads whole frames from a socket through one reused buffer: usually one recv per frame."""
+
+    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
+        self.sock = sock
+        self.buf = bytearray(size)
+        self.start = 0
+        self.end = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.start == self.end
+
+    def _fill(self, need: int) -> None:
+        """Make ``need`` bytes available from ``start``; raises ConnectionLost on EOF."""
+        if self.start + need > len(self.buf):
+            have = self.end - self.start
+            if need > len(self.buf):
+                newbuf = bytearray(max(need, 2 * len(self.buf)))
+                newbuf[:have] = self.buf[self.start:self.end]
+                self.buf = newbuf
+            else:
+                self.buf[:have] = self.buf[self.start:self.end]
+            self.start, self.end = 0, have
+        view = memoryview(self.buf)
+        while self.end - self.start < need:
+            k = self.sock.recv_into(view[self.end:])
+            if k == 0:
+                raise ConnectionLost("peer closed the connection")
+            self.end += k
+
+    def read_frame(self, max_len: int = MAX_CONTROL) -> tuple[Kind, int, bytes]:
+        self._fill(HEADER.size)
+        kind, req_id, length = unpack_header(bytes(self.buf[self.start:self.start + HEADER.size]))
+        if length > max_len:
+            raise FrameTooLarge(f"{kind.name} frame of {length} bytes exceeds {max_len}")
+        self._fill(HEADER.size + length)
+        s = self.start + HEADER.size
+        payload = bytes(self.buf[s:s + length])
+        self.start = s + length
+        if self.start == self.end:
+            self.start = self.end = 0
+        return kind, req_id, payload
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -166,20 +222,26 @@ def _advance(views: list[memoryview], i: int, n: int) -> int:
     return i
 
 
-def recv_scatter(sock: socket.socket, views: Sequence[memoryview]) -> int:
-    """Fill every view completely from the socket, scatter-gather (recvmsg_into)."""
+def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
+                 landed: Optional[Callable[[int], None]] = None) -> int:
+    """Fill every view completely from the socket, scatter-gather (recvmsg_into).
+
+    ``landed(total)`` is called as bytes arrive, so a verifier can hash them while they
+    are still in cache."""
     vs = [v for v in views if len(v)]
     i = 0
     got = 0
     while i < len(vs):
         if len(vs) - i == 1:
-            k = sock.recv_into(vs[i], len(vs[i]), socket.MSG_WAITALL)
+            k = sock.recv_into(vs[i], len(vs[i]))
         else:
-            k = sock.recvmsg_into(vs[i:i + IOV_MAX], 0, socket.MSG_WAITALL)[0]
+            k = sock.recvmsg_into(vs[i:i + IOV_MAX])[0]
         if k == 0:
             raise ConnectionLost("peer closed the connection mid-transfer")
         got += k
         i = _advance(vs, i, k)
+        if landed is not None:
+            landed(got)
     return got
 
 

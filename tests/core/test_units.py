@@ -363,7 +363,7 @@ class DictTransport(Transport):
         finally:
             g.close()
 
-    def release(self, url: str, handle: KVHandle) -> None:
+    def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         self.servers[url].source.release_remote(handle.to_bytes())
 
 

@@ -1,0 +1,236 @@
+"""``kvbridge`` command line: ``up``, ``prefill``, ``decode``, ``colocated``, ``proxy``, ``leases``.
+
+``kvbridge up`` runs the whole thing on this machine (embedded lease server, a prefill
+and a decode worker, the HTTP proxy); ``kvbridge up --colocated`` runs one engine that
+does both, for comparison. The other commands run one piece each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from . import __version__
+from .errors import KVBridgeError
+
+__all__ = ["main", "build_parser"]
+
+_MODEL_HELP = "preset (tiny, small, bench) with seeded weights, or a local HF checkpoint directory"
+
+
+def _engine_args(p: argparse.ArgumentParser, threads: int) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    g.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
+    g.add_argument("--model", default="small", help=_MODEL_HELP + " (default small)")
+    g.add_argument("--seed", type=int, default=0, help="weight seed of a preset model (default 0)")
+    g.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (default 256)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (default 2048)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests batched at once")
+    g.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
+    g.add_argument("--request-timeout", type=float, default=300.0, help="abort a request after this many s")
+    g.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # fault drills
+    g.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)   # set by `up`
+
+
+def _slo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--routing", choices=["least-loaded", "round-robin"], default="least-loaded",
+                   help="how to pick a decode worker (default least-loaded)")
+    p.add_argument("--on-decode-failure", choices=["retry", "reprefill"], default="retry",
+                   help="a failed decode worker: retry the handle on another one, or re-prefill (default retry)")
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT target in seconds for goodput (default 2)")
+    p.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target in seconds for goodput (default 0.1)")
+    p.add_argument("--worker-timeout", type=float, default=30.0,
+                   help="seconds of silence from a worker before it counts as failed (default 30)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvbridge", description="Move KV cache between prefill and decode "
+                                 "workers; run a reference prefill/decode deployment on this machine.")
+    ap.add_argument("--version", action="version", version=f"kvbridge {__version__}")
+    ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
+
+    up = sub.add_parser("up", help="run lease server, workers and proxy on this machine",
+                        description="Start the embedded lease server, worker processes and the HTTP proxy; "
+                                    "Ctrl-C stops everything.")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    up.add_argument("--colocated", action="store_true", help="one engine does prefill and decode (baseline)")
+    up.add_argument("--transport", choices=["tcp", "shm"], default="tcp", help="KV transport (default tcp)")
+    up.add_argument("--decode-workers", type=int, default=1, help="decode worker processes (default 1)")
+    up.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes (default 1)")
+    up.add_argument("--model", default="small", help=_MODEL_HELP + " (default small)")
+    up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--chunk-size", type=int, default=256, help="prefill chunk, same in both modes (default 256)")
+    up.add_argument("--block-size", type=int, default=16)
+    up.add_argument("--num-blocks", type=int, default=2048)
+    up.add_argument("--threads", type=int, default=None,
+                    help="torch threads per worker (default: 1 per PD worker, 2 colocated)")
+    up.add_argument("--leases", default=None, help="redis:// URL of a lease server (default: embedded)")
+    up.add_argument("--ttl", type=float, default=30.0, help="seconds an unfetched handle lives (default 30)")
+    up.add_argument("--no-progress", action="store_true", help="no periodic status lines")
+    up.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    _slo_args(up)
+
+    pf = sub.add_parser("prefill", help="run a prefill worker (publishes KV handles)")
+    _engine_args(pf, threads=1)
+    pf.add_argument("--leases", default=None, help="redis:// lease server URL (default: embedded in this process)")
+    pf.add_argument("--transport", choices=["tcp", "shm", "inproc"], default="tcp",
+                    help="how decode workers read the KV (shm also listens on tcp)")
+    pf.add_argument("--ttl", type=float, default=30.0, help="seconds an unfetched handle lives")
+
+    dc = sub.add_parser("decode", help="run a decode worker (fetches KV, generates)")
+    _engine_args(dc, threads=1)
+    dc.add_argument("--leases", default=None, help="redis:// lease server URL (default: the one in each handle)")
+
+    co = sub.add_parser("colocated", help="run one engine that does prefill and decode")
+    _engine_args(co, threads=2)
+
+    px = sub.add_parser("proxy", help="run the HTTP front door (OpenAI-style /v1/completions)")
+    px.add_argument("--host", default="127.0.0.1")
+    px.add_argument("--port", type=int, default=8000)
+    px.add_argument("--prefill", action="append", default=[], metavar="URL", help="prefill worker URL (repeat)")
+    px.add_argument("--decode", action="append", default=[], metavar="URL", help="decode worker URL (repeat)")
+    px.add_argument("--colocated", default=None, metavar="URL", help="colocated worker URL")
+    px.add_argument("--model", default="small", help="for the tokenizer: a preset (bytes) or checkpoint dir")
+    _slo_args(px)
+
+    ls = sub.add_parser("leases", help="list live leases (for operators)")
+    ls.add_argument("--url", default=None, help="lease server URL (default: the running `kvbridge up`'s)")
+    ls.add_argument("--owner", default=None, help="only leases of this owner")
+    ls.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    return ap
+
+
+def _worker_cfg(a: argparse.Namespace) -> Any:
+    from .workers.server import WorkerConfig
+
+    return WorkerConfig(model=a.model, seed=a.seed, num_blocks=a.num_blocks, block_size=a.block_size,
+                        chunk_size=a.chunk_size, max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout,
+                        step_delay=a.step_delay)
+
+
+def _run_worker(a: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(max(1, a.threads))
+    from .workers.server import run_until_signal
+
+    cfg = _worker_cfg(a)
+    if a.cmd == "prefill":
+        from .workers.prefill import PrefillWorker
+        worker: object = PrefillWorker(cfg, a.transport, leases=a.leases, ttl=a.ttl)
+    elif a.cmd == "decode":
+        from .workers.decode import DecodeWorker
+        worker = DecodeWorker(cfg, leases=a.leases)
+    else:
+        from .workers.colocated import ColocatedWorker
+        worker = ColocatedWorker(cfg)
+    return run_until_signal(worker, a.host, a.port, a.parent_pid)
+
+
+def _run_proxy(a: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from .workers.proxy import Proxy, ProxyConfig
+    from .workers.tokenizer import load_tokenizer
+
+    proxy = Proxy(ProxyConfig(prefill=a.prefill, decode=a.decode, colocated=a.colocated, routing=a.routing,
+                              on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
+                              worker_timeout=a.worker_timeout, model_name=a.model),
+                  tokenizer=load_tokenizer(a.model if os.path.isdir(a.model) else None))
+    server = proxy.serve(a.host, a.port)
+    print(json.dumps({"event": "ready", "role": "proxy", "url": server.url, "pid": os.getpid()}), flush=True)
+    stop = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: stop.set())
+    stop.wait()
+    proxy.close()
+    return 0
+
+
+def _run_up(a: argparse.Namespace) -> int:
+    from .workers.launch import Cluster, UpConfig
+
+    cfg = UpConfig(host=a.host, port=a.port, colocated=a.colocated, transport=a.transport,
+                   prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, model=a.model,
+                   seed=a.seed, chunk_size=a.chunk_size, block_size=a.block_size, num_blocks=a.num_blocks,
+                   threads=a.threads, leases=a.leases, ttl=a.ttl, routing=a.routing,
+                   on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
+                   worker_timeout=a.worker_timeout, step_delay=a.step_delay)
+    cluster = Cluster(cfg)
+    try:
+        cluster.start()
+        cluster.wait(progress=not a.no_progress)
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _run_leases(a: argparse.Namespace) -> int:
+    from .lease import open_lease_store
+    from .workers.launch import state_path
+
+    url = a.url or os.environ.get("KVBRIDGE_LEASE_URL")
+    if not url:
+        try:
+            with open(state_path()) as f:
+                url = json.load(f)["leases"]
+        except (OSError, ValueError, KeyError):
+            print("kvbridge leases: no --url given and no running `kvbridge up` found", file=sys.stderr)
+            return 2
+    store = open_lease_store(url)
+    try:
+        leases = store.list(a.owner)
+    finally:
+        store.close()
+    if a.json:
+        for ls in leases:
+            print(json.dumps({"lease_id": ls.lease_id, "owner": ls.owner, "state": ls.state.value,
+                              "fence": str(ls.fence), "claimer": ls.claimer, "ttl_ms_left": ls.ttl_ms_left,
+                              "num_blocks": ls.num_blocks, "meta": ls.meta}))
+        return 0
+    print(f"{len(leases)} live lease(s) at {url}")
+    if leases:
+        print(f"{'lease':34} {'state':10} {'blocks':>6} {'ttl ms':>7}  {'owner':40} request")
+    for ls in leases:
+        print(f"{ls.lease_id:34} {ls.state.value:10} {ls.num_blocks:>6} {ls.ttl_ms_left:>7}  "
+              f"{ls.owner[:40]:40} {ls.meta.get('request_id', '')}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = build_parser()
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.WARNING,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if a.cmd is None:
+        ap.print_help()
+        return 2
+    t0 = time.monotonic()
+    try:
+        if a.cmd == "up":
+            return _run_up(a)
+        if a.cmd in ("prefill", "decode", "colocated"):
+            return _run_worker(a)
+        if a.cmd == "proxy":
+            return _run_proxy(a)
+        return _run_leases(a)
+    except KVBridgeError as exc:
+        print(f"kvbridge {a.cmd}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"kvbridge {a.cmd}: interrupted after {time.monotonic() - t0:.1f}s", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
