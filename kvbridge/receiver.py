@@ -91,6 +91,7 @@ class KVReceiver:
         self.verify = verify and pool.is_host
         self.stats = ReceiverStats()
         self._transports: dict[str, Transport] = {}
+        self._by_url: dict[str, Transport] = {}
         self._lock = threading.Lock()
 
     def lease_store(self, handle: KVHandle) -> Optional[LeaseStore]:
@@ -108,11 +109,15 @@ class KVReceiver:
         return store
 
     def transport(self, url: str) -> Transport:
+        t = self._by_url.get(url)
+        if t is not None:
+            return t
         scheme = scheme_of(url)
         with self._lock:
             t = self._transports.get(scheme)
             if t is None:
                 t = self._transports[scheme] = get_transport_class(scheme)(self.timeout, self.secret)
+            self._by_url[url] = t
         return t
 
     # -- input checks ------------------------------------------------------------------
@@ -221,7 +226,6 @@ class KVReceiver:
                 sub_dst = [dst[k] for k in bad]
                 try:
                     self._read_once(h, Spans.of_blocks(self.pool, sub_dst), sub_idx, claim)
-                    self._validate(store, h, claim)
                     still = self._bad_blocks(h, sub_dst, sub_idx)
                     bad = [bad[k] for k in still]
                 except KVBridgeError as exc:
@@ -231,6 +235,19 @@ class KVReceiver:
                     res.failed_block_ids = [dst[k] for k in bad]
                     res.error = res.error or IntegrityError(
                         f"{len(bad)} block(s) of request {h.request_id!r} failed their checksum twice")
+        if res.error is None and store is not None and claim is not None:
+            # Validate after read, in the same round trip as the release when there is one: a
+            # release succeeds only while the lease is claimed by us with this fence -- so before
+            # the owner could have revoked it and freed the blocks.
+            c = claim
+            try:
+                if release:
+                    self.retry.call(lambda: store.release(h.lease_id, c.claimer, Fence(c.epoch, c.counter)),
+                                    self._on_retry)
+                else:
+                    self._validate(store, h, c)
+            except KVBridgeError as exc:
+                res.error = exc
         if res.error is not None:
             if not res.failed_block_ids:
                 res.failed_block_ids = list(dst)
@@ -244,11 +261,8 @@ class KVReceiver:
             res.ok = True
             self.stats.ok += 1
             self.stats.bytes += res.nbytes
-            if release:
-                if store is not None and claim is not None:
-                    self._end_claim(store, h, claim, abort=False)
-                else:
-                    self.release(h, wait=False)
+            if release and claim is None:
+                self.release(h, wait=False)
         res.seconds = time.perf_counter() - t0
         self.stats.seconds += res.seconds
         return res
@@ -279,7 +293,6 @@ class KVReceiver:
         try:
             claim = self._claim(store, h)
             res.nbytes = self.retry.call(attempt, self._on_retry)
-            self._validate(store, h, claim)
         except KVBridgeError as exc:
             res.error = exc
         return self._finish(res, idx, t0, release, store, claim, spans)
@@ -305,10 +318,6 @@ class KVReceiver:
                                                self._on_retry)
                 claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
             res.nbytes = await self.retry.acall(attempt, self._on_retry)
-            if store is not None and claim is not None:
-                c = claim
-                await self.retry.acall(lambda: store.avalidate(h.lease_id, c.claimer, Fence(c.epoch, c.counter)),
-                                       self._on_retry)
         except KVBridgeError as exc:
             res.error = exc
         return await asyncio.to_thread(self._finish, res, idx, t0, release, store, claim, spans)
@@ -353,7 +362,6 @@ class KVReceiver:
                         raise op.result
                     else:
                         res.nbytes = int(op.result or 0)
-                    self._validate(stores[k], h, op.claim)
                 except KVBridgeError as exc:
                     res.error = exc
                 results[k] = self._finish(res, None, t0, release, stores[k], op.claim, op.dst)
@@ -382,6 +390,7 @@ class KVReceiver:
             ts = list(self._transports.values())
             stores = list(self._stores.values())
             self._transports.clear()
+            self._by_url.clear()
             self._stores.clear()
         for t in ts:
             t.close()

@@ -10,6 +10,7 @@ format as the decode worker's), then ``{"done": true, ...}`` and ``data: [DONE]`
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Optional, Sequence
 
 from ..errors import ConfigError
@@ -32,8 +33,7 @@ class ColocatedWorker(EngineWorker):
 
     def start(self, prompt_ids: Sequence[int], sampling: SamplingParams,
               request_id: Optional[str] = None) -> tuple[Request, RequestWatch]:
-        kw = {"request_id": request_id} if request_id else {}
-        req = Request(list(prompt_ids), sampling, **kw)
+        req = Request(list(prompt_ids), sampling, request_id=request_id or uuid.uuid4().hex)
         watch = RequestWatch()
         self.loop.submit(req, watch)
         return req, watch

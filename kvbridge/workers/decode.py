@@ -13,6 +13,7 @@ code and ``action`` (``reprefill`` when the KV is gone: HTTP 410).
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any, Optional, Sequence, Union
 
 from ..errors import ConfigError, KVBridgeError, PoolError
@@ -82,8 +83,7 @@ class DecodeWorker(EngineWorker):
         self.fetches["ok"] += 1
         self.fetches["bytes"] += res.nbytes
         self.fetches["seconds"] += res.seconds
-        kw = {"request_id": request_id} if request_id else {}
-        req = Request(list(prompt_ids) + outs[:-1], sampling, **kw)
+        req = Request(list(prompt_ids) + outs[:-1], sampling, request_id=request_id or uuid.uuid4().hex)
         watch = RequestWatch()
         self.loop.submit_prefilled(req, blocks, num_cached, outs, watch)
         return req, watch, res

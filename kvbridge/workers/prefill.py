@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
 
@@ -60,8 +61,8 @@ class PrefillWorker(EngineWorker):
         ``force`` publishes even then (a re-prefill, whose first token the caller already has).
         """
         t_in = time.perf_counter()
-        kw = {"request_id": request_id} if request_id else {}
-        req = Request(list(prompt_ids), replace(sampling, max_tokens=1), keep_blocks=True, **kw)
+        req = Request(list(prompt_ids), replace(sampling, max_tokens=1), keep_blocks=True,
+                      request_id=request_id or uuid.uuid4().hex)
         watch = RequestWatch()
         self.loop.submit(req, watch)
         try:

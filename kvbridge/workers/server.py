@@ -387,21 +387,17 @@ class EngineLoop:
             with self._cond:
                 fresh = [w for w in self._watch.values()
                          if w.admitted_at is None and w.req.state is not RequestState.WAITING]
-            for r in touched:
-                w = self._watch.get(r.request_id)
-                if w is not None and w.admitted_at is None and w not in fresh:
-                    fresh.append(w)
             for w in fresh:
                 w.admitted_at = max(t0, w.req.arrival_time or t0)
                 if isinstance(w.listener, RequestWatch):
                     w.listener.admitted_at = w.admitted_at
             for r in touched:
-                w = self._watch.get(r.request_id)
-                if w is None:
+                tw = self._watch.get(r.request_id)
+                if tw is None:
                     continue
                 if r.finished:
                     self._forget(r.request_id)
-                w.listener(r, None)
+                tw.listener(r, None)
             if not touched and not s.running:
                 time.sleep(0.002)  # queued work waits for blocks held outside the scheduler
             if self.step_delay:

@@ -1,0 +1,275 @@
+"""``kvbridge up``: the embedded lease server, worker processes and the proxy, on this machine.
+
+The parent starts the lease server (:class:`EmbeddedRedis`) and hands its URL to every
+worker process; each worker prints one JSON ready line with its URL; the proxy runs in
+the parent. Children get ``PR_SET_PDEATHSIG`` and a ``--parent-pid`` watchdog, so they
+exit if the parent dies; SIGINT/SIGTERM stop everything in order (proxy, workers, lease
+server) with a bounded wait and SIGKILL as the last resort.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, TextIO
+
+from ..errors import ConfigError, KVBridgeError
+from ..lease import EmbeddedRedis
+from .proxy import Proxy, ProxyConfig
+from .server import die_with_parent, http_json
+from .tokenizer import load_tokenizer
+
+__all__ = ["UpConfig", "Cluster", "state_path"]
+
+
+def state_path() -> str:
+    """Where ``kvbridge up`` records its URLs and pids (read by ``kvbridge leases``)."""
+    return os.path.join(tempfile.gettempdir(), f"kvbridge-up-{os.getuid()}.json")
+
+
+@dataclass
+class UpConfig:
+    """Everything ``kvbridge up`` starts."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    colocated: bool = False
+    transport: str = "tcp"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    model: str = "small"
+    seed: int = 0
+    chunk_size: int = 256
+    block_size: int = 16
+    num_blocks: int = 2048
+    threads: Optional[int] = None      # per worker; default 1 (disaggregated) or 2 (colocated)
+    leases: Optional[str] = None       # None: start the embedded lease server
+    ttl: float = 30.0
+    routing: str = "least-loaded"
+    on_decode_failure: str = "retry"
+    ttft_slo: Optional[float] = 2.0
+    tpot_slo: Optional[float] = 0.1
+    worker_timeout: float = 30.0
+    request_timeout: float = 300.0
+    step_delay: float = 0.0
+    startup_timeout: float = 120.0
+    extra_worker_args: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Child:
+    role: str
+    proc: subprocess.Popen[str]
+    log_path: str
+    url: Optional[str] = None
+    ready: threading.Event = field(default_factory=threading.Event)
+
+
+class Cluster:
+    """The processes of one ``kvbridge up``; ``start()`` then ``stop()`` (or use as a context manager)."""
+
+    def __init__(self, cfg: UpConfig, out: TextIO = sys.stderr) -> None:
+        if cfg.transport not in ("tcp", "shm"):
+            raise ConfigError("kvbridge up runs workers as processes: --transport must be tcp or shm")
+        if cfg.decode_workers < 1 or cfg.prefill_workers < 1:
+            raise ConfigError("need at least one prefill and one decode worker")
+        self.cfg = cfg
+        self.out = out
+        self.children: list[_Child] = []
+        self.redis: Optional[EmbeddedRedis] = None
+        self.lease_url: Optional[str] = cfg.leases
+        self.proxy: Optional[Proxy] = None
+        self.url = ""
+        self.log_dir = tempfile.mkdtemp(prefix="kvbridge-up-")
+        self._stopped = False
+
+    def _say(self, msg: str) -> None:
+        print(f"[kvbridge] {msg}", file=self.out, flush=True)
+
+    def _engine_args(self, role: str) -> list[str]:
+        c = self.cfg
+        threads = c.threads or (2 if role == "colocated" else 1)
+        args = ["--model", c.model, "--seed", str(c.seed), "--chunk-size", str(c.chunk_size),
+                "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--threads", str(threads),
+                "--host", c.host, "--port", "0", "--parent-pid", str(os.getpid())]
+        if c.step_delay:
+            args += ["--step-delay", str(c.step_delay)]
+        return args + list(c.extra_worker_args)
+
+    def _spawn(self, role: str, args: list[str], n: int) -> _Child:
+        log_path = os.path.join(self.log_dir, f"{role}-{n}.log")
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "kvbridge", role, *args], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=die_with_parent,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        child = _Child(role, proc, log_path)
+        threading.Thread(target=self._read_ready, args=(child,), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    @staticmethod
+    def _read_ready(child: _Child) -> None:
+        assert child.proc.stdout is not None
+        for line in child.proc.stdout:  # keep draining so the child never blocks on a full pipe
+            if child.url is None and line.startswith("{"):
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    continue
+                if msg.get("event") == "ready":
+                    child.url = str(msg["url"])
+                    child.ready.set()
+
+    def _log_tail(self, child: _Child) -> str:
+        try:
+            with open(child.log_path) as f:
+                return f.read()[-1500:]
+        except OSError:
+            return ""
+
+    def start(self) -> str:
+        """Start everything; return the proxy's URL once every worker answers ``/health``."""
+        c = self.cfg
+        t0 = time.monotonic()
+        try:
+            if self.lease_url is None:
+                self.redis = EmbeddedRedis().start()
+                self.lease_url = self.redis.url
+                self._say(f"lease server (embedded) at {self.lease_url}")
+            if c.colocated:
+                self._spawn("colocated", self._engine_args("colocated"), 0)
+            else:
+                for i in range(c.prefill_workers):
+                    self._spawn("prefill", self._engine_args("prefill") + [
+                        "--leases", self.lease_url, "--transport", c.transport, "--ttl", str(c.ttl)], i)
+                for i in range(c.decode_workers):
+                    self._spawn("decode", self._engine_args("decode") + ["--leases", self.lease_url], i)
+            deadline = time.monotonic() + c.startup_timeout
+            for ch in self.children:
+                while not ch.ready.wait(0.1):
+                    if ch.proc.poll() is not None:
+                        raise ConfigError(f"{ch.role} worker exited at start (code {ch.proc.returncode}):\n"
+                                          f"{self._log_tail(ch)}")
+                    if time.monotonic() > deadline:
+                        raise ConfigError(f"{ch.role} worker not ready within {c.startup_timeout:.0f}s")
+                self._say(f"{ch.role} worker pid {ch.proc.pid} at {ch.url} ({time.monotonic() - t0:.1f}s)")
+            urls = {r: [ch.url for ch in self.children if ch.role == r and ch.url] for r in
+                    ("prefill", "decode", "colocated")}
+            self.proxy = Proxy(ProxyConfig(
+                prefill=urls["prefill"], decode=urls["decode"],
+                colocated=urls["colocated"][0] if c.colocated else None, routing=c.routing,
+                on_decode_failure=c.on_decode_failure, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo,
+                worker_timeout=c.worker_timeout, request_timeout=c.request_timeout, model_name=c.model),
+                tokenizer=load_tokenizer(c.model if os.path.isdir(c.model) else None))
+            self.url = self.proxy.serve(c.host, c.port).url
+            while True:
+                try:
+                    http_json("GET", self.url + "/health", timeout=5.0)
+                    break
+                except KVBridgeError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+            self._write_state()
+        except BaseException:
+            self.stop()
+            raise
+        mode = "colocated" if c.colocated else (f"disaggregated: {c.prefill_workers} prefill, "
+                                                 f"{c.decode_workers} decode over {c.transport}")
+        self._say(f"ready in {time.monotonic() - t0:.1f}s ({mode}; model {c.model}, chunk {c.chunk_size})")
+        self._say(f"send requests to {self.url}/v1/completions   (health: {self.url}/health, "
+                  f"metrics: {self.url}/metrics)")
+        self._say(f"  curl -s {self.url}/v1/completions -H 'Content-Type: application/json' "
+                  f"-d '{{\"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+        return self.url
+
+    def _write_state(self) -> None:
+        state = {"proxy": self.url, "leases": self.lease_url, "parent_pid": os.getpid(),
+                 "workers": [{"role": ch.role, "url": ch.url, "pid": ch.proc.pid} for ch in self.children],
+                 "logs": self.log_dir}
+        try:
+            with open(state_path(), "w") as f:
+                json.dump(state, f)
+        except OSError:
+            pass
+
+    def progress_line(self) -> str:
+        assert self.proxy is not None
+        s = self.proxy.summary()
+
+        def ms(d: dict[str, Any], k: str) -> str:
+            v = d.get(k)
+            return "-" if v is None else f"{v * 1000:.0f}ms"
+        return (f"{s['ok']} done, {s['in_flight']} in flight, {s['failed']} failed | "
+                f"TTFT p50 {ms(s['ttft'], 'p50')} p99 {ms(s['ttft'], 'p99')} | "
+                f"TPOT p50 {ms(s['tpot'], 'p50')} | {s['throughput_tok_s']:.0f} tok/s | "
+                f"goodput {s['goodput_fraction'] * 100:.0f}%")
+
+    def wait(self, progress: bool = True, interval: float = 5.0) -> None:
+        """Block until SIGINT/SIGTERM; report workers that exit and show progress when it changes.
+
+        A dead worker is not restarted: the proxy routes around it (decode) or answers with a
+        clear error (prefill, colocated), and ``/health`` says ``degraded``.
+        """
+        stop = threading.Event()
+        prev = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+        last = ""
+        reported: set[int] = set()
+        next_progress = time.monotonic() + interval
+        try:
+            while not stop.wait(0.5):
+                for ch in self.children:
+                    if ch.proc.poll() is not None and ch.proc.pid not in reported:
+                        reported.add(ch.proc.pid)
+                        self._say(f"{ch.role} worker pid {ch.proc.pid} exited with code {ch.proc.returncode} "
+                                  f"(log: {ch.log_path})")
+                if progress and self.proxy is not None and time.monotonic() >= next_progress:
+                    next_progress = time.monotonic() + interval
+                    line = self.progress_line()
+                    if line != last:
+                        self._say(line)
+                        last = line
+        finally:
+            for s, h in prev.items():
+                signal.signal(s, h)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the proxy, then the workers (SIGTERM, then SIGKILL), then the lease server."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.proxy is not None:
+            self.proxy.close()
+        for ch in self.children:
+            if ch.proc.poll() is None:
+                ch.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for ch in self.children:
+            try:
+                ch.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                ch.proc.kill()
+                ch.proc.wait(timeout=5)
+        if self.redis is not None:
+            self.redis.close()
+        try:
+            with open(state_path()) as f:
+                if json.load(f).get("parent_pid") == os.getpid():
+                    os.unlink(state_path())
+        except (OSError, ValueError):
+            pass
+        self._say("stopped")
+
+    def __enter__(self) -> "Cluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
