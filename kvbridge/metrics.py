@@ -15,7 +15,7 @@ class SenderStats:
     expired: int = 0
     revoked: int = 0
     closed: int = 0
-    blocks_freed: int = 0
+    blocks_freed: int = 0        # "expired" counts handles reclaimed without a release
     reads: int = 0
     bytes_served: int = 0
     refused: int = 0
@@ -27,6 +27,10 @@ class SenderStats:
 @dataclass
 class ReceiverStats:
     fetches: int = 0
+    claimed: int = 0             # leases claimed
+    released: int = 0            # leases released after a verified fetch
+    aborted: int = 0             # claims given up after a failed fetch
+    stale_refused: int = 0       # fetches whose bytes a lease check refused (never used)
     ok: int = 0
     failed: int = 0
     retries: int = 0

@@ -205,6 +205,7 @@ class KVReceiver:
         if store is None:
             return None
         lease = self.retry.call(lambda: store.claim(h.lease_id, self.claimer, self.claim_ttl), self._on_retry)
+        self.stats.claimed += 1
         return Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
 
     def _validate(self, store: Optional[LeaseStore], h: KVHandle, claim: Optional[Claim]) -> None:
@@ -244,10 +245,13 @@ class KVReceiver:
                 if release:
                     self.retry.call(lambda: store.release(h.lease_id, c.claimer, Fence(c.epoch, c.counter)),
                                     self._on_retry)
+                    self.stats.released += 1
                 else:
                     self._validate(store, h, c)
             except KVBridgeError as exc:
                 res.error = exc
+                if isinstance(exc, LeaseError):
+                    self.stats.stale_refused += 1
         if res.error is not None:
             if not res.failed_block_ids:
                 res.failed_block_ids = list(dst)
@@ -271,6 +275,7 @@ class KVReceiver:
         fence = Fence(claim.epoch, claim.counter)
         try:
             (store.abort if abort else store.release)(h.lease_id, claim.claimer, fence)
+            self.stats.aborted += abort
         except KVBridgeError as exc:   # the owner still frees at expiry
             log.warning("%s of lease %s failed: %s", "abort" if abort else "release", h.lease_id, exc)
 
@@ -316,6 +321,7 @@ class KVReceiver:
             if store is not None:
                 lease = await self.retry.acall(lambda: store.aclaim(h.lease_id, self.claimer, self.claim_ttl),
                                                self._on_retry)
+                self.stats.claimed += 1
                 claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
             res.nbytes = await self.retry.acall(attempt, self._on_retry)
         except KVBridgeError as exc:
