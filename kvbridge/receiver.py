@@ -67,6 +67,20 @@ class FetchResult:
         return self
 
 
+@dataclass
+class _Fetch:
+    """One fetch in progress."""
+
+    h: KVHandle
+    dst: list[int]
+    idx: Optional[list[int]]
+    t0: float
+    res: FetchResult
+    spans: Spans
+    store: Optional[LeaseStore]
+    claim: Optional[Claim] = None
+
+
 class KVReceiver:
     """Fetch handles into ``pool``. ``secret``: verify handle MACs locally when shared.
 
@@ -280,53 +294,49 @@ class KVReceiver:
             log.warning("%s of lease %s failed: %s", "abort" if abort else "release", h.lease_id, exc)
 
     # -- public API --------------------------------------------------------------------------
+    def _start(self, handle: HandleLike, dst_block_ids: Sequence[int],
+               indices: Optional[Sequence[int]]) -> "_Fetch":
+        h, dst, idx = self._prepare(handle, dst_block_ids, indices)
+        self.stats.fetches += 1
+        return _Fetch(h, dst, idx, time.perf_counter(), FetchResult(h, dst), self._spans(h, dst),
+                      self.lease_store(h))
+
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
               indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
         """Read the handle's blocks (or ``indices`` of them) into ``dst_block_ids``."""
-        h, dst, idx = self._prepare(handle, dst_block_ids, indices)
-        t0 = time.perf_counter()
-        self.stats.fetches += 1
-        res = FetchResult(h, dst)
-        spans = self._spans(h, dst)
-        store = self.lease_store(h)
-        claim: Optional[Claim] = None
+        f = self._start(handle, dst_block_ids, indices)
 
         def attempt() -> int:
-            res.attempts += 1
-            self._restart(spans)
-            return self._read_once(h, spans, idx, claim)
+            f.res.attempts += 1
+            self._restart(f.spans)
+            return self._read_once(f.h, f.spans, f.idx, f.claim)
         try:
-            claim = self._claim(store, h)
-            res.nbytes = self.retry.call(attempt, self._on_retry)
+            f.claim = self._claim(f.store, f.h)
+            f.res.nbytes = self.retry.call(attempt, self._on_retry)
         except KVBridgeError as exc:
-            res.error = exc
-        return self._finish(res, idx, t0, release, store, claim, spans)
+            f.res.error = exc
+        return self._finish(f.res, f.idx, f.t0, release, f.store, f.claim, f.spans)
 
     async def afetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
                      indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
-        """Awaitable :meth:`fetch`; the transfer runs on the event loop where the backend allows."""
-        h, dst, idx = self._prepare(handle, dst_block_ids, indices)
-        t0 = time.perf_counter()
-        self.stats.fetches += 1
-        res = FetchResult(h, dst)
-        spans = self._spans(h, dst)
-        store = self.lease_store(h)
-        claim: Optional[Claim] = None
+        """Awaitable :meth:`fetch`; the claim and the transfer run on the event loop."""
+        f = self._start(handle, dst_block_ids, indices)
 
         async def attempt() -> int:
-            res.attempts += 1
-            self._restart(spans)
-            return await self._aread_once(h, spans, idx, claim)
+            f.res.attempts += 1
+            self._restart(f.spans)
+            return await self._aread_once(f.h, f.spans, f.idx, f.claim)
         try:
-            if store is not None:
+            if f.store is not None:
+                store, h = f.store, f.h
                 lease = await self.retry.acall(lambda: store.aclaim(h.lease_id, self.claimer, self.claim_ttl),
                                                self._on_retry)
                 self.stats.claimed += 1
-                claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
-            res.nbytes = await self.retry.acall(attempt, self._on_retry)
+                f.claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
+            f.res.nbytes = await self.retry.acall(attempt, self._on_retry)
         except KVBridgeError as exc:
-            res.error = exc
-        return await asyncio.to_thread(self._finish, res, idx, t0, release, store, claim, spans)
+            f.res.error = exc
+        return await asyncio.to_thread(self._finish, f.res, f.idx, f.t0, release, f.store, f.claim, f.spans)
 
     def fetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                    release: bool = True) -> list[FetchResult]:
