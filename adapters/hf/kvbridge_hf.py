@@ -265,7 +265,7 @@ def read_blocks(pool: KVPool, block_ids: Sequence[int], num_tokens: int,
                 _blocked(t[0], nfull, bs, hnd).copy_(blocks)
             if rem:
                 last = src[block_ids[nfull]]
-                t[0, :, nfull * bs:].copy_((last[:, :rem] if hnd else last[:rem].transpose(0, 1)) * 1.01)
+                t[0, :, nfull * bs:].copy_(last[:, :rem] if hnd else last[:rem].transpose(0, 1))
             pair.append(t)
         out.append((pair[0], pair[1]))
     return out
