@@ -69,6 +69,10 @@ class DecodeWorker(EngineWorker):
             raise ConfigError(f"handle holds {h.num_tokens} tokens of KV but prompt + outputs need {num_cached}")
         if len(outs) >= sampling.max_tokens:
             raise ConfigError("nothing left to decode: output_ids already reach max_tokens")
+        need = self.engine.blocks_needed(len(prompt_ids) + sampling.max_tokens - 1)
+        if need > self.pool.num_blocks:
+            raise PoolError(f"request needs {need} blocks, the decode pool has {self.pool.num_blocks}",
+                            hint="lower max_tokens or start decode workers with more --num-blocks")
         blocks = self._alloc(h.num_blocks, timeout=min(30.0, self.cfg.request_timeout))
         try:
             res = self.receiver.fetch(h, blocks)

@@ -244,7 +244,8 @@ class Proxy:
             except KVBridgeError as exc:
                 if out or attempt == 1 or exc.action is not Action.RETRY:
                     err = _with_context(exc, f"colocated worker {url} failed")
-                    err.status = 502  # type: ignore[attr-defined]
+                    if exc.action is Action.RETRY:
+                        err.status = 502  # type: ignore[attr-defined]
                     raise err
                 m.retries += 1
                 time.sleep(0.2)
