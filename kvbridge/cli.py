@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--block-size", type=int, default=16)
     up.add_argument("--num-blocks", type=int, default=2048)
     up.add_argument("--threads", type=int, default=None,
-                    help="torch threads per worker (default: 1 per PD worker, 2 colocated)")
+                    help="torch threads per worker (default 1 everywhere, so both modes compute the "
+                         "same bits; use 2 with --colocated for an equal-cores comparison)")
     up.add_argument("--leases", default=None, help="redis:// URL of a lease server (default: embedded)")
     up.add_argument("--ttl", type=float, default=30.0, help="seconds an unfetched handle lives (default 30)")
     up.add_argument("--no-progress", action="store_true", help="no periodic status lines")
@@ -91,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     dc.add_argument("--leases", default=None, help="redis:// lease server URL (default: the one in each handle)")
 
     co = sub.add_parser("colocated", help="run one engine that does prefill and decode")
-    _engine_args(co, threads=2)
+    _engine_args(co, threads=1)
 
     px = sub.add_parser("proxy", help="run the HTTP front door (OpenAI-style /v1/completions)")
     px.add_argument("--host", default="127.0.0.1")

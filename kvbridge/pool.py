@@ -21,7 +21,7 @@ import torch
 from .errors import ConfigError, LayoutMismatch, PoolError
 from .layout import KVLayout, KVOrder
 
-__all__ = ["KVPool", "SharedSegment"]
+__all__ = ["KVPool", "SharedSegment", "sweep_dead_segments"]
 
 _ALIGN = 4096
 TensorOrPair = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
@@ -34,6 +34,32 @@ def _host_view(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray(0))
     arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
     return memoryview(arr).cast("B")
+
+
+def sweep_dead_segments() -> list[str]:
+    """Unlink ``/dev/shm/kvb-<pid>-*`` segments whose creating process is gone (killed senders)."""
+    removed: list[str] = []
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    for name in names:
+        parts = name.split("-")
+        if len(parts) != 3 or parts[0] != "kvb" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+            continue                      # alive (or not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            os.unlink("/dev/shm/" + name)
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 class SharedSegment:
@@ -122,6 +148,7 @@ class KVPool:
             return cls(layout, bufs, num_blocks)
         if device.type != "cpu":
             raise ConfigError("shared=True pools live in host shared memory; use device='cpu'")
+        sweep_dead_segments()
         parts_per_buffer = 2 if layout.kv_order in (KVOrder.KV_FIRST, KVOrder.BLOCK_FIRST) else 1
         nbytes = num_blocks * layout.part_nbytes * parts_per_buffer
         stride = -(-nbytes // _ALIGN) * _ALIGN

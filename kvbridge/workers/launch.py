@@ -49,7 +49,7 @@ class UpConfig:
     chunk_size: int = 256
     block_size: int = 16
     num_blocks: int = 2048
-    threads: Optional[int] = None      # per worker; default 1 (disaggregated) or 2 (colocated)
+    threads: Optional[int] = None      # per worker; default 1 (same bits in both modes)
     leases: Optional[str] = None       # None: start the embedded lease server
     ttl: float = 30.0
     routing: str = "least-loaded"
@@ -95,7 +95,7 @@ class Cluster:
 
     def _engine_args(self, role: str) -> list[str]:
         c = self.cfg
-        threads = c.threads or (2 if role == "colocated" else 1)
+        threads = c.threads or 1
         args = ["--model", c.model, "--seed", str(c.seed), "--chunk-size", str(c.chunk_size),
                 "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--threads", str(threads),
                 "--host", c.host, "--port", "0", "--parent-pid", str(os.getpid())]
