@@ -243,7 +243,12 @@ class KVSender:
         return _Grant(self, rec, spans)
 
     def release_remote(self, handle_bytes: bytes) -> None:
+        """A direct release (handles without a lease). A leased handle ends only through its
+        lease: a holder of the handle bytes is not necessarily its claimer."""
         rec = self._lookup(handle_bytes)
+        if self.leases is not None and rec.handle.lease_id:
+            self.stats.refused += 1
+            raise AccessDenied("a leased handle is released through its lease, by its claimer")
         self._end(rec, "released")
 
     # -- lifecycle -----------------------------------------------------------------------
