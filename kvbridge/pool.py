@@ -86,10 +86,17 @@ class SharedSegment:
         finally:
             os.close(fd)
         self.owner = create
+        self._tensor: Optional[torch.Tensor] = None
         self.view = memoryview(self.mmap) if self.mmap is not None else memoryview(bytearray(0))
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mmap)) if self.mmap else 0
         if create:
             self._finalizer = weakref.finalize(self, SharedSegment._unlink, path)
+
+    def tensor(self) -> torch.Tensor:
+        """The whole segment as a uint8 tensor (no copy)."""
+        if self._tensor is None:
+            self._tensor = torch.frombuffer(self.mmap, dtype=torch.uint8) if self.mmap else torch.empty(0)
+        return self._tensor
 
     @staticmethod
     def _unlink(path: str) -> None:
@@ -100,6 +107,7 @@ class SharedSegment:
 
     def close(self) -> None:
         """Unmap (and unlink, for the creator). Views handed out must be gone first."""
+        self._tensor = None
         self.view.release()
         if self.mmap is not None:
             try:
@@ -131,6 +139,7 @@ class KVPool:
         self._refs = [0] * num_blocks
         self._gens = [0] * num_blocks
         self._views: Optional[list[memoryview]] = None
+        self._staged = False
         self.on_free: list[Callable[[list[int]], None]] = []
 
     # -- construction ------------------------------------------------------------------
@@ -196,7 +205,9 @@ class KVPool:
     # -- memory access ---------------------------------------------------------------
     @property
     def is_host(self) -> bool:
-        return self.device.type == "cpu"
+        """True when transports may address the memory directly (a CPU pool). Device pools
+        are staged through host buffers; ``_staged`` makes a CPU pool behave like one."""
+        return self.device.type == "cpu" and not self._staged
 
     def host_views(self) -> list[memoryview]:
         """Byte memoryviews over each buffer (CPU pools only); built once, reused."""

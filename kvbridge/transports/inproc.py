@@ -11,6 +11,7 @@ from ..errors import ConfigError, PeerUnavailable
 from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSource, Server, Spans, Transport, copy_runs
+from .staging import copy_slices, device_slices
 from .wire import Claim
 
 __all__ = ["InprocTransport"]
@@ -56,6 +57,8 @@ class InprocTransport(Transport):
              claim: Optional[Claim] = None) -> int:
         grant = self._server(url).source.open_read(handle.to_bytes(), indices, claim)
         try:
+            if not (dst.pool.is_host and grant.spans.pool.is_host):
+                return copy_slices(device_slices(dst), device_slices(grant.spans))
             return copy_runs(dst.runs(), grant.spans.runs(), dst.landed if dst.verifier is not None else None)
         finally:
             grant.close()

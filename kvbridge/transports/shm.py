@@ -25,6 +25,7 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from ..pool import SharedSegment
 from .base import BlockSource, ReadGrant, Server, Spans, Transport, copy_runs
+from .staging import copy_slices, device_slices
 from .tcp import SocketClient, SocketServer
 from .wire import (HEADER, Claim, Kind, decode_error, decode_read, encode_read, map_os_error, pack, recv_exact,
                    unpack_header)
@@ -190,8 +191,12 @@ class ShmTransport(Transport):
             seg = self._segment(name)
             if any(o + n > seg.size for o, n in runs):
                 raise ProtocolError("sender named bytes outside its segment")
-            n = copy_runs(dst.runs(), [(seg.address + o, k) for o, k in runs],
-                          dst.landed if dst.verifier is not None else None)
+            if dst.pool.is_host:
+                n = copy_runs(dst.runs(), [(seg.address + o, k) for o, k in runs],
+                              dst.landed if dst.verifier is not None else None)
+            else:   # a device pool: host-to-device straight from the mapped segment
+                whole = seg.tensor()
+                n = copy_slices(device_slices(dst), [whole[o:o + k] for o, k in runs])
             sock.sendall(pack(Kind.DONE, rid))
             k2, _, l2 = unpack_header(recv_exact(sock, HEADER.size))
             body = recv_exact(sock, l2) if l2 else b""

@@ -23,6 +23,7 @@ from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable
 from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSource, ReadOp, Server, Spans, Transport
+from .staging import RingPool, recv_staged, send_staged
 from .wire import (HEADER, IOV_MAX, MAX_CONTROL, Claim, FrameReader, Kind, _advance, decode_error, decode_read,
                    encode_error, encode_read, map_os_error, pack, recv_exact, recv_scatter, send_all,
                    set_os_timeouts, unpack_header)
@@ -59,6 +60,7 @@ class SocketServer(Server):
         self.timeout = timeout
         self._listener = listener
         self._closed = threading.Event()
+        self._rings = RingPool()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
@@ -155,7 +157,14 @@ class SocketServer(Server):
             return True
         try:
             head = pack(Kind.DATA, req_id, length=grant.spans.nbytes)
-            send_all(conn, [head, *grant.spans.views()])
+            if grant.spans.pool.is_host:
+                send_all(conn, [head, *grant.spans.views()])
+            else:
+                ring = self._rings.take()
+                try:
+                    send_staged(conn, grant.spans, ring, head)
+                finally:
+                    self._rings.give(ring)
         finally:
             grant.close()
         return True
@@ -260,7 +269,16 @@ def _read_reply_data(sock: socket.socket, kind: Kind, length: int, dst: Spans, w
         raise ProtocolError(f"{what}: expected DATA, got {kind.name}")
     if length != dst.nbytes:
         raise ProtocolError(f"{what}: sender offers {length} bytes, destination holds {dst.nbytes}")
+    if not dst.pool.is_host:
+        ring = _RINGS.take()
+        try:
+            return recv_staged(sock, dst, ring)
+        finally:
+            _RINGS.give(ring)
     return recv_scatter(sock, dst.views(), dst.landed if dst.verifier is not None else None)
+
+
+_RINGS = RingPool()
 
 
 class TCPTransport(Transport):
@@ -408,6 +426,8 @@ class TCPTransport(Transport):
 
     async def aread(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
                     claim: Optional[Claim] = None) -> int:
+        if not dst.pool.is_host:   # device pools: staged copies block; run them off the loop
+            return await super().aread(url, handle, dst, indices, claim)
         host, port = parse_tcp_url(url)
         loop = asyncio.get_running_loop()
         sock = await self._aconnect(loop, host, port)
