@@ -24,7 +24,8 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSource, ReadOp, Server, Spans, Transport
 from .staging import RingPool, recv_staged, send_staged
-from .wire import (HEADER, IOV_MAX, MAX_CONTROL, Claim, FrameReader, Kind, _advance, decode_error, decode_read,
+from .wire import (HEADER, MAX_CONTROL, RECV_WINDOW, Claim, FrameReader, Kind, _advance, _window, decode_error,
+                   decode_read,
                    encode_error, encode_read, map_os_error, pack, recv_exact, recv_scatter, send_all,
                    set_os_timeouts, unpack_header)
 
@@ -408,7 +409,7 @@ class TCPTransport(Transport):
         i = 0
         while i < len(vs):
             try:
-                k = sock.recvmsg_into(vs[i:i + IOV_MAX])[0]
+                k = sock.recvmsg_into(vs[i:_window(vs, i, RECV_WINDOW)])[0]
             except (BlockingIOError, InterruptedError):
                 fut = loop.create_future()
                 def wake(fut: asyncio.Future[None] = fut) -> None:

@@ -222,6 +222,21 @@ def _advance(views: list[memoryview], i: int, n: int) -> int:
     return i
 
 
+RECV_WINDOW = 1 << 20    # bytes of iovecs offered per recvmsg_into (about what one call returns)
+SEND_WINDOW = 4 << 20
+
+
+def _window(vs: Sequence[memoryview], i: int, max_bytes: int) -> int:
+    """End index of the iovec window starting at ``i``: at most IOV_MAX buffers and about
+    ``max_bytes``. Offering every remaining buffer to each call would make the kernel
+    interface acquire thousands of buffers per call to fill a few."""
+    j, total, end = i, 0, min(len(vs), i + IOV_MAX)
+    while j < end and total < max_bytes:
+        total += len(vs[j])
+        j += 1
+    return j
+
+
 def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
                  landed: Optional[Callable[[int], None]] = None) -> int:
     """Fill every view completely from the socket, scatter-gather (recvmsg_into).
@@ -232,10 +247,11 @@ def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
     i = 0
     got = 0
     while i < len(vs):
-        if len(vs) - i == 1:
+        j = _window(vs, i, RECV_WINDOW)
+        if j - i == 1:
             k = sock.recv_into(vs[i], len(vs[i]))
         else:
-            k = sock.recvmsg_into(vs[i:i + IOV_MAX])[0]
+            k = sock.recvmsg_into(vs[i:j])[0]
         if k == 0:
             raise ConnectionLost("peer closed the connection mid-transfer")
         got += k
@@ -251,7 +267,7 @@ def send_all(sock: socket.socket, views: Sequence[memoryview | bytes]) -> int:
     i = 0
     sent = 0
     while i < len(vs):
-        k = sock.sendmsg(vs[i:i + IOV_MAX])
+        k = sock.sendmsg(vs[i:_window(vs, i, SEND_WINDOW)])
         sent += k
         i = _advance(vs, i, k)
     return sent
