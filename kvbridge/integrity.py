@@ -40,39 +40,49 @@ class StreamVerifier:
     def __init__(self, pool: KVPool, block_ids: Sequence[int]) -> None:
         L = pool.layout
         views = pool.host_views()
-        n = L.part_nbytes
-        self.parts: list[tuple[int, int, memoryview]] = []   # (stream end, block index, part view)
-        pos = 0
+        n = self.part = L.part_nbytes
+        self.views: list[memoryview] = []    # part i covers stream bytes [i*n, (i+1)*n)
+        self.owner: list[int] = []           # index into block_ids of part i
         for layer in range(L.num_layers):
             for part in range(L.num_parts):
                 view = views[L.buffer_index(layer, part)]
                 base, stride = L.part_base_stride(part, pool.num_blocks)
                 for k, b in enumerate(block_ids):
                     off = base + b * stride
-                    pos += n
-                    self.parts.append((pos, k, view[off:off + n]))
-        self.total = pos
+                    self.views.append(view[off:off + n])
+                    self.owner.append(k)
+        self.total = n * len(self.views)
         self._num_blocks = len(block_ids)
         self.reset()
 
     def reset(self) -> None:
         """Start over (a retried transfer resends the stream from its first byte)."""
         self.hashers = [xxhash.xxh3_64() for _ in range(self._num_blocks)]
-        self._i = 0
-        self._done = 0
+        self._updates = [self.hashers[k].update for k in self.owner]
+        self._i = 0      # first part not fully hashed
+        self._done = 0   # stream bytes hashed
 
     def advance(self, upto: int) -> None:
         """Hash everything between the last call and byte ``upto`` of the stream."""
-        parts, hashers = self.parts, self.hashers
+        n, views, updates = self.part, self.views, self._updates
+        upto = min(upto, self.total)
         i, done = self._i, self._done
-        while done < upto and i < len(parts):
-            end, k, view = parts[i]
-            start = end - len(view)
-            stop = min(end, upto)
-            hashers[k].update(view[done - start:stop - start])
+        if done >= upto:
+            return
+        if done > i * n:                       # finish a part that landed partly last time
+            stop = min((i + 1) * n, upto)
+            updates[i](views[i][done - i * n:stop - i * n])
             done = stop
-            if stop == end:
+            if done == (i + 1) * n:
                 i += 1
+        whole = upto // n
+        while i < whole:                       # the common case: whole parts, one C call each
+            updates[i](views[i])
+            i += 1
+        done = max(done, i * n)
+        if done < upto:                        # the start of a part still landing
+            updates[i](views[i][done - i * n:upto - i * n])
+            done = upto
         self._i, self._done = i, done
 
     @property
