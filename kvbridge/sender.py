@@ -297,8 +297,10 @@ class KVSender:
             self.pool.free(rec.block_ids)
         except PoolError as exc:   # the engine freed them behind our back
             log.error("freeing blocks of %s: %s", rec.handle.request_id, exc)
+        n = len(rec.block_ids)
         setattr(self.stats, rec.reason, getattr(self.stats, rec.reason, 0) + 1)
-        self.stats.blocks_freed += len(rec.block_ids)
+        setattr(self.stats, f"blocks_{rec.reason}", getattr(self.stats, f"blocks_{rec.reason}", 0) + n)
+        self.stats.blocks_freed += n
         if self.on_free is not None:
             try:
                 self.on_free(rec.handle, rec.reason)
