@@ -58,6 +58,7 @@ class _Record:
     spans: Optional[Spans] = None
     freed: bool = False
     free_after: float = 0.0   # when Redis could not be told: free at the local deadline
+    revoking: bool = False    # a revoke is on its way to Redis: nothing may free yet
 
 
 @dataclass
@@ -260,7 +261,11 @@ class KVSender:
             rec.reason = reason
             self._records.pop(rec.handle.handle_id, None)
             self._by_lease.pop(rec.handle.lease_id, None)
-        if self.leases is not None and rec.handle.lease_id and reason not in ("released", "aborted"):
+            revoke = (self.leases is not None and bool(rec.handle.lease_id)
+                      and reason not in ("released", "aborted"))
+            rec.revoking = revoke   # a read draining meanwhile must not free before the revoke lands
+        if revoke:
+            assert self.leases is not None
             # Revoke in Redis first: after this, no claimer's validate can succeed.
             try:
                 self.leases.revoke(rec.handle.lease_id, self.owner)
@@ -270,12 +275,14 @@ class KVSender:
                                 rec.handle.request_id)
                     with self._lock:
                         rec.free_after = rec.deadline
+                        rec.revoking = False
                         self._pending.append(rec)
                         self._lock.notify_all()
                     return True
             except StaleHandle:
                 pass   # already gone in Redis
         with self._lock:
+            rec.revoking = False
             free_now = rec.inflight == 0
         if free_now:
             self._free(rec)
@@ -284,7 +291,7 @@ class KVSender:
     def _read_done(self, rec: _Record) -> None:
         with self._lock:
             rec.inflight -= 1
-            free_now = not rec.live and rec.inflight == 0 and not rec.free_after
+            free_now = not rec.live and rec.inflight == 0 and not rec.free_after and not rec.revoking
         if free_now:
             self._free(rec)
 
