@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "same bits; use 2 with --colocated for an equal-cores comparison)")
     up.add_argument("--leases", default=None, help="redis:// URL of a lease server (default: embedded)")
     up.add_argument("--ttl", type=float, default=30.0, help="seconds an unfetched handle lives (default 30)")
+    up.add_argument("--max-num-seqs", type=int, default=64, help="most requests batched at once per engine")
+    up.add_argument("--request-timeout", type=float, default=300.0, help="abort a request after this many s")
     up.add_argument("--no-progress", action="store_true", help="no periodic status lines")
     up.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     _slo_args(up)
@@ -166,7 +168,8 @@ def _run_up(a: argparse.Namespace) -> int:
                    seed=a.seed, chunk_size=a.chunk_size, block_size=a.block_size, num_blocks=a.num_blocks,
                    threads=a.threads, leases=a.leases, ttl=a.ttl, routing=a.routing,
                    on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
-                   worker_timeout=a.worker_timeout, step_delay=a.step_delay)
+                   worker_timeout=a.worker_timeout, step_delay=a.step_delay,
+                   max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout)
     cluster = Cluster(cfg)
     try:
         cluster.start()
@@ -178,16 +181,19 @@ def _run_up(a: argparse.Namespace) -> int:
 
 def _run_leases(a: argparse.Namespace) -> int:
     from .lease import open_lease_store
-    from .workers.launch import state_path
+    from .workers.launch import running_states
 
     url = a.url or os.environ.get("KVBRIDGE_LEASE_URL")
     if not url:
-        try:
-            with open(state_path()) as f:
-                url = json.load(f)["leases"]
-        except (OSError, ValueError, KeyError):
+        states = running_states()
+        if not states:
             print("kvbridge leases: no --url given and no running `kvbridge up` found", file=sys.stderr)
             return 2
+        url = states[0]["leases"]
+        if len(states) > 1:
+            others = ", ".join(s["proxy"] for s in states[1:])
+            print(f"kvbridge leases: {len(states)} deployments running; showing {states[0]['proxy']} "
+                  f"(others: {others}; pass --url)", file=sys.stderr)
     store = open_lease_store(url)
     try:
         leases = store.list(a.owner)

@@ -9,6 +9,7 @@ server) with a bounded wait and SIGKILL as the last resort.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -26,12 +27,26 @@ from .proxy import Proxy, ProxyConfig
 from .server import die_with_parent, http_json
 from .tokenizer import load_tokenizer
 
-__all__ = ["UpConfig", "Cluster", "state_path"]
+__all__ = ["UpConfig", "Cluster", "state_path", "running_states"]
 
 
-def state_path() -> str:
-    """Where ``kvbridge up`` records its URLs and pids (read by ``kvbridge leases``)."""
-    return os.path.join(tempfile.gettempdir(), f"kvbridge-up-{os.getuid()}.json")
+def state_path(pid: Optional[int] = None) -> str:
+    """Where the ``kvbridge up`` of process ``pid`` records its URLs and pids."""
+    return os.path.join(tempfile.gettempdir(), f"kvbridge-up-{os.getuid()}-{pid or os.getpid()}.json")
+
+
+def running_states() -> list[dict[str, Any]]:
+    """States of the ``kvbridge up`` deployments of this user that are still running, newest first."""
+    found = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"kvbridge-up-{os.getuid()}-*.json")):
+        try:
+            with open(path) as f:
+                state = json.load(f)
+            os.kill(int(state["parent_pid"]), 0)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found.append((os.path.getmtime(path), state))
+    return [s for _, s in sorted(found, key=lambda x: x[0], reverse=True)]
 
 
 @dataclass
@@ -58,6 +73,7 @@ class UpConfig:
     tpot_slo: Optional[float] = 0.1
     worker_timeout: float = 30.0
     request_timeout: float = 300.0
+    max_num_seqs: int = 64
     step_delay: float = 0.0
     startup_timeout: float = 120.0
     extra_worker_args: list[str] = field(default_factory=list)
@@ -98,6 +114,7 @@ class Cluster:
         threads = c.threads or 1
         args = ["--model", c.model, "--seed", str(c.seed), "--chunk-size", str(c.chunk_size),
                 "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--threads", str(threads),
+                "--max-num-seqs", str(c.max_num_seqs), "--request-timeout", str(c.request_timeout),
                 "--host", c.host, "--port", "0", "--parent-pid", str(os.getpid())]
         if c.step_delay:
             args += ["--step-delay", str(c.step_delay)]
@@ -260,10 +277,8 @@ class Cluster:
         if self.redis is not None:
             self.redis.close()
         try:
-            with open(state_path()) as f:
-                if json.load(f).get("parent_pid") == os.getpid():
-                    os.unlink(state_path())
-        except (OSError, ValueError):
+            os.unlink(state_path())
+        except OSError:
             pass
         self._say("stopped")
 
