@@ -47,16 +47,18 @@ def pack(kind: Kind, req_id: int, payload: bytes = b"", length: Optional[int] = 
     return HEADER.pack(MAGIC, VERSION, kind, req_id & 0xFFFFFFFF, n) + payload
 
 
-def unpack_header(buf: bytes) -> tuple[Kind, int, int]:
-    magic, version, kind, req_id, length = HEADER.unpack(buf)
+_KINDS = {k.value: k for k in Kind}
+
+
+def unpack_header(buf: bytes | bytearray, offset: int = 0) -> tuple[Kind, int, int]:
+    magic, version, kind, req_id, length = HEADER.unpack_from(buf, offset)
     if magic != MAGIC:
         raise ProtocolError("bad frame magic: not a kvbridge peer")
     if version != VERSION:
         raise ProtocolError(f"frame version {version} unsupported (this side speaks {VERSION})")
-    try:
-        k = Kind(kind)
-    except ValueError:
-        raise ProtocolError(f"unknown frame type {kind}") from None
+    k = _KINDS.get(kind)
+    if k is None:
+        raise ProtocolError(f"unknown frame type {kind}")
     if k is not Kind.DATA and length > MAX_CONTROL:
         raise FrameTooLarge(f"{k.name} frame of {length} bytes exceeds {MAX_CONTROL}")
     return k, req_id, length
@@ -184,7 +186,7 @@ class FrameReader:
 
     def read_frame(self, max_len: int = MAX_CONTROL) -> tuple[Kind, int, bytes]:
         self._fill(HEADER.size)
-        kind, req_id, length = unpack_header(bytes(self.buf[self.start:self.start + HEADER.size]))
+        kind, req_id, length = unpack_header(self.buf, self.start)
         if length > max_len:
             raise FrameTooLarge(f"{kind.name} frame of {length} bytes exceeds {max_len}")
         self._fill(HEADER.size + length)
@@ -198,9 +200,15 @@ class FrameReader:
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
     """Receive exactly ``n`` bytes (control frames only)."""
+    first = sock.recv(n, socket.MSG_WAITALL)      # almost always the whole of it, in one call
+    if len(first) == n:
+        return first
+    if not first:
+        raise ConnectionLost("peer closed the connection")
     buf = bytearray(n)
+    buf[:len(first)] = first
     view = memoryview(buf)
-    got = 0
+    got = len(first)
     while got < n:
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
@@ -243,6 +251,16 @@ def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
 
     ``landed(total)`` is called as bytes arrive, so a verifier can hash them while they
     are still in cache."""
+    if len(views) == 1 and landed is None:           # one run: the plain loop
+        v = views[0]
+        n = len(v)
+        got = 0
+        while got < n:
+            k = sock.recv_into(v[got:] if got else v, n - got)
+            if k == 0:
+                raise ConnectionLost("peer closed the connection mid-transfer")
+            got += k
+        return got
     vs = [v for v in views if len(v)]
     i = 0
     got = 0
