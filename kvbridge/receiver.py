@@ -175,7 +175,7 @@ class KVReceiver:
     @staticmethod
     def _restart(spans: Spans) -> None:
         """A new attempt restarts the stream: so does its verifier."""
-        if spans.verifier is not None:
+        if spans.verifier is not None and spans.verifier._done:
             spans.verifier.reset()
 
     def _bad_blocks(self, handle: KVHandle, dst: list[int], idx: Optional[list[int]],
