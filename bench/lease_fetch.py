@@ -181,8 +181,8 @@ def main() -> None:
     ratio = result["added_by_leases_us"]["ratio_median"]
     lines += ["", f"Added by leases: median **{added_med:.1f} µs** (×{ratio:.2f}),"
               f" p99 {added_p99:.1f} µs; = {result['added_by_leases_us']['in_lease_round_trips']:.1f}"
-              f" × one lease script round trip (a leased fetch makes 4: claim, owner's fence check,"
-              f" validate-after-read, release)."]
+              f" × one lease script round trip (a leased fetch makes 3: claim, the owner's fence"
+              f" check, and the release that is also the validate-after-read)."]
     table = "\n".join(lines)
     print(table)
     if args.md:
