@@ -167,7 +167,7 @@ class ShmTransport(Transport):
                 self._maps.move_to_end(name)
                 return seg
         try:
-            seg = SharedSegment(name, populate=True)
+            seg = SharedSegment(name)   # lazy: a fetch faults in only the pages it reads
         except ConfigError as exc:
             raise StaleHandle(f"sender's shared memory is gone: {exc}") from None
         with self._lock:
