@@ -9,13 +9,11 @@ process boundary, and can SIGKILL it.
 
 from __future__ import annotations
 
+from jsonchild import JsonLinesChild
 import base64
-import json
 import os
-import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -245,54 +243,21 @@ class PeerError(RuntimeError):
     pass
 
 
-class RemotePeer:
+class RemotePeer(JsonLinesChild):
     """``SenderHost`` in a child process, driven by JSON lines; ``kill()`` SIGKILLs it."""
 
     remote = True
+    error = PeerError
+    what = "sender process"
 
     def __init__(self, reply_timeout: float = 30.0) -> None:
-        self.reply_timeout = reply_timeout
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_sender_proc.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._q: "queue.Queue[Optional[bytes]]" = queue.Queue()
-        self._reader = threading.Thread(target=self._read_loop, daemon=True)
-        self._reader.start()
-        self._lock = threading.Lock()
         self._orphans: list[int] = []
-        ready = self._get()
-        if ready.get("ready") is not True:
-            raise PeerError(f"sender process did not start: {ready}")
-
-    def _read_loop(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line)
-        self._q.put(None)
-
-    def _get(self) -> dict:
-        try:
-            line = self._q.get(timeout=self.reply_timeout)
-        except queue.Empty:
-            raise PeerError("sender process did not answer in time") from None
-        if line is None:
-            raise PeerError(f"sender process exited (rc={self.proc.poll()})")
-        return json.loads(line)
+        super().__init__(os.path.join(HERE, "_sender_proc.py"), reply_timeout)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_"):
             raise AttributeError(name)
-
-        def call(**kw: Any) -> Any:
-            with self._lock:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write((json.dumps({"op": name, "kw": kw}) + "\n").encode())
-                self.proc.stdin.flush()
-                reply = self._get()
-            if "error" in reply:
-                raise PeerError(reply["error"])
-            return reply["result"]
-        return call
+        return lambda **kw: self.call(name, **kw)
 
     def _descendants(self) -> list[int]:
         """Pids of processes the child started (e.g. its embedded lease server)."""

@@ -9,6 +9,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: jsonchild
 
 # Replies go to the real stdout; anything else that prints goes to stderr.
 _out = os.fdopen(os.dup(1), "w", buffering=1)

@@ -10,6 +10,7 @@ import sys
 import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tests/: jsonchild
 _out = os.fdopen(os.dup(1), "w", buffering=1)
 sys.stdout = sys.stderr
 

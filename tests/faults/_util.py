@@ -14,13 +14,11 @@
 
 from __future__ import annotations
 
+from jsonchild import JsonLinesChild
 import base64
-import json
 import os
-import queue
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable, Optional, Sequence
@@ -198,45 +196,13 @@ class ChildError(RuntimeError):
     pass
 
 
-class Child:
+class Child(JsonLinesChild):
     """``_child.py`` driven by JSON lines; ``kill()`` SIGKILLs it."""
 
+    error = ChildError
+
     def __init__(self, reply_timeout: float = 30.0) -> None:
-        self.reply_timeout = reply_timeout
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_child.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        self._q: "queue.Queue[Optional[bytes]]" = queue.Queue()
-        threading.Thread(target=self._read_loop, daemon=True).start()
-        self._lock = threading.Lock()
-        ready = self._get()
-        if ready.get("ready") is not True:
-            raise ChildError(f"child did not start: {ready}")
-
-    def _read_loop(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line)
-        self._q.put(None)
-
-    def _get(self) -> dict:
-        try:
-            line = self._q.get(timeout=self.reply_timeout)
-        except queue.Empty:
-            raise ChildError("child did not answer in time") from None
-        if line is None:
-            raise ChildError(f"child exited (rc={self.proc.poll()})")
-        return json.loads(line)
-
-    def call(self, op: str, **kw: Any) -> Any:
-        with self._lock:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write((json.dumps({"op": op, "kw": kw}) + "\n").encode())
-            self.proc.stdin.flush()
-            reply = self._get()
-        if "error" in reply:
-            raise ChildError(reply["error"])
-        return reply["result"]
+        super().__init__(os.path.join(HERE, "_child.py"), reply_timeout)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
