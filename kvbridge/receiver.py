@@ -387,6 +387,29 @@ class KVReceiver:
                           release: bool = True) -> list[FetchResult]:
         return list(await asyncio.gather(*(self.afetch(h, d, release=release) for h, d in items)))
 
+    def claim(self, handle: HandleLike) -> Optional[Claim]:
+        """Claim a leased handle now, e.g. while its request waits in a decode queue; the later
+        :meth:`fetch` by this receiver reuses the claim (claiming again is idempotent). Keep it
+        alive with :meth:`renew`. Returns None for a handle without a lease."""
+        h = self._parse(handle)
+        return self._claim(self.lease_store(h), h)
+
+    def renew(self, handle: HandleLike, claim: Claim, ttl: Optional[float] = None) -> None:
+        """Extend this receiver's claim by ``ttl`` seconds (default ``claim_ttl``); a claim never
+        outlives its lease, which only the owner extends."""
+        h = self._parse(handle)
+        store = self.lease_store(h)
+        if store is not None:
+            self.retry.call(lambda: store.renew(h.lease_id, claim.claimer, self.claim_ttl if ttl is None else ttl,
+                                                Fence(claim.epoch, claim.counter)), self._on_retry)
+
+    def _parse(self, handle: HandleLike) -> KVHandle:
+        if isinstance(handle, KVHandle):
+            return handle
+        if isinstance(handle, dict):
+            return KVHandle.from_dict(handle, self.secret)
+        return KVHandle.from_bytes(handle, self.secret)
+
     def release(self, handle: KVHandle, wait: bool = True) -> bool:
         """Tell the sender the KV is consumed (for handles without a lease). Failure is logged:
         the sender frees at expiry. ``wait=False`` sends without waiting for the answer."""
