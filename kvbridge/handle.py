@@ -82,9 +82,6 @@ class _Reader:
     def u16(self) -> int:
         return int.from_bytes(self.take(2), "big")
 
-    def u32(self) -> int:
-        return int.from_bytes(self.take(4), "big")
-
     def text(self) -> str:
         try:
             return self.take(self.u16()).decode("utf-8")

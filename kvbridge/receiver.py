@@ -421,9 +421,6 @@ class KVReceiver:
                 log.warning("release of %s via %s failed: %s", handle.request_id, url, exc)
         return False
 
-    def extra(self, name: str, default: Any = None) -> Any:
-        return default
-
     def close(self) -> None:
         with self._lock:
             ts = list(self._transports.values())
