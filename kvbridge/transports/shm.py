@@ -20,13 +20,13 @@ from collections import OrderedDict
 from typing import Optional
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, KVBridgeError, PeerUnavailable, ProtocolError, StaleHandle
+from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle
 from ..handle import KVHandle
 from ..policy import Timeout
 from ..pool import SharedSegment
 from .base import BlockSource, ReadGrant, Server, Spans, Transport, copy_runs
 from .staging import copy_slices, device_slices
-from .tcp import SocketClient, SocketServer
+from .tcp import SocketClient, SocketServer, connector
 from .wire import (HEADER, Claim, Kind, decode_error, decode_read, encode_read, map_os_error, pack, recv_exact,
                    unpack_header)
 
@@ -148,16 +148,7 @@ class ShmTransport(Transport):
         with self._lock:
             c = self._clients.get(path)
             if c is None:
-                def connect(t: float) -> socket.socket:
-                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    s.settimeout(t)
-                    try:
-                        s.connect(path)
-                    except OSError as exc:
-                        s.close()
-                        raise PeerUnavailable(f"cannot connect to {url}: {exc}") from None
-                    return s
-                c = self._clients[path] = SocketClient(connect, self.timeout)
+                c = self._clients[path] = SocketClient(connector(socket.AF_UNIX, path, url), self.timeout)
         return c
 
     def _segment(self, name: str) -> SharedSegment:

@@ -29,7 +29,7 @@ from .wire import (HEADER, MAX_CONTROL, RECV_WINDOW, Claim, FrameReader, Kind, _
                    encode_error, encode_read, map_os_error, pack, recv_exact, recv_scatter, send_all,
                    set_os_timeouts, unpack_header)
 
-__all__ = ["TCPTransport", "SocketServer", "SocketClient", "parse_tcp_url"]
+__all__ = ["TCPTransport", "SocketServer", "SocketClient", "connector", "parse_tcp_url"]
 
 log = logging.getLogger("kvbridge.tcp")
 PIPELINE_WINDOW = 16
@@ -189,6 +189,20 @@ class SocketServer(Server):
         self._thread.join(timeout=2)
 
 
+def connector(family: int, address: Any, url: str) -> Callable[[float], socket.socket]:
+    """A connect function for SocketClient: a stream socket to ``address``, errors mapped."""
+    def connect(timeout: float) -> socket.socket:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(address)
+        except OSError as exc:
+            s.close()
+            raise PeerUnavailable(f"cannot connect to {url}: {exc}") from None
+        return s
+    return connect
+
+
 class SocketClient:
     """Pooled connections to frame servers, keyed by address."""
 
@@ -310,12 +324,8 @@ class TCPTransport(Transport):
         with self._lock:
             c = self._clients.get(addr)
             if c is None:
-                def connect(t: float, addr: tuple[str, int] = addr) -> socket.socket:
-                    try:
-                        return socket.create_connection(addr, timeout=t)
-                    except OSError as exc:
-                        raise PeerUnavailable(f"cannot connect to tcp://{addr[0]}:{addr[1]}: {exc}") from None
-                c = self._clients[addr] = SocketClient(connect, self.timeout)
+                family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+                c = self._clients[addr] = SocketClient(connector(family, addr, url), self.timeout)
             self._by_url[url] = c
         return c
 
