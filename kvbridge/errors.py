@@ -26,7 +26,8 @@ leaked raw. Each class says what the caller should do through ``action``::
         │   └── FrameTooLarge          a frame over the size cap
         ├── PoolError                  bad block ids, out of blocks, double free
         ├── BackendUnavailable         a transport needs an extra that is not installed
-        └── ConfigError                invalid URL or option
+        ├── ConfigError                invalid URL or option
+        └── TransferCancelled          the caller cancelled the transfer  action=REPREFILL
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ __all__ = [
     "ConnectionLost", "TransferTimeout", "LeaseStoreUnavailable", "BadHandle",
     "LayoutMismatch", "IntegrityError", "StaleHandle", "HandleNotFound", "LeaseError",
     "LeaseExpired", "LeaseNotFound", "LeaseConflict", "StaleFence", "AccessDenied",
-    "ProtocolError", "FrameTooLarge", "PoolError", "BackendUnavailable", "ConfigError",
+    "ProtocolError", "FrameTooLarge", "PoolError", "BackendUnavailable", "ConfigError", "TransferCancelled",
     "ERROR_CODES", "error_from_code",
 ]
 
@@ -215,6 +216,14 @@ class ConfigError(FinalError):
     """An invalid URL or option."""
 
     code = 41
+
+
+class TransferCancelled(FinalError):
+    """The transfer was cancelled; no more bytes of it will land."""
+
+    action = Action.REPREFILL
+    code = 42
+    hint = "the destination blocks hold no usable KV; fetch again or re-prefill if still needed"
 
 
 def _all_subclasses(cls: type[KVBridgeError]) -> list[type[KVBridgeError]]:

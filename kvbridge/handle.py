@@ -25,11 +25,11 @@ import hmac
 import struct
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Protocol, Sequence, TypeVar
 
-from .errors import BadHandle
+from .errors import AccessDenied, BadHandle, HandleNotFound
 
-__all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "compute_mac"]
+__all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "compute_mac", "lookup_ticket"]
 
 HANDLE_VERSION = 1
 MAGIC = b"KVH"
@@ -39,6 +39,9 @@ MAX_BLOCKS = 1 << 20
 _HEAD = struct.Struct("!3sBB")
 _FIXED = struct.Struct("!16s16s8sIIQQQ")  # handle id, token, layout hash, num_tokens, nblocks, epoch, fence, expiry
 _WIDTH_CODE = {1: "B", 2: "H", 4: "I"}
+FLAG_LAYERWISE = 1
+FLAG_RESERVATION = 2
+_FLAGS = FLAG_LAYERWISE | FLAG_RESERVATION
 
 
 def compute_mac(key: bytes, body: bytes) -> bytes:
@@ -116,12 +119,18 @@ class KVHandle:
     fence: int = 0
     expires_at_ms: int = 0           # unix ms when the sender frees the blocks if unreleased
     mac: bytes = b""
+    layerwise: bool = False          # layers become ready after publish; checksums travel per layer
+    reservation: bool = False        # push mode: names destination blocks the holder may write
     _raw: Optional[bytes] = field(default=None, init=False, repr=False, compare=False)
 
     # -- identity ------------------------------------------------------------------------
     @property
     def id(self) -> str:
         return self.handle_id.hex()
+
+    @property
+    def flags(self) -> int:
+        return (FLAG_LAYERWISE if self.layerwise else 0) | (FLAG_RESERVATION if self.reservation else 0)
 
     @property
     def num_blocks(self) -> int:
@@ -141,7 +150,7 @@ class KVHandle:
         wb, wg = _width(self.block_ids), _width(self.generations)
         flags_arrays = bytes([wb, wg, 1 if self.checksums else 0])
         parts = [
-            _HEAD.pack(MAGIC, HANDLE_VERSION, 0),
+            _HEAD.pack(MAGIC, HANDLE_VERSION, self.flags),
             _FIXED.pack(self.handle_id, self.token, lh, self.num_tokens, n,
                         self.fence_epoch, self.fence, self.expires_at_ms),
             _text(self.request_id), _text(self.codec), _text(self.lease_id), _text(self.lease_url),
@@ -194,11 +203,13 @@ class KVHandle:
             raise BadHandle(f"handle of {len(data)} bytes exceeds {MAX_HANDLE_BYTES}")
         if len(data) < _HEAD.size + _FIXED.size + MAC_LEN:
             raise BadHandle("handle is truncated")
-        magic, version, _flags = _HEAD.unpack_from(data, 0)
+        magic, version, flags = _HEAD.unpack_from(data, 0)
         if magic != MAGIC:
             raise BadHandle("not a kvbridge handle (bad magic)")
         if version != HANDLE_VERSION:
             raise BadHandle(f"handle version {version} unsupported (this kvbridge reads {HANDLE_VERSION})")
+        if flags & ~_FLAGS:
+            raise BadHandle(f"handle flags {flags:#x} unknown to this kvbridge")
         hid, token, lh, ntok, n, epoch, fence, expiry = _FIXED.unpack_from(data, _HEAD.size)
         if n > MAX_BLOCKS:
             raise BadHandle(f"handle names {n} blocks, over the {MAX_BLOCKS} limit")
@@ -214,7 +225,8 @@ class KVHandle:
         if r.pos != r.end:
             raise BadHandle("handle has trailing bytes")
         h = cls(hid, request_id, lh.hex(), urls, tuple(blocks), tuple(gens), tuple(sums), ntok,
-                codec, token, lease_id, lease_url, epoch, fence, expiry, data[-MAC_LEN:])
+                codec, token, lease_id, lease_url, epoch, fence, expiry, data[-MAC_LEN:],
+                layerwise=bool(flags & FLAG_LAYERWISE), reservation=bool(flags & FLAG_RESERVATION))
         object.__setattr__(h, "_raw", data)
         if key is not None:
             h.verify(key)
@@ -237,3 +249,32 @@ class KVHandle:
         except (ValueError, TypeError):
             raise BadHandle("handle dict 'data' is not base64") from None
         return cls.from_bytes(raw, key)
+
+
+class _Issued(Protocol):
+    raw: bytes
+
+
+_R = TypeVar("_R", bound=_Issued)
+_ID = slice(_HEAD.size, _HEAD.size + 16)   # the handle id inside a handle's bytes
+
+
+def lookup_ticket(table: Mapping[bytes, _R], raw: bytes, key: bytes, what: str = "handle") -> _R:
+    """The record a peer's handle (or reservation) bytes name in ``table`` (keyed by handle
+    id), if they are exactly the bytes issued; otherwise the precise refusal: garbage or a
+    forgery (:class:`BadHandle`), a genuine ticket no longer live (:class:`HandleNotFound`),
+    or a genuine id with other contents (:class:`AccessDenied`)."""
+    if len(raw) < _ID.stop:
+        raise BadHandle(f"{what} is truncated")
+    rec = table.get(bytes(raw[_ID]))
+    if rec is not None and hmac.compare_digest(bytes(raw), rec.raw):
+        return rec
+    h = KVHandle.from_bytes(raw)                     # BadHandle on garbage
+    try:
+        h.verify(key)
+    except BadHandle:
+        raise BadHandle(f"{what} MAC does not verify: it was altered or forged, or not issued here") from None
+    if rec is None:
+        raise HandleNotFound(f"{what} {h.id} of request {h.request_id!r} is not live here "
+                             "(released, expired or never issued)")
+    raise AccessDenied(f"{what} does not match the one issued under this id")

@@ -1,23 +1,35 @@
-"""Per-block checksums: xxh3-64 over each block's parts in canonical order."""
+"""Checksums: xxh3-64 over blocks' parts in canonical order.
+
+Two granularities, one definition. A whole handle carries one checksum per block over all
+its layers (:func:`block_checksums`); a layer-wise handle's checksums are computed per
+(layer, block) as each layer becomes ready and travel with the bytes
+(:func:`layer_checksums`). Both hash each part in (layer, part) order, which is the order
+bytes arrive in, so :class:`StreamVerifier` computes either while the bytes land.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import struct
+from typing import Optional, Sequence
 
 import xxhash
 
 from .pool import KVPool
 
-__all__ = ["block_checksums", "StreamVerifier"]
+__all__ = ["block_checksums", "layer_checksums", "pack_sums", "unpack_sums", "StreamVerifier"]
 
 
-def block_checksums(pool: KVPool, block_ids: Sequence[int]) -> list[int]:
-    """One 64-bit xxh3 per block over all its layers and parts (host pools only)."""
+def _plan(pool: KVPool, layers: range) -> list[tuple[memoryview, int, int]]:
     L = pool.layout
     views = pool.host_views()
-    n = L.part_nbytes
-    plan = [(views[L.buffer_index(layer, part)], *L.part_base_stride(part, pool.num_blocks))
-            for layer in range(L.num_layers) for part in range(L.num_parts)]
+    return [(views[L.buffer_index(layer, part)], *L.part_base_stride(part, pool.num_blocks))
+            for layer in layers for part in range(L.num_parts)]
+
+
+def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[range] = None) -> list[int]:
+    """One 64-bit xxh3 per block over ``layers`` (default all) and parts (host pools only)."""
+    n = pool.layout.part_nbytes
+    plan = _plan(pool, layers if layers is not None else range(pool.layout.num_layers))
     out = []
     for b in block_ids:
         h = xxhash.xxh3_64()
@@ -28,39 +40,63 @@ def block_checksums(pool: KVPool, block_ids: Sequence[int]) -> list[int]:
     return out
 
 
+def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> list[int]:
+    """One xxh3 per (layer, block), layer-major: ``len(layers) * len(block_ids)`` values."""
+    out: list[int] = []
+    for layer in layers:
+        out += block_checksums(pool, block_ids, range(layer, layer + 1))
+    return out
+
+
+def pack_sums(sums: Sequence[int]) -> bytes:
+    return struct.pack(f"!{len(sums)}Q", *sums)
+
+
+def unpack_sums(data: bytes) -> list[int]:
+    return list(struct.unpack(f"!{len(data) // 8}Q", data))
+
+
 class StreamVerifier:
     """Checksums of destination blocks computed as their bytes land, in stream order.
 
-    The canonical stream is (layer, part, block); each block's hash is updated with its
-    parts in (layer, part) order, which is exactly :func:`block_checksums`' order, so the
-    digests are comparable. Hashing right after each chunk lands reads it from cache
-    instead of making a second pass over DRAM.
+    The stream is (layer, part, block) over ``layers``. With ``per_layer`` each (layer,
+    block) has its own hash (layer-wise transfers); otherwise each block's hash runs over
+    all its parts in (layer, part) order, exactly :func:`block_checksums`' order. Hashing
+    right after each chunk lands reads it from cache instead of a second pass over DRAM.
     """
 
-    def __init__(self, pool: KVPool, block_ids: Sequence[int]) -> None:
+    def __init__(self, pool: KVPool, block_ids: Sequence[int], layers: Optional[range] = None,
+                 per_layer: bool = False) -> None:
         L = pool.layout
+        layers = layers if layers is not None else range(L.num_layers)
         views = pool.host_views()
         n = self.part = L.part_nbytes
+        nb = len(block_ids)
         self.views: list[memoryview] = []    # part i covers stream bytes [i*n, (i+1)*n)
-        self.owner: list[int] = []           # index into block_ids of part i
-        for layer in range(L.num_layers):
+        self.owner: list[int] = []           # which hash part i feeds
+        for li, layer in enumerate(layers):
             for part in range(L.num_parts):
                 view = views[L.buffer_index(layer, part)]
                 base, stride = L.part_base_stride(part, pool.num_blocks)
+                first = li * nb if per_layer else 0
                 for k, b in enumerate(block_ids):
                     off = base + b * stride
                     self.views.append(view[off:off + n])
-                    self.owner.append(k)
+                    self.owner.append(first + k)
         self.total = n * len(self.views)
-        self._num_blocks = len(block_ids)
+        self._num_hashes = nb * len(layers) if per_layer else nb
         self.reset()
 
     def reset(self) -> None:
         """Start over (a retried transfer resends the stream from its first byte)."""
-        self.hashers = [xxhash.xxh3_64() for _ in range(self._num_blocks)]
+        self.hashers = [xxhash.xxh3_64() for _ in range(self._num_hashes)]
         self._updates = [self.hashers[k].update for k in self.owner]
         self._i = 0      # first part not fully hashed
         self._done = 0   # stream bytes hashed
+
+    @property
+    def started(self) -> bool:
+        return self._done > 0
 
     def advance(self, upto: int) -> None:
         """Hash everything between the last call and byte ``upto`` of the stream."""

@@ -1,50 +1,73 @@
-"""Counters kept by senders and receivers (plain dataclasses; export with ``asdict``)."""
+"""Counters kept by senders and receivers. Updated from several threads (transport server
+threads, transfer workers), so every update goes through :meth:`add`, under a lock."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = ["SenderStats", "ReceiverStats"]
 
 
 @dataclass
-class SenderStats:
+class _Counters:
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
+
+    def add(self, **deltas: float) -> None:
+        """Add to several counters at once, atomically."""
+        with self._lock:
+            for name, d in deltas.items():
+                setattr(self, name, getattr(self, name) + d)
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            d = asdict(self)
+        d.pop("_lock", None)
+        return d
+
+
+@dataclass
+class SenderStats(_Counters):
     published: int = 0
     blocks_published: int = 0
+    pushes: int = 0              # push transfers started
+    pushed: int = 0              # push transfers that completed
     # handles ended, by reason ("expired" = reclaimed at the TTL without a release)
     released: int = 0
     aborted: int = 0
     expired: int = 0
     revoked: int = 0
+    retired: int = 0             # the engine retired a published block
     closed: int = 0
     blocks_freed: int = 0
     blocks_released: int = 0
     blocks_aborted: int = 0
     blocks_expired: int = 0
     blocks_revoked: int = 0
+    blocks_retired: int = 0
+    blocks_pushed: int = 0
     blocks_closed: int = 0
     reads: int = 0
     bytes_served: int = 0
+    bytes_pushed: int = 0
     refused: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 @dataclass
-class ReceiverStats:
+class ReceiverStats(_Counters):
     fetches: int = 0
     claimed: int = 0             # leases claimed
     released: int = 0            # leases released after a verified fetch
     aborted: int = 0             # claims given up after a failed fetch
     stale_refused: int = 0       # fetches whose bytes a lease check refused (never used)
+    cancelled: int = 0
     ok: int = 0
     failed: int = 0
     retries: int = 0
     refetches: int = 0
     integrity_failures: int = 0
+    reservations: int = 0        # push mode: destination blocks offered
+    writes_refused: int = 0      # push mode: writes refused (bad ticket, stale fence, late)
     bytes: int = 0
     seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        return asdict(self)

@@ -1,8 +1,21 @@
 """KVPool: registered memory for ``num_blocks`` blocks per layer, an allocator and generations.
 
-The pool owns block bookkeeping (one source of truth): which blocks are free, their
-reference counts, and a per-block *generation* that changes on every free, so a
-handle that names (block, generation) can tell reused memory from its own KV.
+The pool owns block bookkeeping (one source of truth): reference counts (pins) and a
+per-block *generation* that changes whenever a block's memory stops holding what it
+held, so a handle that names (block, generation) can tell reused memory from its own KV.
+
+Who allocates is a mode:
+
+* ``allocator="kvbridge"`` (the default): the pool's own free list. ``alloc`` takes
+  blocks, ``free`` drops references and a block reaching zero returns to the free list
+  with a new generation.
+* ``allocator="engine"``: the engine's scheduler owns allocation (vLLM, SGLang). kvbridge
+  keeps pins and generations only: ``ref``/``pin`` pins any block the engine names,
+  ``free``/``unpin`` drops pins without touching any free list, and the engine calls
+  :meth:`KVPool.retire` when it frees or reuses blocks, which moves their generation on,
+  so a handle to a reused block is refused. Retiring a pinned block (one a live handle
+  or transfer still names) is reported to ``on_retire`` listeners, which end those
+  handles; the safe order is to reuse a published block only after ``on_free`` reported it.
 """
 
 from __future__ import annotations
@@ -12,6 +25,7 @@ import mmap
 import os
 import secrets
 import threading
+import warnings
 import weakref
 from collections import deque
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -69,10 +83,12 @@ class SharedSegment:
     tracker, so a peer that maps it never unlinks it by accident.
     """
 
-    def __init__(self, name: str, size: int = 0, create: bool = False, populate: bool = False) -> None:
+    def __init__(self, name: str, size: int = 0, create: bool = False, populate: bool = False,
+                 writable: bool = True) -> None:
         self.name = name
+        self.writable = writable or create
         path = "/dev/shm/" + name
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        flags = (os.O_RDWR if self.writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
@@ -82,13 +98,22 @@ class SharedSegment:
                 os.ftruncate(fd, size)
             self.size = os.fstat(fd).st_size
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            self.mmap = mmap.mmap(fd, self.size, flags=flags) if self.size else None
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            self.mmap = mmap.mmap(fd, self.size, flags=flags, prot=prot) if self.size else None
         finally:
             os.close(fd)
         self.owner = create
         self._tensor: Optional[torch.Tensor] = None
         self.view = memoryview(self.mmap) if self.mmap is not None else memoryview(bytearray(0))
-        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mmap)) if self.mmap else 0
+        if self.mmap is None:
+            self.address = 0
+        elif self.writable:
+            self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mmap))
+        else:   # a read-only mapping: ctypes wants writable buffers, torch only warns
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                self._tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
+            self.address = self._tensor.data_ptr()
         if create:
             self._finalizer = weakref.finalize(self, SharedSegment._unlink, path)
 
@@ -127,7 +152,11 @@ class KVPool:
     """
 
     def __init__(self, layout: KVLayout, buffers: Sequence[torch.Tensor], num_blocks: int,
-                 segment: Optional[SharedSegment] = None, buffer_offsets: Sequence[int] = ()) -> None:
+                 segment: Optional[SharedSegment] = None, buffer_offsets: Sequence[int] = (),
+                 allocator: str = "kvbridge") -> None:
+        if allocator not in ("kvbridge", "engine"):
+            raise ConfigError(f"allocator must be 'kvbridge' or 'engine', got {allocator!r}")
+        self.engine_allocated = allocator == "engine"
         self.layout = layout
         self.num_blocks = num_blocks
         self.buffers = list(buffers)
@@ -135,18 +164,20 @@ class KVPool:
         self.buffer_offsets = list(buffer_offsets)  # byte offset of each buffer in `segment`
         self.device = self.buffers[0].device if self.buffers else torch.device("cpu")
         self._lock = threading.Lock()
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: deque[int] = deque(() if self.engine_allocated else range(num_blocks))
         self._refs = [0] * num_blocks
         self._gens = [0] * num_blocks
         self._views: Optional[list[memoryview]] = None
         self._staged = False
         self.on_free: list[Callable[[list[int]], None]] = []
+        self.on_retire: list[Callable[[list[int]], None]] = []   # engine pools: pinned blocks retired
 
     # -- construction ------------------------------------------------------------------
     @classmethod
     def allocate(cls, layout: KVLayout, num_blocks: int, device: Union[str, torch.device] = "cpu",
-                 shared: bool = False, zero: bool = True) -> "KVPool":
-        """Allocate a pool. ``shared=True`` puts it in POSIX shared memory (needed by ``shm://``)."""
+                 shared: bool = False, zero: bool = True, allocator: str = "kvbridge") -> "KVPool":
+        """Allocate a pool. ``shared=True`` puts it in POSIX shared memory (needed by ``shm://``).
+        ``allocator="engine"``: the memory is kvbridge's, the block table the caller's."""
         if num_blocks <= 0:
             raise ConfigError("num_blocks must be positive")
         device = torch.device(device)
@@ -154,7 +185,7 @@ class KVPool:
         if not shared:
             alloc = torch.zeros if zero else torch.empty
             bufs = [alloc(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_buffers)]
-            return cls(layout, bufs, num_blocks)
+            return cls(layout, bufs, num_blocks, allocator=allocator)
         if device.type != "cpu":
             raise ConfigError("shared=True pools live in host shared memory; use device='cpu'")
         sweep_dead_segments()
@@ -167,11 +198,13 @@ class KVPool:
             raw = torch.frombuffer(seg.mmap, dtype=torch.uint8, count=nbytes, offset=i * stride)
             bufs.append(raw.view(layout.torch_dtype).view(shape))
             offs.append(i * stride)
-        return cls(layout, bufs, num_blocks, segment=seg, buffer_offsets=offs)
+        return cls(layout, bufs, num_blocks, segment=seg, buffer_offsets=offs, allocator=allocator)
 
     @classmethod
-    def wrap(cls, layout: KVLayout, tensors: Sequence[TensorOrPair]) -> "KVPool":
-        """Wrap an engine's existing cache: one tensor per layer, or (K, V) per layer for SPLIT."""
+    def wrap(cls, layout: KVLayout, tensors: Sequence[TensorOrPair], allocator: str = "kvbridge") -> "KVPool":
+        """Wrap an engine's existing cache: one tensor per layer, or (K, V) per layer for SPLIT.
+
+        ``allocator="engine"`` when the engine's scheduler picks block ids (see the module doc)."""
         if len(tensors) != layout.num_layers:
             raise LayoutMismatch(f"expected {layout.num_layers} layers, got {len(tensors)}")
         bufs: list[torch.Tensor] = []
@@ -200,7 +233,7 @@ class KVPool:
                 raise LayoutMismatch(f"buffer {i} is not contiguous")
             if b.device != first.device:
                 raise LayoutMismatch("all buffers must be on one device")
-        return cls(layout, bufs, num_blocks)
+        return cls(layout, bufs, num_blocks, allocator=allocator)
 
     # -- memory access ---------------------------------------------------------------
     @property
@@ -253,6 +286,9 @@ class KVPool:
 
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free blocks (refcount 1 each)."""
+        if self.engine_allocated:
+            raise PoolError("this pool's blocks are allocated by the engine (allocator='engine'); "
+                            "pin the engine's block ids instead of alloc()")
         with self._lock:
             if n > len(self._free):
                 raise PoolError(f"pool exhausted: asked {n} blocks, {len(self._free)} free",
@@ -267,15 +303,44 @@ class KVPool:
         ids = list(block_ids)
         self._check_ids(ids)
         with self._lock:
-            for b in ids:
-                if self._refs[b] <= 0:
-                    raise PoolError(f"block {b} is free; cannot take a reference")
+            if not self.engine_allocated:
+                for b in ids:
+                    if self._refs[b] <= 0:
+                        raise PoolError(f"block {b} is free; cannot take a reference")
             for b in ids:
                 self._refs[b] += 1
 
+    pin = ref
+
+    def unpin(self, block_ids: Iterable[int]) -> list[int]:
+        """Drop pins taken with :meth:`pin` (the same as :meth:`free`)."""
+        return self.free(block_ids)
+
+    def retire(self, block_ids: Iterable[int]) -> list[int]:
+        """Engine pools: the engine freed or reused these blocks. Their generation moves on,
+        so handles naming them are refused. Returns the retired blocks that were still
+        pinned (a live handle or transfer names them); ``on_retire`` listeners hear of those.
+        Cheap enough for an allocator's free path: one lock, one pass, no allocation when
+        nothing is pinned."""
+        if not self.engine_allocated:
+            raise PoolError("retire() is for engine-allocated pools; kvbridge's allocator frees with free()")
+        gens, refs, n = self._gens, self._refs, self.num_blocks
+        pinned: list[int] = []
+        with self._lock:
+            for b in block_ids:
+                if not 0 <= b < n:
+                    raise PoolError(f"block id {b!r} outside pool of {n} blocks")
+                gens[b] = (gens[b] + 1) & 0xFFFFFFFF
+                if refs[b]:
+                    pinned.append(b)
+        if pinned:
+            for cb in list(self.on_retire):
+                cb(pinned)
+        return pinned
+
     def free(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference each; blocks reaching zero return to the free list with a new
-        generation. Returns the ids actually freed."""
+        generation (engine pools: they are only unpinned). Returns the ids reaching zero."""
         ids = list(block_ids)
         self._check_ids(ids)
         freed: list[int] = []
@@ -289,9 +354,10 @@ class KVPool:
             for b in ids:
                 self._refs[b] -= 1
                 if self._refs[b] == 0:
-                    self._gens[b] = (self._gens[b] + 1) & 0xFFFFFFFF
-                    self._free.append(b)
                     freed.append(b)
+                    if not self.engine_allocated:   # the engine retires its own blocks
+                        self._gens[b] = (self._gens[b] + 1) & 0xFFFFFFFF
+                        self._free.append(b)
         if freed:
             for cb in list(self.on_free):
                 cb(freed)

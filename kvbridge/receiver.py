@@ -1,38 +1,51 @@
-"""KVReceiver: the decode side. Fetches a handle's blocks into its own pool, verified.
+"""KVReceiver: the decode side. Fetches a handle's blocks into its own pool, verified, or
+reserves blocks for a prefill side to push into.
 
-``fetch`` never raises for transfer or lifecycle failures: the :class:`FetchResult`
-says what failed (``error``, ``failed_block_ids``) and what to do (``action``:
-retry elsewhere, refetch, or re-prefill). Invalid *input* -- a malformed handle,
-a layout that cannot match, bad destination block ids -- raises at once.
+One pipeline -- claim, move, verify, release -- runs every transfer; ``fetch``
+(blocking), ``start_fetch`` (a :class:`~kvbridge.transfer.Transfer` to poll or wait on,
+from any thread), ``afetch`` (awaitable) and ``fetch_many`` (batched claims, pipelined
+reads) are thin faces of it. A layer-wise handle is moved layer by layer as the sender
+makes layers ready, each layer verified as it lands, so ``transfer.wait_layer(i)``
+returns while later layers are still being computed.
 
-A leased handle is fetched as claim -> read (under the claim's fence) -> validate
-after the bytes landed -> verify checksums -> release; any failure aborts the
-claim so the owner frees at once. Only bytes that passed validate-after-read are
-reported ok: a lease that expired or moved on during the read rejects them.
+A transfer never raises for transfer or lifecycle failures: its :class:`FetchResult`
+says what failed (``error``, ``failed_block_ids``) and what to do (``action``: retry
+elsewhere, refetch, or re-prefill). Invalid *input* -- a malformed handle, a layout that
+cannot match, bad destination block ids -- raises at once.
+
+A leased handle is moved as claim -> read (under the claim's fence) -> validate after
+the bytes landed -> verify checksums -> release; any failure aborts the claim so the
+owner frees at once. Only bytes that passed validate-after-read are reported ok.
+
+Push mode (``listen=`` and :meth:`KVReceiver.reserve`): the receiver offers destination
+blocks under a signed reservation with its own lease; the writer claims the lease (one
+writer wins) and writes under its fence; each write is verified as it lands; a cancel or
+an expiry revokes the lease first and returns only once no write is in flight.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence, Union
 
-from .errors import (AccessDenied, Action, BadHandle, IntegrityError, KVBridgeError, LayoutMismatch, LeaseError,
-                     PeerUnavailable, PoolError)
-from .handle import KVHandle
-from .integrity import StreamVerifier, block_checksums
-from .lease import Fence, LeaseStore, open_lease_store
+from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
+                     LayoutMismatch, LeaseError, LeaseExpired, PeerUnavailable, PoolError, ProtocolError,
+                     StaleHandle, TransferCancelled, TransferTimeout)
+from .handle import KVHandle, lookup_ticket
+from .integrity import StreamVerifier, block_checksums, layer_checksums, unpack_sums
+from .lease import Claim, LeaseStore
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout
 from .pool import KVPool
-from .transports.base import ReadOp, Spans, Transport
+from .stores import LeasesArg, StoreCache
+from .transfer import FetchResult, Transfer, Workers
+from .transports.base import Chunk, ReadOp, Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
-from .transports.wire import Claim
 
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 
@@ -41,86 +54,105 @@ HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 
 
 @dataclass
-class FetchResult:
-    """Outcome of one fetch. ``failed_block_ids`` are destination ids that hold no valid KV."""
-
-    handle: KVHandle
-    dst_block_ids: list[int]
-    ok: bool = False
-    nbytes: int = 0
-    seconds: float = 0.0
-    attempts: int = 0
-    failed_block_ids: list[int] = field(default_factory=list)
-    error: Optional[KVBridgeError] = None
-
-    @property
-    def request_id(self) -> str:
-        return self.handle.request_id
-
-    @property
-    def action(self) -> Optional[Action]:
-        return None if self.ok or self.error is None else self.error.action
-
-    def raise_for_error(self) -> "FetchResult":
-        if self.error is not None:
-            raise self.error
-        return self
-
-
-@dataclass
-class _Fetch:
-    """One fetch in progress."""
+class _Job:
+    """One pull in progress."""
 
     h: KVHandle
     dst: list[int]
     idx: Optional[list[int]]
-    t0: float
+    release: bool
     res: FetchResult
-    spans: Spans
     store: Optional[LeaseStore]
+    gens: list[int]
+    t0: float = field(default_factory=time.perf_counter)
     claim: Optional[Claim] = None
 
 
-class KVReceiver:
-    """Fetch handles into ``pool``. ``secret``: verify handle MACs locally when shared.
+@dataclass
+class _Reservation:
+    """Destination blocks offered to a writer (push mode)."""
 
-    ``leases``: a Redis URL or :class:`LeaseStore` to claim in; None uses the lease
-    server named in each handle (this process's embedded one if the handle names
-    none); False claims nothing (only for handles published without leases).
+    ticket: KVHandle
+    raw: bytes
+    dst: list[int]
+    gens: list[int]
+    deadline: float
+    transfer: Transfer
+    store: Optional[LeaseStore]
+    t0: float = field(default_factory=time.perf_counter)
+    done_layers: int = 0
+    inflight: int = 0
+    writes: int = 0
+    nbytes: int = 0
+    live: bool = True
+
+
+@dataclass
+class _WriteGrant:
+    receiver: "KVReceiver"
+    rec: _Reservation
+    spans: Spans
+    layers: tuple[int, int]
+    closed: bool = False
+
+    def finish(self, sums: bytes, last: bool) -> None:
+        self.receiver._write_landed(self, sums, last)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.receiver._write_done(self.rec)
+
+
+class KVReceiver:
+    """Fetch handles into ``pool``; with ``listen``, also take pushes into reserved blocks.
+
+    ``secret``: verify handle MACs locally when shared (and sign reservations with it).
+    ``leases``: a Redis URL or :class:`LeaseStore` to claim in; None uses the lease server
+    named in each handle (this process's embedded one if the handle names none); False
+    claims nothing (only for handles published without leases). ``workers``: threads
+    that run started transfers.
     """
 
     def __init__(self, pool: KVPool, *, secret: Optional[bytes] = None, retry: Retry = Retry(),
-                 timeout: Timeout = Timeout(), verify: bool = True,
-                 leases: Union[str, LeaseStore, None, bool] = None, claimer: Optional[str] = None,
-                 claim_ttl: float = 30.0, lease_namespace: str = "kvb") -> None:
+                 timeout: Timeout = Timeout(), verify: bool = True, leases: LeasesArg = None,
+                 claimer: Optional[str] = None, claim_ttl: float = 30.0, lease_namespace: str = "kvb",
+                 listen: Union[str, Sequence[str], None] = None, reservation_ttl: float = 60.0,
+                 workers: int = 32) -> None:
         self.pool = pool
         self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.claim_ttl = claim_ttl
-        self._leases_arg = leases
-        self._namespace = lease_namespace
-        self._stores: dict[str, LeaseStore] = {}
+        self.reservation_ttl = reservation_ttl
         self.secret = secret
         self.retry = retry
         self.timeout = timeout
         self.verify = verify and pool.is_host
         self.stats = ReceiverStats()
+        self._stores = StoreCache(leases, lease_namespace)
         self._transports: dict[str, Transport] = {}
         self._by_url: dict[str, Transport] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
+        self._workers = Workers("kvb-fetch", workers)
+        self._key = secret if secret is not None else os.urandom(32)
+        self._reservations: dict[bytes, _Reservation] = {}
+        self._sweeper: Optional[threading.Thread] = None
+        self._closed = False
+        self.servers: list[Server] = []
+        urls = [] if listen is None else [listen] if isinstance(listen, str) else list(listen)
+        try:
+            for u in urls:
+                self.servers.append(get_transport_class(scheme_of(u)).serve(u, self, timeout))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(s.url for s in self.servers)
 
     def lease_store(self, handle: KVHandle) -> Optional[LeaseStore]:
         """The store to claim ``handle`` in, or None for an unleased handle."""
-        arg = self._leases_arg
-        if not handle.lease_id or arg is False:
-            return None
-        if isinstance(arg, LeaseStore):
-            return arg
-        url = arg if isinstance(arg, str) else handle.lease_url
-        with self._lock:
-            store = self._stores.get(url)
-            if store is None:
-                store = self._stores[url] = open_lease_store(url or None, namespace=self._namespace)
-        return store
+        return self._stores.for_ticket(handle)
 
     def transport(self, url: str) -> Transport:
         t = self._by_url.get(url)
@@ -134,262 +166,322 @@ class KVReceiver:
             self._by_url[url] = t
         return t
 
-    # -- input checks ------------------------------------------------------------------
-    def _prepare(self, handle: HandleLike, dst_block_ids: Sequence[int],
-                 indices: Optional[Sequence[int]]) -> tuple[KVHandle, list[int], Optional[list[int]]]:
+    # -- input checks (on the caller's thread: cheap, and they raise) ----------------------
+    def _parse(self, handle: HandleLike) -> KVHandle:
         if isinstance(handle, (bytes, bytearray, memoryview)):
-            handle = KVHandle.from_bytes(handle, self.secret)
-        elif isinstance(handle, dict):
-            handle = KVHandle.from_dict(handle, self.secret)
-        elif not isinstance(handle, KVHandle):
+            return KVHandle.from_bytes(handle, self.secret)
+        if isinstance(handle, dict):
+            return KVHandle.from_dict(handle, self.secret)
+        if not isinstance(handle, KVHandle):
             raise BadHandle(f"expected a KVHandle, bytes or dict, got {type(handle).__name__}")
-        elif self.secret is not None:
+        if self.secret is not None:
             handle.verify(self.secret)
-        if handle.lease_id and handle.lease_id != handle.lease_digest():
-            raise AccessDenied("handle's token or contents do not match its lease: altered or forged")
-        if handle.layout_hash != self.pool.layout.compat_hash:
-            raise LayoutMismatch(
-                f"handle layout {handle.layout_hash} != this pool's {self.pool.layout.compat_hash} "
-                f"({self.pool.layout.compat_key()})")
+        return handle
+
+    def _check_dst(self, dst_block_ids: Sequence[int], want: int) -> list[int]:
         dst = [int(b) for b in dst_block_ids]
-        idx = None if indices is None else [int(i) for i in indices]
-        want = handle.num_blocks if idx is None else len(idx)
         if len(dst) != want:
-            raise PoolError(f"{want} blocks to fetch but {len(dst)} destination block ids")
+            raise PoolError(f"{want} blocks to move but {len(dst)} destination block ids")
         if len(set(dst)) != len(dst):
             raise PoolError("duplicate destination block ids")
         self.pool._check_ids(dst)
-        if idx is not None and any(not 0 <= i < handle.num_blocks for i in idx):
-            raise PoolError(f"block index outside the {handle.num_blocks}-block handle")
-        if not handle.urls:
+        return dst
+
+    def _prepare(self, handle: HandleLike, dst_block_ids: Sequence[int], indices: Optional[Sequence[int]],
+                 release: bool) -> _Job:
+        h = self._parse(handle)
+        if h.reservation:
+            raise BadHandle("this is a reservation (push mode): give it to KVSender.push, not fetch")
+        if h.lease_id and h.lease_id != h.lease_digest():
+            raise AccessDenied("handle's token or contents do not match its lease: altered or forged")
+        if h.layout_hash != self.pool.layout.compat_hash:
+            raise LayoutMismatch(
+                f"handle layout {h.layout_hash} != this pool's {self.pool.layout.compat_hash} "
+                f"({self.pool.layout.compat_key()})")
+        idx = None if indices is None else [int(i) for i in indices]
+        dst = self._check_dst(dst_block_ids, h.num_blocks if idx is None else len(idx))
+        if idx is not None and any(not 0 <= i < h.num_blocks for i in idx):
+            raise PoolError(f"block index outside the {h.num_blocks}-block handle")
+        if not h.urls:
             raise BadHandle("handle names no sender URL")
-        return handle, dst, idx
+        self.stats.add(fetches=1)
+        return _Job(h, dst, idx, release, FetchResult(h, dst), self.lease_store(h), self.pool.generations(dst))
 
-    def _spans(self, handle: KVHandle, dst: list[int]) -> Spans:
-        """Destination memory; with verification on, hashed as it lands."""
-        spans = Spans.of_blocks(self.pool, dst)
-        if self.verify and handle.checksums:
-            spans.verifier = StreamVerifier(self.pool, dst)
-        return spans
-
-    @staticmethod
-    def _restart(spans: Spans) -> None:
-        """A new attempt restarts the stream: so does its verifier."""
-        if spans.verifier is not None and spans.verifier._done:
-            spans.verifier.reset()
-
-    def _bad_blocks(self, handle: KVHandle, dst: list[int], idx: Optional[list[int]],
-                    spans: Optional[Spans] = None) -> list[int]:
-        """Positions (into ``dst``) whose checksum does not match the handle's."""
-        if not self.verify or not handle.checksums:
-            return []
-        want = handle.checksums if idx is None else [handle.checksums[i] for i in idx]
-        v = spans.verifier if spans is not None else None
-        got = v.digests() if v is not None and v.complete else block_checksums(self.pool, dst)
-        return [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
-
-    # -- one read, over the handle's URLs in order -------------------------------------------
-    def _read_once(self, handle: KVHandle, dst: Spans, idx: Optional[list[int]],
-                   claim: Optional[Claim] = None) -> int:
-        last: Optional[KVBridgeError] = None
-        for url in handle.urls:
-            try:
-                return self.transport(url).read(url, handle, dst, idx, claim)
-            except PeerUnavailable as exc:   # try the next URL of the same sender
-                last = exc
-        assert last is not None
-        raise last
-
-    async def _aread_once(self, handle: KVHandle, dst: Spans, idx: Optional[list[int]],
-                          claim: Optional[Claim] = None) -> int:
-        last: Optional[KVBridgeError] = None
-        for url in handle.urls:
-            try:
-                return await self.transport(url).aread(url, handle, dst, idx, claim)
-            except PeerUnavailable as exc:
-                last = exc
-        assert last is not None
-        raise last
-
+    # -- the pipeline: claim -> move -> verify -> release ----------------------------------
     def _on_retry(self, exc: BaseException, attempt: int) -> None:
-        self.stats.retries += 1
+        self.stats.add(retries=1)
         log.info("retrying after %s (attempt %d)", exc, attempt + 1)
 
     def _claim(self, store: Optional[LeaseStore], h: KVHandle) -> Optional[Claim]:
         if store is None:
             return None
         lease = self.retry.call(lambda: store.claim(h.lease_id, self.claimer, self.claim_ttl), self._on_retry)
-        self.stats.claimed += 1
+        self.stats.add(claimed=1)
         return Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
 
-    def _validate(self, store: Optional[LeaseStore], h: KVHandle, claim: Optional[Claim]) -> None:
-        """Validate-after-read: the lease must still be ours, with the same fence."""
-        if store is not None and claim is not None:
-            self.retry.call(lambda: store.validate(h.lease_id, claim.claimer, Fence(claim.epoch, claim.counter)),
-                            self._on_retry)
+    def _pull(self, t: Transfer, j: _Job) -> FetchResult:
+        try:
+            if t.cancel_event.is_set():
+                raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled before it started")
+            if j.claim is None:
+                j.claim = self._claim(j.store, j.h)
+            if j.h.layerwise:
+                self._move_layers(t, j)
+            else:
+                spans = self._spans(j, t)
+                self._read_whole(j, spans)
+                self._verify_whole(j, spans)
+                t._layer_ready(self.pool.layout.num_layers)
+        except KVBridgeError as exc:
+            j.res.error = exc
+        return self._settle(j)
 
-    def _finish(self, res: FetchResult, idx: Optional[list[int]], t0: float, release: bool,
-                store: Optional[LeaseStore] = None, claim: Optional[Claim] = None,
-                spans: Optional[Spans] = None) -> FetchResult:
-        """Verify checksums (refetching bad blocks once), then release or abort; record stats."""
-        h, dst = res.handle, res.dst_block_ids
-        if res.error is None:
-            bad = self._bad_blocks(h, dst, idx, spans)
-            if bad:
-                self.stats.refetches += 1
-                sub_idx = [(idx[k] if idx is not None else k) for k in bad]
-                sub_dst = [dst[k] for k in bad]
-                try:
-                    self._read_once(h, Spans.of_blocks(self.pool, sub_dst), sub_idx, claim)
-                    still = self._bad_blocks(h, sub_dst, sub_idx)
-                    bad = [bad[k] for k in still]
-                except KVBridgeError as exc:
-                    res.error = exc
-                if bad:
-                    self.stats.integrity_failures += 1
-                    res.failed_block_ids = [dst[k] for k in bad]
-                    res.error = res.error or IntegrityError(
-                        f"{len(bad)} block(s) of request {h.request_id!r} failed their checksum twice")
-        if res.error is None and store is not None and claim is not None:
-            # Validate after read, in the same round trip as the release when there is one: a
-            # release succeeds only while the lease is claimed by us with this fence -- so before
-            # the owner could have revoked it and freed the blocks.
-            c = claim
+    def _spans(self, j: _Job, t: Optional[Transfer] = None) -> Spans:
+        """Destination memory; with verification on, hashed as it lands."""
+        spans = Spans.of_blocks(self.pool, j.dst)
+        if self.verify and j.h.checksums:
+            spans.verifier = StreamVerifier(self.pool, j.dst)
+        if t is not None:
+            spans.cancel = t.cancel_event
+        return spans
+
+    def _over_urls(self, h: KVHandle, op: Any) -> Any:
+        """Run ``op(transport, url)`` over the handle's URLs in order (the same sender)."""
+        last: Optional[KVBridgeError] = None
+        for url in h.urls:
             try:
-                if release:
-                    self.retry.call(lambda: store.release(h.lease_id, c.claimer, Fence(c.epoch, c.counter)),
-                                    self._on_retry)
-                    self.stats.released += 1
+                return op(self.transport(url), url)
+            except PeerUnavailable as exc:
+                last = exc
+        assert last is not None
+        raise last
+
+    def _read_whole(self, j: _Job, spans: Spans) -> None:
+        def attempt() -> int:
+            j.res.attempts += 1
+            if spans.verifier is not None and spans.verifier.started:
+                spans.verifier.reset()            # a new attempt restarts the stream
+            return int(self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, spans, j.idx, j.claim)))
+        j.res.nbytes = self.retry.call(attempt, self._on_retry)
+
+    def _verify_whole(self, j: _Job, spans: Spans) -> None:
+        """Compare the landed blocks with the handle's checksums; refetch bad ones once."""
+        if not self.verify or not j.h.checksums:
+            return
+        want = j.h.checksums if j.idx is None else [j.h.checksums[i] for i in j.idx]
+        v = spans.verifier
+        got = v.digests() if v is not None and v.complete else block_checksums(self.pool, j.dst)
+        bad = [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
+        if not bad:
+            return
+        self.stats.add(refetches=1)
+        sub_idx = [(j.idx[k] if j.idx is not None else k) for k in bad]
+        sub_dst = [j.dst[k] for k in bad]
+        self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, Spans.of_blocks(self.pool, sub_dst), sub_idx,
+                                                      j.claim))
+        again = block_checksums(self.pool, sub_dst)
+        still = [bad[k] for k, g in enumerate(again) if g != want[bad[k]]]
+        if still:
+            self.stats.add(integrity_failures=1)
+            j.res.failed_block_ids = [j.dst[k] for k in still]
+            raise IntegrityError(f"{len(still)} block(s) of request {j.h.request_id!r} failed their checksum twice")
+
+    def _move_layers(self, t: Transfer, j: _Job) -> None:
+        """A layer-wise handle: read whatever layers are ready, verify them, announce them."""
+        L = self.pool.layout.num_layers
+        made: list[Spans] = []
+
+        def spans_for(lo: int, hi: int) -> Spans:
+            s = Spans.of_blocks(self.pool, j.dst, range(lo, hi))
+            if self.verify:
+                s.verifier = StreamVerifier(self.pool, j.dst, range(lo, hi), per_layer=True)
+            s.cancel = t.cancel_event
+            made.append(s)
+            return s
+
+        def read(lo: int, hi: int) -> Chunk:
+            def attempt() -> Chunk:
+                j.res.attempts += 1
+                return self._over_urls(j.h, lambda tr, url: tr.read_layers(url, j.h, spans_for, lo, hi, j.idx,
+                                                                            j.claim))  # type: ignore[no-any-return]
+            return self.retry.call(attempt, self._on_retry)
+
+        done = 0
+        idle_until = time.monotonic() + self.timeout.transfer
+        while done < L:
+            if t.cancel_event.is_set():
+                raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled at layer {done}")
+            made.clear()
+            chunk = read(done, L)
+            if chunk.end == chunk.first:               # nothing ready yet: the sender waited, ask again
+                if time.monotonic() > idle_until:
+                    raise TransferTimeout(f"layer {done} of {j.h.request_id!r} not ready within "
+                                          f"{self.timeout.transfer} s")
+                continue
+            bad = self._bad_layer_blocks(j, made[-1], chunk)
+            if bad:
+                self.stats.add(refetches=1)
+                made.clear()
+                again = read(chunk.first, chunk.end)
+                bad = self._bad_layer_blocks(j, made[-1], again) if again.end == chunk.end else list(range(len(j.dst)))
+                if bad:
+                    self.stats.add(integrity_failures=1)
+                    j.res.failed_block_ids = [j.dst[k] for k in bad]
+                    raise IntegrityError(f"{len(bad)} block(s) of request {j.h.request_id!r} failed the "
+                                         f"checksum of layers [{chunk.first}, {chunk.end}) twice")
+            j.res.nbytes += chunk.nbytes
+            done = chunk.end
+            t._layer_ready(done)
+            idle_until = time.monotonic() + self.timeout.transfer
+
+    def _bad_layer_blocks(self, j: _Job, spans: Spans, chunk: Chunk) -> list[int]:
+        """Positions (into ``j.dst``) with a layer whose checksum does not match."""
+        if not self.verify or not chunk.sums:
+            return []
+        nb = len(j.dst)
+        want = unpack_sums(chunk.sums)
+        v = spans.verifier
+        layers = range(chunk.first, chunk.end)
+        got = v.digests() if v is not None and v.complete else layer_checksums(self.pool, j.dst, layers)
+        return sorted({i % nb for i, (a, b) in enumerate(zip(got, want)) if a != b})
+
+    def _settle(self, j: _Job) -> FetchResult:
+        """Validate-after-read (with the release when there is one), or abort; record stats."""
+        res, h, c, store = j.res, j.h, j.claim, j.store
+        if res.error is None and store is not None and c is not None:
+            # A release succeeds only while the lease is claimed by us with this fence -- so
+            # before the owner could have revoked it and freed the blocks.
+            try:
+                if j.release:
+                    self.retry.call(lambda: store.release(h.lease_id, c.claimer, c.fence), self._on_retry)
+                    self.stats.add(released=1)
                 else:
-                    self._validate(store, h, c)
+                    self.retry.call(lambda: store.validate(h.lease_id, c.claimer, c.fence), self._on_retry)
             except KVBridgeError as exc:
                 res.error = exc
                 if isinstance(exc, LeaseError):
-                    self.stats.stale_refused += 1
+                    self.stats.add(stale_refused=1)
+        if res.error is None and self.pool.generations(j.dst) != j.gens:
+            res.error = PoolError(f"destination blocks of {h.request_id!r} were freed or retired during the "
+                                  "transfer; their contents are not this request's KV")
         if res.error is not None:
             if not res.failed_block_ids:
-                res.failed_block_ids = list(dst)
-            self.stats.failed += 1
+                res.failed_block_ids = list(j.dst)
+            self.stats.add(failed=1, cancelled=int(isinstance(res.error, TransferCancelled)))
             # Abort only a genuine claim that failed; a refused (altered) handle or a lease we no
             # longer hold is not ours to end.
-            if (store is not None and claim is not None
-                    and not isinstance(res.error, (LeaseError, BadHandle, AccessDenied))):
-                self._end_claim(store, h, claim, abort=True)
+            if store is not None and c is not None and not isinstance(res.error, (LeaseError, BadHandle,
+                                                                                  AccessDenied)):
+                try:
+                    store.abort(h.lease_id, c.claimer, c.fence)
+                    self.stats.add(aborted=1)
+                except KVBridgeError as exc:   # the owner still frees at expiry
+                    log.warning("abort of lease %s failed: %s", h.lease_id, exc)
         else:
             res.ok = True
-            self.stats.ok += 1
-            self.stats.bytes += res.nbytes
-            if release and claim is None:
+            self.stats.add(ok=1, bytes=res.nbytes)
+            if j.release and c is None:
                 self.release(h, wait=False)
-        res.seconds = time.perf_counter() - t0
-        self.stats.seconds += res.seconds
+        res.seconds = time.perf_counter() - j.t0
+        self.stats.add(seconds=res.seconds)
         return res
 
-    def _end_claim(self, store: LeaseStore, h: KVHandle, claim: Claim, abort: bool) -> None:
-        fence = Fence(claim.epoch, claim.counter)
-        try:
-            (store.abort if abort else store.release)(h.lease_id, claim.claimer, fence)
-            self.stats.aborted += abort
-        except KVBridgeError as exc:   # the owner still frees at expiry
-            log.warning("%s of lease %s failed: %s", "abort" if abort else "release", h.lease_id, exc)
+    # -- public faces of the pipeline ------------------------------------------------------
+    def _transfer(self, j: _Job) -> Transfer:
+        t = Transfer(j.h.request_id, self.pool.layout.num_layers, lambda t: self._pull(t, j))
+        t.handle = j.h
+        return t
 
-    # -- public API --------------------------------------------------------------------------
-    def _start(self, handle: HandleLike, dst_block_ids: Sequence[int],
-               indices: Optional[Sequence[int]]) -> "_Fetch":
-        h, dst, idx = self._prepare(handle, dst_block_ids, indices)
-        self.stats.fetches += 1
-        return _Fetch(h, dst, idx, time.perf_counter(), FetchResult(h, dst), self._spans(h, dst),
-                      self.lease_store(h))
+    def start_fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
+                    indices: Optional[Sequence[int]] = None, release: bool = True) -> Transfer:
+        """Start moving the handle's blocks (or ``indices`` of them) into ``dst_block_ids``
+        and return at once: poll ``done()``, block in ``wait()``/``result()``, follow
+        ``wait_layer(i)``, or ``cancel()``. Invalid input raises here."""
+        return self._workers.submit(self._transfer(self._prepare(handle, dst_block_ids, indices, release)))
 
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
               indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
-        """Read the handle's blocks (or ``indices`` of them) into ``dst_block_ids``."""
-        f = self._start(handle, dst_block_ids, indices)
-
-        def attempt() -> int:
-            f.res.attempts += 1
-            self._restart(f.spans)
-            return self._read_once(f.h, f.spans, f.idx, f.claim)
-        try:
-            f.claim = self._claim(f.store, f.h)
-            f.res.nbytes = self.retry.call(attempt, self._on_retry)
-        except KVBridgeError as exc:
-            f.res.error = exc
-        return self._finish(f.res, f.idx, f.t0, release, f.store, f.claim, f.spans)
+        """Move the handle's blocks into ``dst_block_ids`` on this thread; the result."""
+        t = self._transfer(self._prepare(handle, dst_block_ids, indices, release))
+        t._run()
+        return t.result()
 
     async def afetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
                      indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
-        """Awaitable :meth:`fetch`; the claim and the transfer run on the event loop."""
-        f = self._start(handle, dst_block_ids, indices)
-
-        async def attempt() -> int:
-            f.res.attempts += 1
-            self._restart(f.spans)
-            return await self._aread_once(f.h, f.spans, f.idx, f.claim)
-        try:
-            if f.store is not None:
-                store, h = f.store, f.h
-                lease = await self.retry.acall(lambda: store.aclaim(h.lease_id, self.claimer, self.claim_ttl),
-                                               self._on_retry)
-                self.stats.claimed += 1
-                f.claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
-            f.res.nbytes = await self.retry.acall(attempt, self._on_retry)
-        except KVBridgeError as exc:
-            f.res.error = exc
-        return await asyncio.to_thread(self._finish, f.res, f.idx, f.t0, release, f.store, f.claim, f.spans)
+        """Awaitable :meth:`fetch`: the transfer runs on a worker thread, the loop only wakes at
+        the end (cancelling the awaiting task cancels the transfer)."""
+        return await self.start_fetch(handle, dst_block_ids, indices=indices, release=release)
 
     def fetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                    release: bool = True) -> list[FetchResult]:
-        """Fetch many handles; requests to one sender are pipelined on one connection."""
-        prepared = [self._prepare(h, d, None) for h, d in items]
-        t0 = time.perf_counter()
-        groups: dict[str, list[tuple[int, ReadOp]]] = {}
-        stores: list[Optional[LeaseStore]] = []
-        claim_errors: dict[int, KVBridgeError] = {}
-        for k, (h, dst, _) in enumerate(prepared):
-            store = self.lease_store(h)
-            stores.append(store)
-            op = ReadOp(h, self._spans(h, dst))
-            try:
-                op.claim = self._claim(store, h)
-            except KVBridgeError as exc:
-                claim_errors[k] = exc
-                continue
-            groups.setdefault(h.urls[0], []).append((k, op))
-        results: list[Optional[FetchResult]] = [None] * len(prepared)
-        for k, claim_error in claim_errors.items():
-            self.stats.fetches += 1
-            res = FetchResult(prepared[k][0], prepared[k][1], error=claim_error)
-            results[k] = self._finish(res, None, t0, release)
+        """Fetch many handles: claims batched per lease server (one round trip), reads
+        pipelined per sender on one connection."""
+        jobs = [self._prepare(h, d, None, release) for h, d in items]
+        self._claim_batch(jobs)
+        groups: dict[str, list[tuple[_Job, ReadOp]]] = {}
+        for j in jobs:
+            if j.res.error is None and not j.h.layerwise:
+                groups.setdefault(j.h.urls[0], []).append((j, ReadOp(j.h, self._spans(j), claim=j.claim)))
         for url, ops in groups.items():
             self.transport(url).read_many(url, [op for _, op in ops])
-            for k, op in ops:
-                h, dst, _ = prepared[k]
-                self.stats.fetches += 1
-                res = FetchResult(h, dst, attempts=1)
+            for j, op in ops:
+                j.res.attempts = 1
                 try:
                     if isinstance(op.result, KVBridgeError) and op.result.retryable:
-                        # fall back to the single-fetch path with its retry policy
-                        self._restart(op.dst)
-                        res.nbytes = self.retry.call(lambda: self._read_once(h, op.dst, None, op.claim),
-                                                     self._on_retry)
-                        res.attempts += 1
+                        self._read_whole(j, op.dst)      # fall back to one read with the retry policy
                     elif isinstance(op.result, KVBridgeError):
                         raise op.result
                     else:
-                        res.nbytes = int(op.result or 0)
+                        j.res.nbytes = int(op.result or 0)
+                    self._verify_whole(j, op.dst)
                 except KVBridgeError as exc:
-                    res.error = exc
-                results[k] = self._finish(res, None, t0, release, stores[k], op.claim, op.dst)
-        return [r for r in results if r is not None]
+                    j.res.error = exc
+        out = []
+        for j in jobs:
+            if j.res.error is None and j.h.layerwise:
+                t = self._transfer(j)
+                t._run()
+                out.append(t.result())
+            else:
+                out.append(self._settle(j))
+        return out
+
+    def _claim_batch(self, jobs: list[_Job]) -> None:
+        by_store: dict[int, list[_Job]] = {}
+        for j in jobs:
+            if j.store is not None:
+                by_store.setdefault(id(j.store), []).append(j)
+        for js in by_store.values():
+            store = js[0].store
+            assert store is not None
+            many = getattr(store, "claim_many", None)
+            try:
+                if many is None:
+                    got: list[Any] = [self._claim(store, j.h) for j in js]
+                else:
+                    got = self.retry.call(lambda: many(self.claimer, [j.h.lease_id for j in js], self.claim_ttl),
+                                          self._on_retry)
+            except KVBridgeError as exc:
+                for j in js:
+                    j.res.error = exc
+                continue
+            for j, lease in zip(js, got):
+                if isinstance(lease, KVBridgeError):
+                    j.res.error = lease
+                elif isinstance(lease, Claim):
+                    j.claim = lease
+                else:
+                    j.claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
+                    self.stats.add(claimed=1)
 
     async def afetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                           release: bool = True) -> list[FetchResult]:
-        return list(await asyncio.gather(*(self.afetch(h, d, release=release) for h, d in items)))
+        ts = [self.start_fetch(h, d, release=release) for h, d in items]
+        return [await t for t in ts]
 
     def claim(self, handle: HandleLike) -> Optional[Claim]:
         """Claim a leased handle now, e.g. while its request waits in a decode queue; the later
-        :meth:`fetch` by this receiver reuses the claim (claiming again is idempotent). Keep it
+        fetch by this receiver reuses the claim (claiming again is idempotent). Keep it
         alive with :meth:`renew`. Returns None for a handle without a lease."""
         h = self._parse(handle)
         return self._claim(self.lease_store(h), h)
@@ -401,14 +493,7 @@ class KVReceiver:
         store = self.lease_store(h)
         if store is not None:
             self.retry.call(lambda: store.renew(h.lease_id, claim.claimer, self.claim_ttl if ttl is None else ttl,
-                                                Fence(claim.epoch, claim.counter)), self._on_retry)
-
-    def _parse(self, handle: HandleLike) -> KVHandle:
-        if isinstance(handle, KVHandle):
-            return handle
-        if isinstance(handle, dict):
-            return KVHandle.from_dict(handle, self.secret)
-        return KVHandle.from_bytes(handle, self.secret)
+                                                claim.fence), self._on_retry)
 
     def release(self, handle: KVHandle, wait: bool = True) -> bool:
         """Tell the sender the KV is consumed (for handles without a lease). Failure is logged:
@@ -421,17 +506,189 @@ class KVReceiver:
                 log.warning("release of %s via %s failed: %s", handle.request_id, url, exc)
         return False
 
+    # -- push mode: reservations (this receiver is a BlockSink) ------------------------------
+    def reserve(self, dst_block_ids: Sequence[int], request_id: str = "", *, num_tokens: Optional[int] = None,
+                ttl: Optional[float] = None) -> Transfer:
+        """Offer ``dst_block_ids`` to a writer: the returned :class:`Transfer` carries the signed
+        ``reservation`` (hand it to the prefill side, e.g. ``reservation.to_dict()``) and ends
+        when the writer has written and this side verified every layer -- or on
+        ``cancel()``, or at ``ttl`` (default ``reservation_ttl``) if the push never completes."""
+        if not self.servers:
+            raise ConfigError("reserve() needs a receiver that listens: KVReceiver(pool, listen='tcp://...')")
+        L = self.pool.layout
+        dst = self._check_dst(dst_block_ids, len(dst_block_ids))
+        n = len(dst) * L.block_size if num_tokens is None else num_tokens
+        if not 0 <= n <= len(dst) * L.block_size:
+            raise ConfigError(f"{n} tokens do not fit {len(dst)} blocks of {L.block_size}")
+        ttl = self.reservation_ttl if ttl is None else ttl
+        gens = self.pool.generations(dst)
+        bare = KVHandle(handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash, urls=self.urls,
+                        block_ids=tuple(dst), generations=tuple(gens), checksums=(), num_tokens=n,
+                        token=os.urandom(16), layerwise=True, reservation=True)
+        store = self._stores.own()
+        if store is not None:
+            lease = store.publish(bare.lease_digest(), self.claimer, ttl, num_blocks=len(dst),
+                                  meta={"request_id": request_id[:200], "kind": "reservation"})
+            bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(store, "url", "")),
+                           fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
+        ticket = replace(bare, expires_at_ms=int((time.time() + ttl) * 1000)).signed(self._key)
+        t = Transfer(request_id, L.num_layers, None, on_cancel=self._cancel_reservation)
+        t.reservation = ticket
+        rec = _Reservation(ticket, ticket.to_bytes(), dst, gens, time.monotonic() + ttl, t, store)
+        with self._lock:
+            if self._closed:
+                raise ConfigError("receiver is closed")
+            self._reservations[ticket.handle_id] = rec
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(target=self._sweep_loop, name="kvb-reservations", daemon=True)
+                self._sweeper.start()
+            self._lock.notify_all()
+        self.stats.add(reservations=1)
+        return t
+
+    def _lookup_reservation(self, raw: bytes) -> _Reservation:
+        try:
+            return lookup_ticket(self._reservations, raw, self._key, "reservation")
+        except (BadHandle, HandleNotFound, AccessDenied):
+            self.stats.add(writes_refused=1)
+            raise
+
+    def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> _WriteGrant:
+        rec = self._lookup_reservation(ticket_bytes)
+        t = rec.ticket
+        if rec.store is not None and t.lease_id:
+            if claim is None:
+                self.stats.add(writes_refused=1)
+                raise AccessDenied("this reservation is leased: writes must carry the writer's claim and fence")
+            try:
+                rec.store.validate(t.lease_id, claim.claimer, claim.fence)
+            except StaleHandle:
+                self.stats.add(writes_refused=1)
+                raise
+        lo, hi = layers
+        L = self.pool.layout.num_layers
+        if not (0 <= lo <= rec.done_layers and lo < hi <= L):
+            raise ProtocolError(f"write of layers [{lo}, {hi}) to a {L}-layer reservation that expects "
+                                f"layer {rec.done_layers} next")
+        with self._lock:
+            if not rec.live:
+                self.stats.add(writes_refused=1)
+                raise StaleHandle(f"reservation {t.id} has ended; nothing more may be written")
+            rec.inflight += 1
+        spans = Spans.of_blocks(self.pool, rec.dst, range(lo, hi))
+        if self.verify:
+            spans.verifier = StreamVerifier(self.pool, rec.dst, range(lo, hi), per_layer=True)
+        spans.cancel = rec.transfer.cancel_event
+        return _WriteGrant(self, rec, spans, (lo, hi))
+
+    def _write_landed(self, g: _WriteGrant, sums: bytes, last: bool) -> None:
+        rec, (lo, hi) = g.rec, g.layers
+        nb = len(rec.dst)
+        if self.verify and sums:
+            want = unpack_sums(sums)
+            if len(want) != (hi - lo) * nb:
+                raise ProtocolError(f"write carries {len(want)} checksums for {hi - lo} layers of {nb} blocks")
+            v = g.spans.verifier
+            got = v.digests() if v is not None and v.complete else layer_checksums(self.pool, rec.dst, range(lo, hi))
+            bad = sorted({i % nb for i, (a, b) in enumerate(zip(got, want)) if a != b})
+            if bad:
+                raise IntegrityError(f"{len(bad)} block(s) of layers [{lo}, {hi}) failed their checksum on arrival")
+        with self._lock:
+            if not rec.live:
+                raise StaleHandle(f"reservation {rec.ticket.id} ended during the write")
+            rec.done_layers = max(rec.done_layers, hi)
+            rec.writes += 1
+            rec.nbytes += g.spans.nbytes
+            complete = last and rec.done_layers == self.pool.layout.num_layers
+        rec.transfer._layer_ready(rec.done_layers)
+        if last and not complete:
+            raise ProtocolError(f"last write arrived with only {rec.done_layers} layers written")
+        if complete:
+            self._end_reservation(rec, None, wait=False)
+
+    def _write_done(self, rec: _Reservation) -> None:
+        with self._lock:
+            rec.inflight -= 1
+            self._lock.notify_all()
+
+    def abort_remote(self, ticket_bytes: bytes) -> None:
+        rec = self._lookup_reservation(ticket_bytes)
+        self._end_reservation(rec, StaleHandle(f"the writer of {rec.ticket.request_id!r} gave up the push"))
+
+    def _cancel_reservation(self, t: Transfer) -> None:
+        assert t.reservation is not None
+        with self._lock:
+            rec = self._reservations.get(t.reservation.handle_id)
+        if rec is not None:
+            self._end_reservation(rec, TransferCancelled(f"reservation for {t.request_id!r} cancelled"))
+
+    def _end_reservation(self, rec: _Reservation, error: Optional[KVBridgeError], wait: bool = True) -> None:
+        """End a reservation once: on failure revoke its lease first (no writer's claim holds
+        after that), stop a landing write, and wait until no write is in flight."""
+        with self._lock:
+            if not rec.live:
+                return
+            rec.live = False
+            self._reservations.pop(rec.ticket.handle_id, None)
+        if error is not None:
+            rec.transfer.cancel_event.set()       # a write landing now stops at its next chunk
+            if rec.store is not None and rec.ticket.lease_id:
+                try:
+                    rec.store.revoke(rec.ticket.lease_id, self.claimer)
+                except KVBridgeError as exc:
+                    log.info("revoke of reservation %s: %s", rec.ticket.id, exc)
+        if wait:
+            with self._lock:
+                if not self._lock.wait_for(lambda: rec.inflight == 0, self.timeout.transfer):
+                    log.error("reservation %s: a write is still in flight after %s s", rec.ticket.id,
+                              self.timeout.transfer)
+        res = FetchResult(rec.ticket, list(rec.dst), nbytes=rec.nbytes, attempts=rec.writes, error=error)
+        if error is None and self.pool.generations(rec.dst) != rec.gens:
+            res.error = PoolError(f"reserved blocks of {rec.ticket.request_id!r} were freed or retired during "
+                                  "the push; their contents are not this request's KV")
+        res.ok = res.error is None
+        if not res.ok:
+            res.failed_block_ids = list(rec.dst)
+        res.seconds = time.perf_counter() - rec.t0
+        if res.ok:
+            self.stats.add(ok=1, bytes=res.nbytes)
+        else:
+            self.stats.add(failed=1, cancelled=int(isinstance(res.error, TransferCancelled)))
+        rec.transfer._finish(res)
+
+    def _sweep_loop(self) -> None:
+        """Reservations whose push never completed end at their deadline."""
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = [r for r in self._reservations.values() if r.deadline <= now]
+                if not due:
+                    nxt = min((r.deadline for r in self._reservations.values()), default=now + 1.0)
+                    self._lock.wait(timeout=max(0.005, min(1.0, nxt - now)))
+                    continue
+            for r in due:
+                self._end_reservation(r, LeaseExpired(
+                    f"reservation for {r.ticket.request_id!r} expired before the push completed"))
+
     def close(self) -> None:
+        for s in self.servers:
+            s.close()
+        with self._lock:
+            self._closed = True
+            recs = list(self._reservations.values())
+            self._lock.notify_all()
+        for r in recs:
+            self._end_reservation(r, TransferCancelled("receiver closed"))
+        self._workers.close()
         with self._lock:
             ts = list(self._transports.values())
-            stores = list(self._stores.values())
             self._transports.clear()
             self._by_url.clear()
-            self._stores.clear()
         for t in ts:
             t.close()
-        for s in stores:
-            s.close()
+        self._stores.close()
 
     def __enter__(self) -> "KVReceiver":
         return self

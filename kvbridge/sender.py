@@ -1,49 +1,59 @@
-"""KVSender: the prefill side. Publishes handles, serves their blocks, frees them once.
+"""KVSender: the prefill side. Publishes handles, serves or pushes their blocks, frees them once.
 
-Ownership: ``publish`` takes over the engine's reference to the blocks. The sender
-frees them (``pool.free``) exactly once -- on release by the receiver, on
-``revoke``, or when the handle's TTL passes unreleased -- and never while a read
-it serves is in flight (revoke first, then free when reads drain). ``on_free``
-tells the engine, with the reason.
+Ownership: ``publish`` takes over the engine's reference to the blocks (a pool with
+``allocator="engine"``: it pins them). The sender frees (unpins) them exactly once --
+on release by the receiver, on ``revoke``, when a push completes or fails, or when the
+handle's TTL passes unreleased -- and never while a read it serves is in flight
+(revoke first, then free when reads drain). ``on_free(handle, reason)`` tells the
+engine; with an engine-allocated pool that is the moment it may reuse the blocks.
 
-Leases (``leases=``, see ``LEASES.md``): each handle gets a lease in Redis (owner,
-TTL, fence). Reads must present the claimer's current fence; the sender learns of
-releases and aborts from its event stream (with a periodic sweep as fallback) and,
+Layer-wise: ``publish(..., layers_ready=0)`` hands out a handle before the prefill has
+computed every layer; ``mark_ready(handle, n)`` says layers ``0..n-1`` are final,
+computes their per-(layer, block) checksums, and wakes readers waiting for them.
+
+Push: ``push(reservation, block_ids)`` writes the blocks into the destination blocks a
+decode side reserved, layer by layer as they become ready (the same ``mark_ready``),
+under the reservation's lease: it claims it (one writer wins), writes under the
+claim's fence, and releases it when the last layer has landed and verified there.
+
+Leases (``leases=``, see ``docs/LEASES.md``): each handle gets a lease in Redis
+(owner, TTL, fence). Reads must present the claimer's current fence; the sender learns
+of releases and aborts from its event stream (with a periodic sweep as fallback) and,
 before freeing for any other reason, revokes the lease in Redis first. If Redis is
-unreachable it keeps the blocks until its local deadline (TTL plus a margin for
-clock rate), after which Redis has certainly expired the lease.
+unreachable it keeps the blocks until its local deadline (TTL plus a margin for clock
+rate), after which Redis has certainly expired the lease.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import socket
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
-from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, LeaseStoreUnavailable, PoolError,
-                     ProtocolError, StaleHandle)
-from .handle import KVHandle
-from .integrity import block_checksums
-from .lease import Fence, LeaseState, LeaseStore, open_lease_store, owner_deadline
+from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch,
+                     LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle, TransferCancelled,
+                     TransferTimeout)
+from .handle import KVHandle, lookup_ticket
+from .integrity import block_checksums, layer_checksums, pack_sums
+from .lease import Claim, Fence, LeaseState, LeaseStore, owner_deadline
 from .metrics import SenderStats
-from .policy import Timeout
+from .policy import Retry, Timeout
 from .pool import KVPool
-from .transports.base import Server, Spans
+from .stores import LeasesArg, StoreCache
+from .transfer import FetchResult, Transfer, Workers
+from .transports.base import Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
-from .transports.wire import Claim
 
 __all__ = ["KVSender", "FreeReason"]
 
 log = logging.getLogger("kvbridge.sender")
-FreeReason = str   # "released" | "aborted" | "expired" | "revoked" | "closed"
-LeasesArg = Union[str, LeaseStore, None, bool]
+FreeReason = str   # "released" | "aborted" | "expired" | "revoked" | "retired" | "pushed" | "closed"
 SWEEP_INTERVAL = 1.0
-_ID = slice(5, 21)  # handle id inside a handle's bytes (after magic, version, flags)
+LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
 
 
 @dataclass
@@ -59,6 +69,8 @@ class _Record:
     freed: bool = False
     free_after: float = 0.0   # when Redis could not be told: free at the local deadline
     revoking: bool = False    # a revoke is on its way to Redis: nothing may free yet
+    ready: int = 0            # layers 0..ready-1 are final
+    sums: list[list[int]] = field(default_factory=list)   # layer-wise: per layer, per block
 
 
 @dataclass
@@ -66,6 +78,8 @@ class _Grant:
     sender: "KVSender"
     rec: _Record
     spans: Spans
+    layers: tuple[int, int] = (0, 0)
+    sums: bytes = b""
     closed: bool = field(default=False)
 
     def still_valid(self) -> bool:
@@ -77,49 +91,73 @@ class _Grant:
             self.sender._read_done(self.rec)
 
 
+def _parse_ticket(ticket: Union[KVHandle, bytes, dict[str, Any]]) -> KVHandle:
+    if isinstance(ticket, KVHandle):
+        return ticket
+    if isinstance(ticket, dict):
+        return KVHandle.from_dict(ticket)
+    if isinstance(ticket, (bytes, bytearray, memoryview)):
+        return KVHandle.from_bytes(ticket)
+    raise BadHandle(f"expected a KVHandle, bytes or dict, got {type(ticket).__name__}")
+
+
 class KVSender:
-    """Publish blocks of ``pool`` and serve them at ``listen`` URL(s).
+    """Publish blocks of ``pool`` and serve them at ``listen`` URL(s); push them on request.
 
     ``secret``: shared HMAC key (then receivers can verify handles too); by default a
     random per-sender key. ``ttl``: seconds an unreleased handle lives.
-    ``on_free(handle, reason)``: called after its blocks are freed.
+    ``on_free(handle, reason)``: called after its blocks are freed (unpinned).
     ``leases``: a Redis URL, a :class:`LeaseStore`, None (this process's embedded
-    server) or False (no leases: local TTL and direct release only).
+    server) or False (no leases: local TTL and direct release only). ``retry`` governs
+    push writes and claims.
     """
 
     def __init__(self, pool: KVPool, listen: Union[str, Sequence[str]] = "tcp://127.0.0.1:0", *,
                  secret: Optional[bytes] = None, ttl: float = 60.0, timeout: Timeout = Timeout(),
                  on_free: Optional[Callable[[KVHandle, FreeReason], None]] = None,
                  checksums: bool = True, leases: LeasesArg = None, owner: Optional[str] = None,
-                 lease_namespace: str = "kvb", clock_margin: float = 1.0) -> None:
+                 lease_namespace: str = "kvb", clock_margin: float = 1.0, retry: Retry = Retry(),
+                 claim_ttl: float = 30.0) -> None:
         self.pool = pool
         self.servers: list[Server] = []
         self._closed = False
+        self._sweeper: Optional[threading.Thread] = None
+        self._watcher: Optional[threading.Thread] = None
+        self.leases: Optional[LeaseStore] = None
+        self._own_store = not isinstance(leases, LeaseStore)
         self.ttl = ttl
         self.timeout = timeout
+        self.retry = retry
+        self.claim_ttl = claim_ttl
         self.on_free = on_free
         self.checksums = checksums and pool.is_host
         self._key = secret if secret is not None else os.urandom(32)
         self._records: dict[bytes, _Record] = {}
         self._by_lease: dict[str, _Record] = {}
+        self._by_block: dict[int, _Record] = {}   # engine pools: which live handle pins a block
         self._pending: list[_Record] = []
         self._lock = threading.Condition()
+        self._ready_cv = threading.Condition(self._lock)
         self.stats = SenderStats()
         self.owner = owner or f"sender-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.clock_margin = clock_margin
-        self._own_store = not isinstance(leases, LeaseStore)
-        self.leases: Optional[LeaseStore] = (
-            None if leases is False else leases if isinstance(leases, LeaseStore)
-            else open_lease_store(leases if isinstance(leases, str) else None, namespace=lease_namespace))
+        self._push_stores = StoreCache(leases if leases is not False else None, lease_namespace)
+        self._transports: dict[str, Transport] = {}
+        self._workers = Workers("kvb-push")
         urls = [listen] if isinstance(listen, str) else list(listen)
-        if not urls:
-            raise ConfigError("KVSender needs at least one listen URL")
         try:
+            if not urls:
+                raise ConfigError("KVSender needs at least one listen URL")
+            if leases is not False:
+                self.leases = (leases if isinstance(leases, LeaseStore)
+                               else StoreCache(leases, lease_namespace).own())
             for u in urls:
                 self.servers.append(get_transport_class(scheme_of(u)).serve(u, self, timeout))
         except BaseException:
-            self.close()
+            self.close()      # what opened so far closes; the real error propagates
             raise
+        if pool.engine_allocated:
+            pool.on_retire.append(self._on_retire)
         self._sweeper = threading.Thread(target=self._sweep_loop, name="kvb-sender-sweep", daemon=True)
         self._sweeper.start()
         if self.leases is not None:
@@ -140,44 +178,97 @@ class KVSender:
 
     # -- prefill side --------------------------------------------------------------------
     def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
-                ttl: Optional[float] = None) -> KVHandle:
-        """Hand ``block_ids`` (holding ``num_tokens`` tokens of ``request_id``) to a receiver."""
+                ttl: Optional[float] = None, layers_ready: Optional[int] = None) -> KVHandle:
+        """Hand ``block_ids`` (holding ``num_tokens`` tokens of ``request_id``) to a receiver.
+
+        ``layers_ready=n`` publishes before the prefill has finished: only layers ``0..n-1``
+        are final; :meth:`mark_ready` announces the rest."""
+        return self._publish(request_id, block_ids, num_tokens, ttl, layers_ready, leased=True)
+
+    def _publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl: Optional[float],
+                 layers_ready: Optional[int], leased: bool) -> KVHandle:
         ids = [int(b) for b in block_ids]
         if len(set(ids)) != len(ids):
             raise PoolError("publish: duplicate block ids")
         self.pool._check_ids(ids)
-        for b in ids:
-            if self.pool.refcount(b) <= 0:
-                raise PoolError(f"publish: block {b} is not allocated")
+        if not self.pool.engine_allocated:
+            for b in ids:
+                if self.pool.refcount(b) <= 0:
+                    raise PoolError(f"publish: block {b} is not allocated",
+                                    hint="alloc() it first, or wrap the engine's cache with allocator='engine'")
         L = self.pool.layout
         if not 0 <= num_tokens <= len(ids) * L.block_size:
             raise ConfigError(f"{num_tokens} tokens do not fit {len(ids)} blocks of {L.block_size}")
+        layerwise = layers_ready is not None
+        if layerwise and not 0 <= int(layers_ready) <= L.num_layers:  # type: ignore[arg-type]
+            raise ConfigError(f"layers_ready={layers_ready} outside 0..{L.num_layers}")
         ttl = self.ttl if ttl is None else ttl
-        bare = KVHandle(
-            handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash,
-            urls=self.urls, block_ids=tuple(ids), generations=tuple(self.pool.generations(ids)),
-            checksums=tuple(block_checksums(self.pool, ids)) if self.checksums else (),
-            num_tokens=num_tokens, token=os.urandom(16))
-        sent_at = time.monotonic()
-        expires_at_ms = int((time.time() + ttl) * 1000)
-        if self.leases is not None:
-            lease = self.leases.publish(bare.lease_digest(), self.owner, ttl, num_blocks=len(ids),
-                                        meta={"request_id": request_id[:200]})
-            bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
-                           fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
+        if self.pool.engine_allocated:
+            self.pool.pin(ids)
+        try:
+            bare = KVHandle(
+                handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash,
+                urls=self.urls, block_ids=tuple(ids), generations=tuple(self.pool.generations(ids)),
+                checksums=tuple(block_checksums(self.pool, ids)) if self.checksums and not layerwise else (),
+                num_tokens=num_tokens, token=os.urandom(16), layerwise=layerwise)
+            sent_at = time.monotonic()
+            expires_at_ms = int((time.time() + ttl) * 1000)
+            if self.leases is not None and leased:
+                lease = self.leases.publish(bare.lease_digest(), self.owner, ttl, num_blocks=len(ids),
+                                            meta={"request_id": request_id[:200]})
+                bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
+                               fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
+        except BaseException:
+            if self.pool.engine_allocated:
+                self.pool.unpin(ids)
+            raise
         handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
-        deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if self.leases else sent_at + ttl
-        rec = _Record(handle, handle.to_bytes(), ids, deadline)
+        deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
+        rec = _Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers)
         with self._lock:
             if self._closed:
-                raise ConfigError("sender is closed")
-            self._records[handle.handle_id] = rec
-            if handle.lease_id:
-                self._by_lease[handle.lease_id] = rec
-            self._lock.notify_all()
-        self.stats.published += 1
-        self.stats.blocks_published += len(ids)
+                closed = True
+            else:
+                closed = False
+                self._records[handle.handle_id] = rec
+                if handle.lease_id:
+                    self._by_lease[handle.lease_id] = rec
+                if self.pool.engine_allocated:
+                    for b in ids:
+                        self._by_block[b] = rec
+                self._lock.notify_all()
+        if closed:
+            self._end(rec, "closed")
+            raise ConfigError("sender is closed")
+        self.stats.add(published=1, blocks_published=len(ids))
+        if layerwise and layers_ready:
+            self.mark_ready(handle, int(layers_ready))
         return handle
+
+    def mark_ready(self, handle: Union[KVHandle, Transfer], layers: int) -> None:
+        """Layers ``0..layers-1`` of a layer-wise handle (or push) are final: checksum them and
+        wake the readers (or the push) waiting for them. Calls may repeat; counts never go back."""
+        h = handle.handle if isinstance(handle, Transfer) else handle
+        if h is None or not h.layerwise:
+            raise ConfigError("mark_ready() takes a layer-wise handle (publish(..., layers_ready=n)) or a push")
+        with self._lock:
+            rec = self._records.get(h.handle_id)
+        if rec is None:
+            raise HandleNotFound(f"handle {h.id} is not live (released, expired or revoked)")
+        L = self.pool.layout.num_layers
+        if not 0 <= layers <= L:
+            raise ConfigError(f"mark_ready: {layers} layers outside 0..{L}")
+        start = rec.ready
+        if layers <= start:
+            return
+        new = ([layer_checksums(self.pool, rec.block_ids, range(i, i + 1)) for i in range(start, layers)]
+               if self.checksums else [[] for _ in range(start, layers)])
+        with self._ready_cv:
+            if rec.ready != start:           # a concurrent call got there first
+                return
+            rec.sums.extend(new)
+            rec.ready = layers
+            self._ready_cv.notify_all()
 
     def revoke(self, handle: Union[KVHandle, bytes], reason: FreeReason = "revoked") -> bool:
         """End a handle now (e.g. the request was aborted); frees once reads drain."""
@@ -186,37 +277,40 @@ class KVSender:
             rec = self._records.get(hid)
         return self._end(rec, reason) if rec else False
 
+    def _on_retire(self, blocks: list[int]) -> None:
+        """The engine retired pinned blocks: the handles naming them no longer hold their KV."""
+        with self._lock:
+            recs = {id(r): r for b in blocks if (r := self._by_block.get(b)) is not None}
+        for r in recs.values():
+            log.warning("engine retired blocks of live handle %s (request %r); ending it",
+                        r.handle.id, r.handle.request_id)
+            self._end(r, "retired")
+
     # -- BlockSource (called by transport servers) ---------------------------------------
     def _lookup(self, handle_bytes: bytes) -> _Record:
-        if len(handle_bytes) < 21:
-            raise BadHandle("handle is truncated")
-        rec = self._records.get(bytes(handle_bytes[_ID]))
-        if rec is not None and hmac.compare_digest(bytes(handle_bytes), rec.raw):
-            return rec
-        # Not the exact bytes we issued: say precisely why.
-        h = KVHandle.from_bytes(handle_bytes)         # BadHandle on garbage
         try:
-            h.verify(self._key)
-        except BadHandle:
-            self.stats.refused += 1
-            raise BadHandle("handle MAC does not verify: it was altered or forged, or not issued here")
-        if rec is None:
-            self.stats.refused += 1
-            raise HandleNotFound(f"handle {h.id} of request {h.request_id!r} is not live here "
-                                 "(released, expired or never published)")
-        raise AccessDenied("handle does not match the one issued under this id")
+            return lookup_ticket(self._records, handle_bytes, self._key)
+        except (BadHandle, HandleNotFound):
+            self.stats.add(refused=1)
+            raise
+
+    def _wait_layers(self, rec: _Record, first: int, end: int) -> int:
+        """Wait (bounded) until layer ``first`` is ready; the end of the ready part of [first, end)."""
+        with self._ready_cv:
+            self._ready_cv.wait_for(lambda: rec.ready > first or not rec.live, LAYER_WAIT)
+            return max(first, min(end, rec.ready))
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
-                  claim: Optional[Claim] = None) -> _Grant:
+                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> _Grant:
         rec = self._lookup(handle_bytes)
         if self.leases is not None and rec.handle.lease_id:
             if claim is None:
-                self.stats.refused += 1
+                self.stats.add(refused=1)
                 raise AccessDenied("this handle is leased: reads must carry the claimer and its fence")
             try:
-                self.leases.validate(rec.handle.lease_id, claim.claimer, Fence(claim.epoch, claim.counter))
+                self.leases.validate(rec.handle.lease_id, claim.claimer, claim.fence)
             except StaleHandle:
-                self.stats.refused += 1
+                self.stats.add(refused=1)
                 raise
         n = len(rec.block_ids)
         if indices is None:
@@ -225,32 +319,155 @@ class KVSender:
             if any(not 0 <= i < n for i in indices):
                 raise ProtocolError(f"block index out of range for a {n}-block handle")
             ids = [rec.block_ids[i] for i in indices]
+        L = self.pool.layout.num_layers
+        lo = hi = 0
+        if layers is not None:
+            if not rec.handle.layerwise:
+                raise ProtocolError("layer reads are for layer-wise handles; read this one whole")
+            lo = layers[0]
+            if not lo < L:
+                raise ProtocolError(f"layer {lo} outside a {L}-layer handle")
+            hi = self._wait_layers(rec, lo, min(layers[1], L))
         with self._lock:
             if not rec.live:
-                self.stats.refused += 1
+                self.stats.add(refused=1)
                 raise StaleHandle(f"handle {rec.handle.id} was {rec.reason}; its blocks are gone")
             if self.pool.generations(rec.block_ids) != list(rec.handle.generations):
-                self.stats.refused += 1
+                self.stats.add(refused=1)
                 raise StaleHandle(f"blocks of handle {rec.handle.id} were freed and reused")
+            if layers is None and rec.ready < L:
+                raise ProtocolError("this layer-wise handle is not complete yet: read it layer by layer")
             rec.inflight += 1
-        if indices is None:
-            if rec.spans is None:
-                rec.spans = Spans.of_blocks(self.pool, ids)
-            spans = rec.spans
-        else:
-            spans = Spans.of_blocks(self.pool, ids)
-        self.stats.reads += 1
-        self.stats.bytes_served += spans.nbytes
-        return _Grant(self, rec, spans)
+        try:
+            sums = b""
+            if layers is not None:
+                spans = Spans.of_blocks(self.pool, ids, range(lo, hi))
+                if self.checksums and hi > lo:
+                    sel = rec.sums[lo:hi] if indices is None else [[s[i] for i in indices] for s in rec.sums[lo:hi]]
+                    sums = pack_sums([x for layer in sel for x in layer])
+            elif indices is None:
+                if rec.spans is None:
+                    rec.spans = Spans.of_blocks(self.pool, ids)
+                spans = rec.spans
+            else:
+                spans = Spans.of_blocks(self.pool, ids)
+        except BaseException:
+            self._read_done(rec)
+            raise
+        self.stats.add(reads=1, bytes_served=spans.nbytes)
+        return _Grant(self, rec, spans, (lo, hi), sums)
 
     def release_remote(self, handle_bytes: bytes) -> None:
         """A direct release (handles without a lease). A leased handle ends only through its
         lease: a holder of the handle bytes is not necessarily its claimer."""
         rec = self._lookup(handle_bytes)
         if self.leases is not None and rec.handle.lease_id:
-            self.stats.refused += 1
+            self.stats.add(refused=1)
             raise AccessDenied("a leased handle is released through its lease, by its claimer")
         self._end(rec, "released")
+
+    # -- push ------------------------------------------------------------------------------
+    def push(self, reservation: Union[KVHandle, bytes, dict[str, Any]], block_ids: Sequence[int],
+             num_tokens: Optional[int] = None, *, layers_ready: Optional[int] = None,
+             ttl: Optional[float] = None) -> Transfer:
+        """Write ``block_ids`` into the blocks a decode side reserved (``reservation``: its
+        :attr:`Transfer.reservation`, as a handle, bytes or dict). Returns at once; the
+        returned :class:`Transfer` runs on this sender's workers. ``layers_ready=n``: only
+        layers ``0..n-1`` are final yet -- announce the rest with ``mark_ready(transfer, k)``;
+        each batch of ready layers is written as it becomes ready. The blocks stay pinned
+        until the push ends (``on_free`` with reason ``"pushed"`` or ``"aborted"``)."""
+        res = _parse_ticket(reservation)
+        if not res.reservation:
+            raise BadHandle("push() takes a reservation (KVReceiver.reserve), not a handle")
+        L = self.pool.layout
+        if res.layout_hash != L.compat_hash:
+            raise LayoutMismatch(f"reservation layout {res.layout_hash} != this pool's {L.compat_hash} "
+                                 f"({L.compat_key()})")
+        if len(block_ids) != res.num_blocks:
+            raise PoolError(f"the reservation holds {res.num_blocks} blocks, push names {len(block_ids)}")
+        if not res.urls:
+            raise BadHandle("reservation names no receiver URL")
+        n = res.num_tokens if num_tokens is None else num_tokens
+        h = self._publish(res.request_id, block_ids, n, ttl, L.num_layers if layers_ready is None else layers_ready,
+                          leased=False)
+        t = Transfer(res.request_id, L.num_layers, lambda t: self._push(t, h, res))
+        t.handle = h
+        self.stats.add(pushes=1)
+        return self._workers.submit(t)
+
+    def _transport(self, url: str) -> Transport:
+        scheme = scheme_of(url)
+        with self._lock:
+            t = self._transports.get(scheme)
+            if t is None:
+                t = self._transports[scheme] = get_transport_class(scheme)(self.timeout)
+        return t
+
+    def _push(self, t: Transfer, h: KVHandle, res: KVHandle) -> FetchResult:
+        t0 = time.perf_counter()
+        out = FetchResult(res, list(res.block_ids))
+        rec = self._records.get(h.handle_id)
+        store = self._push_stores.for_ticket(res)
+        claim: Optional[Claim] = None
+        url = res.urls[0]
+        L = self.pool.layout.num_layers
+        try:
+            if rec is None:
+                raise StaleHandle(f"push of {res.request_id!r}: its blocks were freed before it started")
+            if store is not None:
+                lease = self.retry.call(lambda: store.claim(res.lease_id, self.owner, self.claim_ttl))
+                claim = Claim(self.owner, lease.fence.epoch, lease.fence.counter)
+            transport = self._transport(url)
+            done = 0
+            idle_until = time.monotonic() + self.timeout.transfer
+            while done < L:
+                if t.cancel_event.is_set():
+                    raise TransferCancelled(f"push of {res.request_id!r} cancelled")
+                hi = self._wait_layers(rec, done, L)
+                if not rec.live:
+                    raise StaleHandle(f"push of {res.request_id!r}: its handle was {rec.reason}")
+                if hi == done:
+                    if time.monotonic() > idle_until:
+                        raise TransferTimeout(f"push of {res.request_id!r}: layer {done} not ready "
+                                              f"within {self.timeout.transfer} s")
+                    continue
+                src = Spans.of_blocks(self.pool, rec.block_ids, range(done, hi))
+                sums = pack_sums([x for layer in rec.sums[done:hi] for x in layer]) if self.checksums else b""
+                lo, c = done, claim
+
+                def attempt() -> int:
+                    out.attempts += 1
+                    return transport.write(url, res, src, (lo, hi), c, sums, hi == L)
+                out.nbytes += self.retry.call(attempt)
+                done = hi
+                t._layer_ready(done)
+                idle_until = time.monotonic() + self.timeout.transfer
+            if store is not None and claim is not None:
+                c = claim
+                self.retry.call(lambda: store.release(res.lease_id, c.claimer, c.fence))
+            out.ok = True
+        except KVBridgeError as exc:
+            out.error = exc
+            out.failed_block_ids = list(res.block_ids)
+            self._abort_push(res, store, claim, url)
+        out.seconds = time.perf_counter() - t0
+        if rec is not None:
+            self._end(rec, "pushed" if out.ok else "aborted")
+        if out.ok:
+            self.stats.add(bytes_pushed=out.nbytes)
+        return out
+
+    def _abort_push(self, res: KVHandle, store: Optional[LeaseStore], claim: Optional[Claim], url: str) -> None:
+        """Tell the receiver this writer gives up (best effort: its reservation expires anyway)."""
+        try:
+            self._transport(url).abort_write(url, res)
+        except KVBridgeError as exc:
+            log.info("abort of push %r: %s", res.request_id, exc)
+        if store is not None and claim is not None:
+            try:
+                store.abort(res.lease_id, claim.claimer, claim.fence)
+            except KVBridgeError as exc:
+                log.info("abort of reservation lease %s: %s", res.lease_id, exc)
 
     # -- lifecycle -----------------------------------------------------------------------
     def _end(self, rec: _Record, reason: FreeReason) -> bool:
@@ -261,6 +478,11 @@ class KVSender:
             rec.reason = reason
             self._records.pop(rec.handle.handle_id, None)
             self._by_lease.pop(rec.handle.lease_id, None)
+            if self._by_block:
+                for b in rec.block_ids:
+                    if self._by_block.get(b) is rec:
+                        del self._by_block[b]
+            self._ready_cv.notify_all()   # readers and pushes waiting for its layers: it is over
             revoke = (self.leases is not None and bool(rec.handle.lease_id)
                       and reason not in ("released", "aborted"))
             rec.revoking = revoke   # a read draining meanwhile must not free before the revoke lands
@@ -305,9 +527,7 @@ class KVSender:
         except PoolError as exc:   # the engine freed them behind our back
             log.error("freeing blocks of %s: %s", rec.handle.request_id, exc)
         n = len(rec.block_ids)
-        setattr(self.stats, rec.reason, getattr(self.stats, rec.reason, 0) + 1)
-        setattr(self.stats, f"blocks_{rec.reason}", getattr(self.stats, f"blocks_{rec.reason}", 0) + n)
-        self.stats.blocks_freed += n
+        self.stats.add(**{rec.reason: 1, f"blocks_{rec.reason}": n, "blocks_freed": n})
         if self.on_free is not None:
             try:
                 self.on_free(rec.handle, rec.reason)
@@ -381,7 +601,7 @@ class KVSender:
 
     def close(self) -> None:
         """Stop serving and free every unreleased handle (after its reads drain)."""
-        for s in getattr(self, "servers", []):
+        for s in self.servers:
             s.close()
         with self._lock:
             self._closed = True
@@ -389,10 +609,19 @@ class KVSender:
             self._lock.notify_all()
         for r in recs:
             self._end(r, "closed")
-        if self.leases is not None:
+        self._workers.close()
+        if self.pool.engine_allocated and self._on_retire in self.pool.on_retire:
+            self.pool.on_retire.remove(self._on_retire)
+        if self._watcher is not None:
             self._watcher.join(timeout=2)
-            if self._own_store:
-                self.leases.close()
+        with self._lock:
+            transports = list(self._transports.values())
+            self._transports.clear()
+        for t in transports:
+            t.close()
+        self._push_stores.close()
+        if self.leases is not None and self._own_store:
+            self.leases.close()
 
     def __enter__(self) -> "KVSender":
         return self

@@ -1,4 +1,4 @@
-"""Lease records and the abstract :class:`LeaseStore` (see ``LEASES.md``).
+"""Lease records and the abstract :class:`LeaseStore` (see ``docs/LEASES.md``).
 
 Clock assumptions
 -----------------
@@ -27,11 +27,11 @@ import enum
 import threading
 from dataclasses import dataclass, field, fields
 from types import TracebackType
-from typing import ClassVar, List, Optional, Sequence, TypeVar
+from typing import ClassVar, List, NamedTuple, Optional, Sequence, TypeVar
 
 __all__ = [
     "LeaseState", "Fence", "Lease", "LeaseEvent", "LeaseStats", "LeaseStore",
-    "owner_deadline", "EVENT_KINDS",
+    "owner_deadline", "EVENT_KINDS", "Claim",
 ]
 
 U64_MAX = (1 << 64) - 1
@@ -73,6 +73,19 @@ class Fence:
 
 
 Fence.ZERO = Fence(0, 0)
+
+
+class Claim(NamedTuple):
+    """A claimer's hold on a lease: who, and under which fence. Reads of a leased handle
+    (and writes into a leased reservation) carry it; :meth:`KVReceiver.claim` returns it."""
+
+    claimer: str
+    epoch: int
+    counter: int
+
+    @property
+    def fence(self) -> "Fence":
+        return Fence(self.epoch, self.counter)
 
 
 @dataclass

@@ -1,35 +1,39 @@
 """The Transport interface: small on purpose.
 
-A *server* (``Transport.serve``) exposes a :class:`BlockSource` -- the sender --
-at a URL. A *client* (an instance of a Transport subclass) reads blocks named by a
-handle into destination memory, in canonical order (see :mod:`kvbridge.layout`).
+A *server* (``Transport.serve``) exposes an endpoint at a URL: a :class:`BlockSource`
+(the sender, pull mode) and/or a :class:`BlockSink` (a receiver that reserved blocks,
+push mode). A *client* (an instance of a Transport subclass) moves the blocks named by
+a handle or reservation, in canonical order (see :mod:`kvbridge.layout`).
 
-Client methods: :meth:`Transport.read` / :meth:`Transport.aread` (one handle),
-:meth:`Transport.read_many` (many handles, pipelined where the backend can),
-:meth:`Transport.release` (tell the sender the handle is consumed),
-:meth:`Transport.close`, and :meth:`Transport.extra` for backend-specific facts.
+Client methods: :meth:`Transport.read` (one handle), :meth:`Transport.read_layers`
+(the ready layers of a layer-wise handle), :meth:`Transport.read_many` (many handles,
+pipelined where the backend can), :meth:`Transport.write` / :meth:`Transport.abort_write`
+(push), :meth:`Transport.release`, :meth:`Transport.close`, and :meth:`Transport.extra`
+for backend-specific facts. Transports are synchronous and thread-safe: transfers run
+on the caller's thread or a transfer worker (:mod:`kvbridge.transfer`), never on an
+event loop.
 """
 
 from __future__ import annotations
 
 import abc
-import asyncio
 import ctypes
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
 
-from ..errors import KVBridgeError, ProtocolError
+from ..errors import ConfigError, KVBridgeError, ProtocolError, TransferCancelled
 from ..handle import KVHandle
 from ..layout import Segment
 from ..policy import Timeout
-from .wire import Claim
+from ..lease.base import Claim
 
 if TYPE_CHECKING:
     from ..integrity import StreamVerifier
     from ..pool import KVPool
 
-__all__ = ["Run", "Spans", "ReadGrant", "BlockSource", "Server", "Transport", "ReadOp",
-           "copy_runs", "total"]
+__all__ = ["Run", "Spans", "ReadGrant", "WriteGrant", "BlockSource", "BlockSink", "Server", "Transport",
+           "ReadOp", "Chunk", "SpansFor", "Claim", "copy_runs", "total"]
 
 # (address, nbytes): a contiguous run of host memory
 Run = tuple[int, int]
@@ -40,9 +44,12 @@ class Spans:
 
     Transports take what suits them: :meth:`views` (memoryview slices, for socket
     I/O) or :meth:`runs` (addresses, for memcpy). Both are derived lazily and cached.
+    ``verifier`` hashes bytes as they land; ``cancel`` (an Event) stops a transfer
+    between chunks: transports call :meth:`landed` as bytes arrive whenever
+    :attr:`watched` is true.
     """
 
-    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier")
+    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier", "cancel")
 
     def __init__(self, pool: "KVPool", segments: list[Segment]) -> None:
         self.pool = pool
@@ -51,15 +58,26 @@ class Spans:
         self._views: Optional[list[memoryview]] = None
         self._runs: Optional[list[Run]] = None
         self.verifier: Optional["StreamVerifier"] = None   # hashes bytes as they land
+        self.cancel: Optional[threading.Event] = None
+
+    @property
+    def watched(self) -> bool:
+        return self.verifier is not None or self.cancel is not None
 
     def landed(self, upto: int) -> None:
         """Transports call this as the first ``upto`` bytes of the stream have arrived."""
+        if self.cancel is not None and self.cancel.is_set():
+            raise TransferCancelled("transfer cancelled")
         if self.verifier is not None:
             self.verifier.advance(upto)
 
+    @property
+    def on_landed(self) -> Optional[Callable[[int], None]]:
+        return self.landed if self.watched else None
+
     @classmethod
-    def of_blocks(cls, pool: "KVPool", block_ids: Sequence[int]) -> "Spans":
-        return cls(pool, list(pool.layout.segments(list(block_ids), pool.num_blocks)))
+    def of_blocks(cls, pool: "KVPool", block_ids: Sequence[int], layers: Optional[range] = None) -> "Spans":
+        return cls(pool, list(pool.layout.segments(list(block_ids), pool.num_blocks, layers)))
 
     def views(self) -> list[memoryview]:
         if self._views is None:
@@ -126,20 +144,47 @@ def copy_runs(dst: Sequence[Run], src: Sequence[Run], landed: Optional[Callable[
 
 
 class ReadGrant(Protocol):
-    """Permission to read some blocks of a live handle; holds an in-flight count until closed."""
+    """Permission to read some blocks of a live handle; holds an in-flight count until closed.
+
+    ``layers`` is the layer range served (a layer-wise handle serves the ready layers of
+    the range asked for); ``sums`` the packed per-(layer, block) checksums of those layers
+    (``b""`` when the handle carries its checksums, or has none)."""
 
     spans: Spans               # source memory in canonical order
+    layers: tuple[int, int]
+    sums: bytes
 
     def still_valid(self) -> bool: ...
     def close(self) -> None: ...
 
 
+class WriteGrant(Protocol):
+    """Permission to write some layers of a reservation's blocks (push mode); holds an
+    in-flight count until closed, so a cancel never frees pages under a write."""
+
+    spans: Spans               # destination memory in canonical order (verifier attached)
+    layers: tuple[int, int]
+
+    def finish(self, sums: bytes, last: bool) -> None: ...   # verify what landed; raise to refuse
+    def close(self) -> None: ...
+
+
 class BlockSource(Protocol):
-    """What a server serves from: the sender. It authorizes every read."""
+    """What a server serves reads from: the sender. It authorizes every read.
+
+    ``layers=(first, end)`` asks a layer-wise handle for its layers from ``first``: the
+    source waits (bounded) until ``first`` is ready and serves the ready ones below ``end``."""
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
-                  claim: Optional[Claim] = None) -> ReadGrant: ...
+                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> ReadGrant: ...
     def release_remote(self, handle_bytes: bytes) -> None: ...
+
+
+class BlockSink(Protocol):
+    """What a server accepts writes into (push mode): the receiver. It authorizes every write."""
+
+    def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> WriteGrant: ...
+    def abort_remote(self, ticket_bytes: bytes) -> None: ...
 
 
 class Server(abc.ABC):
@@ -158,6 +203,19 @@ class ReadOp:
     indices: Optional[list[int]] = None
     claim: Optional[Claim] = None
     result: Optional[int | KVBridgeError] = None
+
+
+@dataclass
+class Chunk:
+    """What a layer read brought: layers [first, end), their checksums, and bytes."""
+
+    first: int
+    end: int
+    sums: bytes
+    nbytes: int
+
+
+SpansFor = Callable[[int, int], Spans]   # destination memory of layers [first, end)
 
 
 class Transport(abc.ABC):
@@ -181,10 +239,12 @@ class Transport(abc.ABC):
 
         ``claim`` names the lease claimer and fence the read is made under (leased handles)."""
 
-    async def aread(self, url: str, handle: KVHandle, dst: Spans,
-                    indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> int:
-        """Awaitable read; backends with native async I/O override this."""
-        return await asyncio.to_thread(self.read, url, handle, dst, indices, claim)
+    def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
+                    indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
+        """Read the ready layers of a layer-wise handle from ``first`` (below ``end``); the
+        sender waits, bounded, for ``first`` to be ready. ``spans_for(first, end)`` gives the
+        destination of the layers actually served."""
+        raise ConfigError(f"{self.scheme}:// does not support layer-wise handles")
 
     def read_many(self, url: str, ops: list[ReadOp]) -> list[ReadOp]:
         """Read many handles from one sender; sets each op's result (bytes or error)."""
@@ -194,6 +254,17 @@ class Transport(abc.ABC):
             except KVBridgeError as exc:
                 op.result = exc
         return ops
+
+    def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
+              sums: bytes, last: bool) -> int:
+        """Push mode: write ``src`` (layers ``layers`` of the source blocks, canonical order) into
+        the blocks a reservation ``ticket`` names; ``sums`` are their per-(layer, block)
+        checksums; ``last`` completes the reservation. Returns bytes written."""
+        raise ConfigError(f"{self.scheme}:// does not support push")
+
+    def abort_write(self, url: str, ticket: KVHandle) -> None:
+        """Push mode: tell the reservation's owner that this writer gives up."""
+        raise ConfigError(f"{self.scheme}:// does not support push")
 
     @abc.abstractmethod
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:

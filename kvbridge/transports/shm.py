@@ -1,11 +1,18 @@
-"""shm:// -- same host: the receiver maps the sender's shared-memory pool and memcpys.
+"""shm:// -- same host: one side maps the other's shared-memory pool and memcpys.
 
-The sender's pool must live in POSIX shared memory (``KVPool.allocate(...,
+Pull: the sender's pool must live in POSIX shared memory (``KVPool.allocate(...,
 shared=True)``). A small control channel (a unix socket) carries the same
-handle/token checks as tcp: MAP asks for the handle's blocks and gets the segment
-name and byte runs, the receiver copies, then DONE asks whether the handle is
-still valid -- the server holds an in-flight count between MAP and DONE, so the
-blocks cannot be freed under the copy, and a stale answer discards the bytes.
+handle/token checks as tcp: MAP asks for the handle's blocks (or the ready layers of a
+layer-wise handle) and gets the segment name and byte runs; the receiver maps the
+segment read-only, copies, then DONE asks whether the handle is still valid -- the
+server holds an in-flight count between MAP and DONE, so the blocks cannot be freed
+under the copy, and a stale answer discards the bytes.
+
+Push: the receiver's pool must live in shared memory. WMAP asks for the reserved
+blocks of some layers; the writer maps that segment writable, copies, and WDONE hands
+over the checksums, which the receiver verifies over what landed before answering OK.
+The receiver holds an in-flight count between WMAP and WDONE, so a cancel never frees
+pages under the copy.
 """
 
 from __future__ import annotations
@@ -17,18 +24,19 @@ import struct
 import tempfile
 import threading
 from collections import OrderedDict
-from typing import Optional
+from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle
 from ..handle import KVHandle
+from ..lease.base import Claim
 from ..policy import Timeout
 from ..pool import SharedSegment
-from .base import BlockSource, ReadGrant, Server, Spans, Transport, copy_runs
+from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
+from .sockets import SocketClient, SocketServer, connector
 from .staging import copy_slices, device_slices
-from .tcp import SocketClient, SocketServer, connector
-from .wire import (HEADER, Claim, Kind, decode_error, decode_read, encode_read, map_os_error, pack, recv_exact,
-                   unpack_header)
+from .wire import (HEADER, LAYERS, FrameReader, Kind, decode_error, decode_layers, decode_request, encode_layers, encode_request,
+                   map_os_error, pack, recv_exact, unpack_header)
 
 __all__ = ["ShmTransport"]
 
@@ -43,14 +51,26 @@ def _path_of(url: str) -> str:
     return u.path
 
 
+def _mapped_body(grant: Any, layers: tuple[int, int], sums: bytes, what: str) -> bytes:
+    pool = grant.spans.pool
+    if pool.segment is None:
+        raise ConfigError(f"shm:// needs the {what}'s pool in shared memory: KVPool.allocate(..., shared=True)")
+    offs = pool.buffer_offsets
+    name = pool.segment.name.encode()
+    body = [encode_layers(*layers, sums), struct.pack("!H", len(name)), name,
+            struct.pack("!I", len(grant.spans.segments))]
+    body += [_RUN.pack(offs[b] + o, n) for b, o, n in grant.spans.segments]
+    return b"".join(body)
+
+
 class ShmServer(SocketServer):
-    def __init__(self, *a: object, **kw: object) -> None:
-        super().__init__(*a, **kw)  # type: ignore[arg-type]
-        self._open: dict[socket.socket, dict[int, ReadGrant]] = {}
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self._open: dict[socket.socket, dict[int, Any]] = {}
         self._glock = threading.Lock()
 
     def idle_timeout(self, conn: socket.socket) -> float:
-        # A receiver holding a mapping must finish its copy within the transfer timeout.
+        # A peer holding a mapping must finish its copy within the transfer timeout.
         return self.timeout.transfer if self._open.get(conn) else super().idle_timeout(conn)
 
     def connection_closed(self, conn: socket.socket) -> None:
@@ -59,52 +79,64 @@ class ShmServer(SocketServer):
         for g in grants.values():
             g.close()
 
-    def handle(self, conn: socket.socket, kind: Kind, req_id: int, payload: bytes) -> bool:
-        if kind is Kind.MAP:
+    def _hold(self, conn: socket.socket, req_id: int, grant: Any) -> None:
+        with self._glock:
+            self._open.setdefault(conn, {})[req_id] = grant
+
+    def _take(self, conn: socket.socket, req_id: int) -> Any:
+        with self._glock:
+            return self._open.get(conn, {}).pop(req_id, None)
+
+    def handle(self, conn: socket.socket, reader: FrameReader, kind: Kind, req_id: int, payload: bytes) -> bool:
+        if kind in (Kind.MAP, Kind.WMAP):
+            grant = None
             try:
-                handle_bytes, indices, claim = decode_read(payload)
-                grant = self.source.open_read(handle_bytes, indices, claim)
+                req = decode_request(payload)
+                if kind is Kind.MAP:
+                    grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
+                    layers = grant.layers if req.layers is not None else (0, 0)
+                    body = _mapped_body(grant, layers, grant.sums if req.layers is not None else b"", "sender")
+                else:
+                    if req.layers is None:
+                        raise ProtocolError("WMAP frame names no layers")
+                    grant = self.sink.open_write(req.ticket, req.layers, req.claim)
+                    body = _mapped_body(grant, grant.layers, b"", "receiver")
+            except KVBridgeError as exc:
+                if grant is not None:
+                    grant.close()
+                self._reply_error(conn, req_id, exc)
+                return True
+            self._hold(conn, req_id, grant)
+            conn.sendall(pack(Kind.MAPPED, req_id, body))
+            return True
+        if kind in (Kind.DONE, Kind.WDONE):
+            done = self._take(conn, req_id)
+            if done is None:
+                self._reply_error(conn, req_id, ProtocolError(f"{kind.name} for no open mapping"))
+                return True
+            try:
+                if kind is Kind.DONE:
+                    if not done.still_valid():
+                        raise StaleHandle("blocks were freed during the copy; bytes discarded")
+                else:
+                    req = decode_request(payload)
+                    done.finish(req.sums, req.last)
             except KVBridgeError as exc:
                 self._reply_error(conn, req_id, exc)
                 return True
-            pool = grant.spans.pool
-            if pool.segment is None:
-                grant.close()
-                self._reply_error(conn, req_id, ConfigError(
-                    "shm:// needs the sender's pool in shared memory: KVPool.allocate(..., shared=True)"))
-                return True
-            with self._glock:
-                self._open.setdefault(conn, {})[req_id] = grant
-            offs = pool.buffer_offsets
-            name = pool.segment.name.encode()
-            body = [struct.pack("!H", len(name)), name, struct.pack("!I", len(grant.spans.segments))]
-            body += [_RUN.pack(offs[b] + o, n) for b, o, n in grant.spans.segments]
-            conn.sendall(pack(Kind.MAPPED, req_id, b"".join(body)))
-            return True
-        if kind is Kind.DONE:
-            with self._glock:
-                done: Optional[ReadGrant] = self._open.get(conn, {}).pop(req_id, None)
-            if done is None:
-                self._reply_error(conn, req_id, ProtocolError("DONE for no open mapping"))
-                return True
-            try:
-                valid = done.still_valid()
             finally:
                 done.close()
-            if valid:
-                conn.sendall(pack(Kind.OK, req_id))
-            else:
-                self._reply_error(conn, req_id, StaleHandle("blocks were freed during the copy; bytes discarded"))
+            conn.sendall(pack(Kind.OK, req_id))
             return True
-        return super().handle(conn, kind, req_id, payload)
+        return super().handle(conn, reader, kind, req_id, payload)
 
 
-def _parse_mapped(payload: bytes) -> tuple[str, list[tuple[int, int]]]:
+def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]:
     try:
-        (nl,) = struct.unpack_from("!H", payload, 0)
-        name = payload[2:2 + nl].decode()
-        (n,) = struct.unpack_from("!I", payload, 2 + nl)
-        base = 6 + nl
+        (nl,) = struct.unpack_from("!H", payload, pos)
+        name = payload[pos + 2:pos + 2 + nl].decode()
+        (n,) = struct.unpack_from("!I", payload, pos + 2 + nl)
+        base = pos + 6 + nl
         if len(payload) != base + n * _RUN.size:
             raise ProtocolError("MAPPED frame has the wrong length")
         return name, [_RUN.unpack_from(payload, base + i * _RUN.size) for i in range(n)]
@@ -118,11 +150,11 @@ class ShmTransport(Transport):
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
         self._clients: dict[str, SocketClient] = {}
-        self._maps: OrderedDict[str, SharedSegment] = OrderedDict()
+        self._maps: OrderedDict[tuple[str, bool], SharedSegment] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
-    def serve(cls, url: str, source: BlockSource, timeout: Timeout = Timeout()) -> Server:
+    def serve(cls, url: str, source: Any, timeout: Timeout = Timeout()) -> Server:
         path = _path_of(url) or os.path.join(tempfile.gettempdir(), f"kvb-{os.getpid()}-{secrets.token_hex(4)}.sock")
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -151,57 +183,104 @@ class ShmTransport(Transport):
                 c = self._clients[path] = SocketClient(connector(socket.AF_UNIX, path, url), self.timeout)
         return c
 
-    def _segment(self, name: str) -> SharedSegment:
+    def _segment(self, name: str, writable: bool) -> SharedSegment:
+        """The peer's segment, mapped once (read-only to read from, writable to push into)."""
+        key = (name, writable)
         with self._lock:
-            seg = self._maps.get(name)
+            seg = self._maps.get(key)
             if seg is not None:
-                self._maps.move_to_end(name)
+                self._maps.move_to_end(key)
                 return seg
         try:
-            seg = SharedSegment(name)   # lazy: a fetch faults in only the pages it reads
+            seg = SharedSegment(name, writable=writable)   # lazy: a copy faults in only the pages it touches
         except ConfigError as exc:
-            raise StaleHandle(f"sender's shared memory is gone: {exc}") from None
+            raise StaleHandle(f"the peer's shared memory is gone: {exc}") from None
         with self._lock:
-            self._maps[name] = seg
+            self._maps[key] = seg
             while len(self._maps) > MAX_MAPPED:
                 self._maps.popitem(last=False)[1].close()
         return seg
 
-    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
-             claim: Optional[Claim] = None) -> int:
+    def _exchange(self, url: str, kind: Kind, payload: bytes, move: Any, done: Kind, what: str) -> Any:
+        """MAP/WMAP -> copy -> DONE/WDONE on one connection. ``move(body)`` copies and returns
+        (result, DONE payload)."""
         client = self._client(url)
-        sock, kind, rid, length = client.call(Kind.MAP, encode_read(handle.to_bytes(), indices, claim), f"map {url}")
+        sock, k, rid, length = client.call(kind, payload, what)
         try:
-            payload = recv_exact(sock, length) if length else b""
-            if kind is Kind.ERROR:
+            body = recv_exact(sock, length) if length else b""
+            if k is Kind.ERROR:
                 client.put_back(sock)
-                raise decode_error(payload)
-            if kind is not Kind.MAPPED:
-                raise ProtocolError(f"map {url}: unexpected {kind.name} reply")
-            name, runs = _parse_mapped(payload)
-            seg = self._segment(name)
-            if any(o + n > seg.size for o, n in runs):
-                raise ProtocolError("sender named bytes outside its segment")
-            if dst.pool.is_host:
-                n = copy_runs(dst.runs(), [(seg.address + o, k) for o, k in runs],
-                              dst.landed if dst.verifier is not None else None)
-            else:   # a device pool: host-to-device straight from the mapped segment
-                whole = seg.tensor()
-                n = copy_slices(device_slices(dst), [whole[o:o + k] for o, k in runs])
-            sock.sendall(pack(Kind.DONE, rid))
+                raise decode_error(body)
+            if k is not Kind.MAPPED:
+                raise ProtocolError(f"{what}: unexpected {k.name} reply")
+            result, done_payload = move(body)
+            sock.sendall(pack(done, rid, done_payload))
             k2, _, l2 = unpack_header(recv_exact(sock, HEADER.size))
-            body = recv_exact(sock, l2) if l2 else b""
+            reply = recv_exact(sock, l2) if l2 else b""
         except KVBridgeError as exc:
-            if kind is not Kind.ERROR:
+            if k is not Kind.ERROR:
                 sock.close()
             raise exc from None
         except BaseException as exc:
             sock.close()
-            raise map_os_error(exc, f"read from {url}") from None
+            raise map_os_error(exc, what) from None
         client.put_back(sock)
         if k2 is Kind.ERROR:
-            raise decode_error(body)   # validate-after-read failed: the bytes must not be used
-        return n
+            raise decode_error(reply)   # validate-after-copy failed: the bytes must not be used
+        return result
+
+    def _runs(self, body: bytes, pos: int, writable: bool) -> tuple[SharedSegment, list[tuple[int, int]]]:
+        name, runs = _parse_mapped(body, pos)
+        seg = self._segment(name, writable)
+        if any(o + n > seg.size for o, n in runs):
+            raise ProtocolError("peer named bytes outside its segment")
+        return seg, runs
+
+    @staticmethod
+    def _copy_in(dst: Spans, seg: SharedSegment, runs: list[tuple[int, int]]) -> int:
+        if dst.pool.is_host:
+            return copy_runs(dst.runs(), [(seg.address + o, k) for o, k in runs], dst.on_landed)
+        whole = seg.tensor()   # a device pool: host-to-device straight from the mapped segment
+        return copy_slices(device_slices(dst), [whole[o:o + k] for o, k in runs])
+
+    def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
+             claim: Optional[Claim] = None) -> int:
+        def move(body: bytes) -> tuple[int, bytes]:
+            seg, runs = self._runs(body, LAYERS.size, False)
+            return self._copy_in(dst, seg, runs), b""
+        return int(self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim), move,
+                                  Kind.DONE, f"map {url}"))
+
+    def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
+                    indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
+        nb = len(indices) if indices is not None else handle.num_blocks
+
+        def move(body: bytes) -> tuple[Chunk, bytes]:
+            lo, hi, sums, used = decode_layers(body, nb, (first, end))
+            seg, runs = self._runs(body, used, False)
+            return Chunk(lo, hi, sums, self._copy_in(spans_for(lo, hi), seg, runs)), b""
+        return self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
+                              move, Kind.DONE, f"map layers of {url}")  # type: ignore[no-any-return]
+
+    def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
+              sums: bytes, last: bool) -> int:
+        def move(body: bytes) -> tuple[int, bytes]:
+            lo, hi, _, used = decode_layers(body, ticket.num_blocks, layers)
+            if (lo, hi) != layers:
+                raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
+            seg, runs = self._runs(body, used, True)
+            dst = [(seg.address + o, k) for o, k in runs]
+            if src.pool.is_host:
+                n = copy_runs(dst, src.runs())
+            else:
+                whole = seg.tensor()
+                n = copy_slices([whole[o:o + k] for o, k in runs], device_slices(src))
+            return n, encode_request(b"", last=last, nbytes=0, sums=sums)
+        return int(self._exchange(url, Kind.WMAP, encode_request(ticket.to_bytes(), None, claim, layers), move,
+                                  Kind.WDONE, f"write to {url}"))
+
+    def abort_write(self, url: str, ticket: KVHandle) -> None:
+        self._client(url).control(Kind.WABORT, ticket.to_bytes(), f"abort write to {url}")
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         self._client(url).release(handle, wait, f"release {url}")

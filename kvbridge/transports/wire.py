@@ -16,13 +16,14 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError,
                       TransferTimeout, error_from_code)
+from ..lease.base import Claim
 
-__all__ = ["Kind", "Claim", "FrameReader", "set_os_timeouts", "HEADER", "MAX_CONTROL", "pack", "unpack_header",
-           "encode_read", "decode_read", "encode_error", "decode_error", "recv_exact", "recv_scatter",
-           "send_all", "map_os_error"]
+__all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER", "MAX_CONTROL", "pack",
+           "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS",
+           "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error"]
 
 MAGIC = b"KB"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!2sBBIQ")
 MAX_CONTROL = 16 << 20
 IOV_MAX = 1024
@@ -40,6 +41,11 @@ class Kind(enum.IntEnum):
     MAPPED = 9
     DONE = 10      # shm: the copy finished -> OK (still valid) | ERROR (stale)
     RELEASE_NOREPLY = 11  # handle -> nothing (best effort: the sender frees at expiry anyway)
+    LDATA = 12     # reply to a layer READ: layers + checksums prefix, then the bytes
+    WRITE = 13     # push: reservation + layers + checksums, then the bytes -> OK | ERROR
+    WMAP = 14      # shm push: reservation + layers -> MAPPED (the receiver's segment runs) | ERROR
+    WDONE = 15     # shm push: the copy finished (checksums) -> OK | ERROR
+    WABORT = 16    # push: the writer gives up -> OK | ERROR
 
 
 def pack(kind: Kind, req_id: int, payload: bytes = b"", length: Optional[int] = None) -> bytes:
@@ -64,61 +70,112 @@ def unpack_header(buf: bytes | bytearray, offset: int = 0) -> tuple[Kind, int, i
     return k, req_id, length
 
 
-class Claim(NamedTuple):
-    """Who reads under which lease fence (sent with reads of leased handles)."""
-
-    claimer: str
-    epoch: int
-    counter: int
-
-
 _CLAIM = struct.Struct("!QQH")
+LAYERS = struct.Struct("!HHI")    # first layer, end layer, number of checksums (reply prefix)
+F_INDICES, F_CLAIM, F_LAYERS, F_LAST, F_DATA = 1, 2, 4, 8, 16
 
 
-def encode_read(handle_bytes: bytes, indices: Optional[Sequence[int]], claim: Optional[Claim] = None) -> bytes:
-    """READ/MAP payload: handle, optional block indices, optional claim."""
-    parts = [struct.pack("!I", len(handle_bytes)), handle_bytes]
-    if indices is None:
-        parts.append(b"\0")
-    else:
-        parts += [b"\1", struct.pack(f"!I{len(indices)}I", len(indices), *indices)]
+class Request(NamedTuple):
+    """A decoded READ / MAP / WRITE / WMAP / WDONE payload."""
+
+    ticket: bytes                        # the handle or reservation, as issued
+    indices: Optional[list[int]]
+    claim: Optional[Claim]
+    layers: Optional[tuple[int, int]]
+    last: bool = False
+    nbytes: int = 0                      # WRITE: bytes that follow the frame
+    sums: bytes = b""                    # WRITE / WDONE: packed per-(layer, block) checksums
+
+
+def encode_request(ticket: bytes, indices: Optional[Sequence[int]] = None, claim: Optional[Claim] = None,
+                   layers: Optional[tuple[int, int]] = None, *, last: bool = False,
+                   nbytes: Optional[int] = None, sums: bytes = b"") -> bytes:
+    """``u32 len | ticket | u8 flags | [indices] | [layers] | [claim] | [u64 nbytes | u32 n | sums]``."""
+    flags = ((F_INDICES if indices is not None else 0) | (F_CLAIM if claim is not None else 0)
+             | (F_LAYERS if layers is not None else 0) | (F_LAST if last else 0)
+             | (F_DATA if nbytes is not None else 0))
+    parts = [struct.pack("!I", len(ticket)), ticket, bytes([flags])]
+    if indices is not None:
+        parts.append(struct.pack(f"!I{len(indices)}I", len(indices), *indices))
+    if layers is not None:
+        parts.append(struct.pack("!HH", *layers))
     if claim is not None:
         c = claim.claimer.encode("utf-8")
         parts += [_CLAIM.pack(claim.epoch, claim.counter, len(c)), c]
+    if nbytes is not None:
+        parts += [struct.pack("!QI", nbytes, len(sums) // 8), sums]
     return b"".join(parts)
 
 
-def decode_read(payload: bytes) -> tuple[bytes, Optional[list[int]], Optional[Claim]]:
+def decode_request(payload: bytes) -> Request:
+    """Parse a request payload defensively: every length is checked against the frame."""
     try:
         (hn,) = struct.unpack_from("!I", payload, 0)
-        handle = payload[4:4 + hn]
-        if len(handle) != hn:
-            raise ProtocolError("READ frame: truncated handle")
-        mode = payload[4 + hn]
+        ticket = payload[4:4 + hn]
+        if len(ticket) != hn:
+            raise ProtocolError("request frame: truncated handle")
+        flags = payload[4 + hn]
+        if flags & ~(F_INDICES | F_CLAIM | F_LAYERS | F_LAST | F_DATA):
+            raise ProtocolError(f"request frame: unknown flags {flags:#x}")
         pos = 5 + hn
         indices: Optional[list[int]] = None
-        if mode == 1:
+        if flags & F_INDICES:
             (n,) = struct.unpack_from("!I", payload, pos)
             if n > (len(payload) - pos - 4) // 4:
-                raise ProtocolError("READ frame: index list longer than the frame")
+                raise ProtocolError("request frame: index list longer than the frame")
             indices = list(struct.unpack_from(f"!{n}I", payload, pos + 4))
             pos += 4 + 4 * n
-        elif mode != 0:
-            raise ProtocolError("READ frame: bad index mode")
+        layers = None
+        if flags & F_LAYERS:
+            first, end = struct.unpack_from("!HH", payload, pos)
+            if not first < end:
+                raise ProtocolError(f"request frame: empty layer range [{first}, {end})")
+            layers = (first, end)
+            pos += 4
         claim = None
-        if pos < len(payload):
+        if flags & F_CLAIM:
             epoch, counter, cn = _CLAIM.unpack_from(payload, pos)
             pos += _CLAIM.size
             name = payload[pos:pos + cn]
             if len(name) != cn:
-                raise ProtocolError("READ frame: truncated claimer")
+                raise ProtocolError("request frame: truncated claimer")
             claim = Claim(name.decode("utf-8"), epoch, counter)
             pos += cn
+        nbytes, sums = 0, b""
+        if flags & F_DATA:
+            nbytes, ns = struct.unpack_from("!QI", payload, pos)
+            pos += 12
+            sums = payload[pos:pos + 8 * ns]
+            if len(sums) != 8 * ns:
+                raise ProtocolError("request frame: truncated checksums")
+            pos += 8 * ns
         if pos != len(payload):
-            raise ProtocolError("READ frame has trailing bytes")
-        return handle, indices, claim
+            raise ProtocolError("request frame has trailing bytes")
+        return Request(ticket, indices, claim, layers, bool(flags & F_LAST), nbytes, sums)
     except (struct.error, IndexError, UnicodeDecodeError):
-        raise ProtocolError("READ frame is malformed") from None
+        raise ProtocolError("request frame is malformed") from None
+
+
+def encode_layers(first: int, end: int, sums: bytes) -> bytes:
+    return LAYERS.pack(first, end, len(sums) // 8) + sums
+
+
+def decode_layers(payload: bytes, num_blocks: int, asked: tuple[int, int]) -> tuple[int, int, bytes, int]:
+    """Parse a layers prefix; returns (first, end, sums, bytes consumed). Checks that the
+    range is what was asked for (starts at its first layer, inside it) and that there is
+    either no checksum or one per (layer, block)."""
+    try:
+        first, end, ns = LAYERS.unpack_from(payload, 0)
+    except struct.error:
+        raise ProtocolError("layers prefix is truncated") from None
+    if first != asked[0] or not first < end <= asked[1]:
+        raise ProtocolError(f"peer served layers [{first}, {end}) for a request of [{asked[0]}, {asked[1]})")
+    if ns not in (0, (end - first) * num_blocks):
+        raise ProtocolError(f"peer sent {ns} checksums for {end - first} layers of {num_blocks} blocks")
+    sums = payload[LAYERS.size:LAYERS.size + 8 * ns]
+    if len(sums) != 8 * ns:
+        raise ProtocolError("layers prefix: truncated checksums")
+    return first, end, sums, LAYERS.size + 8 * ns
 
 
 def encode_error(exc: KVBridgeError) -> bytes:
@@ -133,12 +190,13 @@ def decode_error(payload: bytes) -> KVBridgeError:
 
 
 def map_os_error(exc: BaseException, what: str) -> KVBridgeError:
-    """Map a socket-level failure into the error tree. Cancellation and interrupts are not
-    failures of the peer: they are re-raised as they are."""
-    if not isinstance(exc, Exception):
-        raise exc
+    """Map a socket-level failure (``OSError``) into the error tree; a kvbridge error passes
+    through. Anything else -- a programming error, cancellation, an interrupt -- is not a
+    failure of the peer and is re-raised as it is."""
     if isinstance(exc, KVBridgeError):
         return exc
+    if not isinstance(exc, OSError):
+        raise exc
     if isinstance(exc, (socket.timeout, TimeoutError, BlockingIOError)):
         return TransferTimeout(f"{what}: timed out")
     return ConnectionLost(f"{what}: {exc.__class__.__name__}: {exc}")
@@ -196,6 +254,47 @@ class FrameReader:
         if self.start == self.end:
             self.start = self.end = 0
         return kind, req_id, payload
+
+
+    def read_into(self, views: Sequence[memoryview], landed: Optional[Callable[[int], None]] = None) -> int:
+        """Fill ``views`` with the bytes that follow the last frame: those already buffered
+        first, then straight from the socket (scatter-gather)."""
+        views = [v for v in views if len(v)]
+        got = 0
+        i = 0
+        while i < len(views) and self.start < self.end:
+            v = views[i]
+            k = min(len(v), self.end - self.start)
+            v[:k] = self.buf[self.start:self.start + k]
+            self.start += k
+            got += k
+            views[i] = v[k:]
+            if not len(views[i]):
+                i += 1
+        if self.start == self.end:
+            self.start = self.end = 0
+        if got and landed is not None:
+            landed(got)
+        rest = views[i:]
+        if rest:
+            base = got
+            got += recv_scatter(self.sock, rest, None if landed is None else (lambda k: landed(base + k)))
+        return got
+
+    def skip(self, n: int) -> None:
+        """Discard ``n`` bytes that follow the last frame (a refused write's data)."""
+        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+        while n:
+            k = min(n, self.end - self.start)
+            if k:
+                self.start += k
+                n -= k
+                continue
+            self.start = self.end = 0
+            got = self.sock.recv_into(scratch, min(n, len(scratch)))
+            if got == 0:
+                raise ConnectionLost("peer closed the connection")
+            n -= got
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

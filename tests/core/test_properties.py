@@ -229,21 +229,31 @@ def test_segments_merge(layout, nb, data):
 
 
 # -- wire ---------------------------------------------------------------------------------------------
-@settings(max_examples=100, deadline=None)
-@given(st.binary(max_size=200), st.one_of(st.none(), st.lists(u32, max_size=50)))
-def test_read_frame_round_trip(hb, idx):
-    out = wire.decode_read(wire.encode_read(hb, idx))
-    assert out[0] == hb and out[1] == idx
+_layers = st.tuples(st.integers(0, 0xFFFE), st.integers(1, 0xFFFF)).filter(lambda t: t[0] < t[1])
+_claims = st.builds(wire.Claim, st.text(max_size=40), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=200), st.one_of(st.none(), st.lists(u32, max_size=50)),
+       st.one_of(st.none(), _claims), st.one_of(st.none(), _layers), st.booleans(),
+       st.one_of(st.none(), st.integers(0, 2**64 - 1)), st.lists(st.integers(0, 2**64 - 1), max_size=20))
+def test_request_frame_round_trip(hb, idx, claim, layers, last, nbytes, sums):
+    packed = wire.encode_request(hb, idx, claim, layers, last=last, nbytes=nbytes,
+                                 sums=b"".join(s.to_bytes(8, "big") for s in sums) if nbytes is not None else b"")
+    out = wire.decode_request(packed)
+    assert out.ticket == hb and out.indices == idx and out.claim == claim and out.layers == layers
+    assert out.last == last and out.nbytes == (nbytes or 0)
+    assert out.sums == (b"".join(s.to_bytes(8, "big") for s in sums) if nbytes is not None else b"")
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=120))
-def test_read_frame_garbage_only_protocol_error(payload):
+def test_request_frame_garbage_only_protocol_error(payload):
     try:
-        out = wire.decode_read(payload)
+        out = wire.decode_request(payload)
     except ProtocolError:
         return
-    assert isinstance(out[0], bytes)
+    assert isinstance(out.ticket, bytes)
 
 
 @settings(max_examples=300, deadline=None)

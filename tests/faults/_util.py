@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVSender
-from kvbridge.transports.wire import Claim
+from kvbridge import Claim
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # 1 layer x 4 tokens x 8 latent dims x fp16 = 64 bytes per block

@@ -11,7 +11,7 @@ import pytest
 
 from kvbridge import AccessDenied, Action, LeaseConflict, StaleFence, StaleHandle
 from kvbridge.transports.base import Spans
-from kvbridge.transports.wire import Claim
+from kvbridge import Claim
 
 from ._util import Bounded, publish_fresh, untouched, wait_until
 

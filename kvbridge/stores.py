@@ -1,0 +1,57 @@
+"""Which lease store a ticket is claimed in: one cache of open stores per sender or receiver."""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional, Union
+
+from .handle import KVHandle
+from .lease import LeaseStore, open_lease_store
+
+__all__ = ["LeasesArg", "StoreCache"]
+
+# A Redis URL, a store, None (the lease server each ticket names; this process's embedded
+# one where it names none) or False (no leases).
+LeasesArg = Union[str, LeaseStore, None, bool]
+
+
+class StoreCache:
+    """Resolves ``leases=`` for tickets and keeps the stores it opened (closed with it)."""
+
+    def __init__(self, arg: LeasesArg, namespace: str = "kvb") -> None:
+        self.arg = arg
+        self.namespace = namespace
+        self._stores: dict[str, LeaseStore] = {}
+        self._lock = threading.Lock()
+
+    def _open(self, url: str) -> LeaseStore:
+        with self._lock:
+            store = self._stores.get(url)
+            if store is None:
+                store = self._stores[url] = open_lease_store(url or None, namespace=self.namespace)
+        return store
+
+    def own(self) -> Optional[LeaseStore]:
+        """The store this side publishes its own leases in (None with ``leases=False``)."""
+        arg = self.arg
+        if arg is False:
+            return None
+        if isinstance(arg, LeaseStore):
+            return arg
+        return self._open(arg if isinstance(arg, str) else "")
+
+    def for_ticket(self, ticket: KVHandle) -> Optional[LeaseStore]:
+        """The store to claim ``ticket`` in, or None for an unleased ticket."""
+        arg = self.arg
+        if not ticket.lease_id or arg is False:
+            return None
+        if isinstance(arg, LeaseStore):
+            return arg
+        return self._open(arg if isinstance(arg, str) else ticket.lease_url)
+
+    def close(self) -> None:
+        with self._lock:
+            stores = list(self._stores.values())
+            self._stores.clear()
+        for s in stores:
+            s.close()

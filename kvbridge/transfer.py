@@ -1,0 +1,260 @@
+"""Transfer: one transfer in flight, as an engine's scheduler holds it.
+
+``KVReceiver.start_fetch``, ``KVReceiver.reserve`` and ``KVSender.push`` return one.
+It is usable from any thread, with no event loop: ``done()`` polls, ``wait(timeout)``
+blocks, ``result()`` gives the :class:`FetchResult`, ``wait_layer(i)`` returns once
+layer ``i`` has landed and verified (layer-wise transfers make layers available one
+by one; a whole-handle transfer makes them all available at once), ``cancel()``
+returns once no byte of the transfer will land any more. ``await transfer`` works too.
+
+A started transfer runs on its owner's worker threads; a thread that waits for a
+transfer no worker has picked up yet runs it itself, so ``start_fetch(...).result()``
+costs what ``fetch(...)`` costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generator, Optional
+
+from .errors import Action, KVBridgeError, TransferCancelled
+from .handle import KVHandle
+
+__all__ = ["Transfer", "TransferState", "FetchResult", "Workers"]
+
+log = logging.getLogger("kvbridge.transfer")
+
+
+@dataclass
+class FetchResult:
+    """Outcome of one transfer. ``failed_block_ids`` are destination ids that hold no valid KV.
+
+    For a push, ``handle`` is the reservation and ``dst_block_ids`` its blocks."""
+
+    handle: KVHandle
+    dst_block_ids: list[int]
+    ok: bool = False
+    nbytes: int = 0
+    seconds: float = 0.0
+    attempts: int = 0
+    failed_block_ids: list[int] = field(default_factory=list)
+    error: Optional[KVBridgeError] = None
+
+    @property
+    def request_id(self) -> str:
+        return self.handle.request_id
+
+    @property
+    def action(self) -> Optional[Action]:
+        return None if self.ok or self.error is None else self.error.action
+
+    def raise_for_error(self) -> "FetchResult":
+        if self.error is not None:
+            raise self.error
+        return self
+
+
+class TransferState(str, enum.Enum):
+    PENDING = "pending"      # started, not yet picked up by a worker
+    RUNNING = "running"
+    DONE = "done"            # result().ok
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Transfer:
+    """One transfer in flight (see the module doc). Built by kvbridge, never by callers."""
+
+    def __init__(self, request_id: str, num_layers: int, job: Optional[Callable[["Transfer"], FetchResult]],
+                 on_cancel: Optional[Callable[["Transfer"], None]] = None) -> None:
+        self.request_id = request_id
+        self.num_layers = num_layers
+        self.handle: Optional[KVHandle] = None          # push: the local handle mark_ready() names
+        self.reservation: Optional[KVHandle] = None     # reserve: the ticket for the writer
+        self._job = job
+        self._on_cancel = on_cancel
+        self._cv = threading.Condition(threading.Lock())
+        self._state = TransferState.PENDING if job is not None else TransferState.RUNNING
+        self._taken = job is None
+        self._result: Optional[FetchResult] = None
+        self._layers = 0
+        self._callbacks: list[Callable[["Transfer"], None]] = []
+        self.cancel_event = threading.Event()
+
+    # -- the running side ----------------------------------------------------------------
+    def _take(self) -> bool:
+        with self._cv:
+            if self._taken:
+                return False
+            self._taken = True
+            self._state = TransferState.RUNNING
+            return True
+
+    def _run(self) -> None:
+        """Run the job unless another thread has taken it (the worker, or a waiter)."""
+        if not self._take():
+            return
+        assert self._job is not None
+        try:
+            res = self._job(self)
+        except BaseException as exc:   # a job reports failures in its result; this is a bug
+            log.exception("transfer %s crashed", self.request_id)
+            self._fail_crashed(exc)
+            raise
+        self._finish(res)
+
+    def _fail_crashed(self, exc: BaseException) -> None:
+        with self._cv:
+            self._state = TransferState.FAILED
+            self._cv.notify_all()
+        self._fire()
+
+    def _layer_ready(self, end: int) -> None:
+        """Layers below ``end`` have landed and verified."""
+        with self._cv:
+            if end > self._layers:
+                self._layers = end
+                self._cv.notify_all()
+
+    def _finish(self, res: FetchResult) -> None:
+        with self._cv:
+            if self._result is not None:
+                return
+            self._result = res
+            if res.ok:
+                self._state = TransferState.DONE
+                self._layers = self.num_layers
+            elif isinstance(res.error, TransferCancelled):
+                self._state = TransferState.CANCELLED
+            else:
+                self._state = TransferState.FAILED
+            self._cv.notify_all()
+        self._fire()
+
+    def _fire(self) -> None:
+        with self._cv:
+            cbs, self._callbacks = self._callbacks, []
+        for cb in cbs:
+            try:
+                cb(self)
+            except Exception:
+                log.exception("transfer done-callback failed")
+
+    # -- the caller's side ---------------------------------------------------------------
+    @property
+    def state(self) -> TransferState:
+        return self._state
+
+    @property
+    def layers_done(self) -> int:
+        """How many leading layers have landed and verified."""
+        return self._layers
+
+    def done(self) -> bool:
+        return self._state in (TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED)
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Block until the transfer ends (True) or ``timeout`` passes (False)."""
+        if not self._taken:
+            self._run()                    # nobody has picked it up: run it here
+        with self._cv:
+            return self._cv.wait_for(self.done, timeout)
+
+    def result(self, timeout: Optional[float] = None) -> FetchResult:
+        """The outcome; blocks until the transfer ends. Raises ``TimeoutError`` if
+        ``timeout`` passes first (the transfer goes on)."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"transfer of {self.request_id!r} still running after {timeout} s")
+        if self._result is None:
+            raise RuntimeError(f"transfer of {self.request_id!r} crashed; see the log")
+        return self._result
+
+    def wait_layer(self, layer: int, timeout: Optional[float] = None) -> bool:
+        """Block until layer ``layer`` has landed and verified (True); False if the transfer
+        ended without it (``result()`` says why) or ``timeout`` passed."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
+        if not self._taken and self._job is not None:
+            # Not picked up yet: run it here (it is this thread's to wait for anyway).
+            self._run()
+        with self._cv:
+            self._cv.wait_for(lambda: self._layers > layer or self.done(), timeout)
+            return self._layers > layer and self._state is not TransferState.FAILED \
+                and self._state is not TransferState.CANCELLED
+
+    def cancel(self, timeout: Optional[float] = None) -> bool:
+        """Stop the transfer. Returns True once it ended cancelled -- no byte of it will land
+        in the destination any more -- and False if it had already ended (its result stands)
+        or is still winding down after ``timeout``."""
+        if self.done():
+            return False
+        self.cancel_event.set()
+        if self._take():                   # never started: end it here
+            if self._on_cancel is not None:
+                self._on_cancel(self)
+            self._finish(self._cancelled_result())
+        elif self._on_cancel is not None:
+            self._on_cancel(self)
+        with self._cv:
+            self._cv.wait_for(self.done, timeout)
+        return self._state is TransferState.CANCELLED
+
+    def _cancelled_result(self) -> FetchResult:
+        h = self.reservation or self.handle
+        assert h is not None
+        return FetchResult(h, list(h.block_ids), error=TransferCancelled(
+            f"transfer of {self.request_id!r} cancelled"), failed_block_ids=list(h.block_ids))
+
+    def add_done_callback(self, fn: Callable[["Transfer"], None]) -> None:
+        """Call ``fn(transfer)`` when it ends (at once if it has), on the thread that ends it."""
+        with self._cv:
+            if not self.done():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    def __await__(self) -> Generator[Any, None, FetchResult]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: "Transfer") -> None:
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+        self.add_done_callback(wake)
+        try:
+            yield from fut.__await__()
+        except asyncio.CancelledError:
+            self.cancel_event.set()        # the awaiting task went away: stop moving bytes
+            raise
+        return self.result()
+
+    def __repr__(self) -> str:
+        return (f"Transfer({self.request_id!r}, {self._state.value}, "
+                f"layers {self._layers}/{self.num_layers})")
+
+
+class Workers:
+    """The threads transfers run on: created on demand, up to ``max_workers``."""
+
+    def __init__(self, name: str, max_workers: int = 32) -> None:
+        self._name = name
+        self._max = max_workers
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._lock = threading.Lock()
+
+    def submit(self, t: Transfer) -> Transfer:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._max, thread_name_prefix=self._name)
+            self._pool.submit(t._run)
+        return t
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,332 @@
+"""The socket plumbing shared by tcp:// and shm://'s control channel: a threaded frame
+server and pooled client connections. Frames are defined in :mod:`.wire`."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from typing import Any, Callable
+
+import torch
+
+from ..errors import ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
+from ..handle import KVHandle
+from ..policy import Timeout
+from .base import BlockSink, BlockSource, Server
+from .staging import RingPool, copy_slices, device_slices, send_staged
+from .wire import (HEADER, MAX_CONTROL, FrameReader, Kind, decode_error, decode_request, encode_error,
+                   encode_layers, map_os_error, pack, recv_exact, send_all, set_os_timeouts, unpack_header)
+
+__all__ = ["SocketServer", "SocketClient", "connector", "tune"]
+
+log = logging.getLogger("kvbridge.sockets")
+IDLE_TIMEOUT = 300.0
+DISCARD_LIMIT = 64 << 20   # a refused write's bytes up to this are skipped; past it the connection closes
+
+
+def tune(sock: socket.socket) -> None:
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class SocketServer(Server):
+    """A threaded frame server on a listening socket, for an endpoint that is a
+    :class:`BlockSource` (reads), a :class:`BlockSink` (push writes), or both.
+    Subclasses answer more frame kinds."""
+
+    def __init__(self, listener: socket.socket, url: str, endpoint: Any, timeout: Timeout) -> None:
+        self.url = url
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self._listener = listener
+        self._closed = threading.Event()
+        self._rings = RingPool()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
+        self._thread.start()
+
+    @property
+    def source(self) -> BlockSource:
+        if not hasattr(self.endpoint, "open_read"):
+            raise ProtocolError("this endpoint serves no reads (it is a receiver's push endpoint)")
+        return self.endpoint  # type: ignore[no-any-return]
+
+    @property
+    def sink(self) -> BlockSink:
+        if not hasattr(self.endpoint, "open_write"):
+            raise ProtocolError("this endpoint takes no writes (it is a sender's endpoint)")
+        return self.endpoint  # type: ignore[no-any-return]
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                break
+            tune(conn)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
+                             name=f"kvb-conn {self.url}").start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        # Blocking socket with kernel timeouts: a peer that stalls mid-frame or mid-send for
+        # `transfer` seconds is dropped; between frames we wait up to idle_timeout().
+        tick = max(0.05, min(self.timeout.transfer, IDLE_TIMEOUT))
+        set_os_timeouts(conn, tick)
+        reader = FrameReader(conn)
+        idle = 0.0
+        try:
+            while not self._closed.is_set():
+                try:
+                    kind, req_id, payload = reader.read_frame(MAX_CONTROL)
+                except BlockingIOError:
+                    idle += tick
+                    if not reader.empty or idle >= self.idle_timeout(conn):
+                        return
+                    continue
+                except (ConnectionLost, OSError):
+                    return
+                except ProtocolError as exc:   # includes FrameTooLarge: peers never send data here
+                    self._reply_error(conn, 0, exc)
+                    return   # framing is lost: close
+                idle = 0.0
+                if not self.handle(conn, reader, kind, req_id, payload):
+                    return
+        except (OSError, KVBridgeError) as exc:
+            log.debug("connection closed: %s", exc)
+        finally:
+            self.connection_closed(conn)
+            with self._lock:
+                self._conns.discard(conn)
+            try:
+                conn.close()
+            except OSError:
+                pass
+
+    def idle_timeout(self, conn: socket.socket) -> float:
+        """How long to wait for the next frame on ``conn``."""
+        return IDLE_TIMEOUT
+
+    def connection_closed(self, conn: socket.socket) -> None:
+        """Hook: ``conn`` is gone (release what it held)."""
+
+    def _reply_error(self, conn: socket.socket, req_id: int, exc: KVBridgeError) -> None:
+        try:
+            conn.sendall(pack(Kind.ERROR, req_id, encode_error(exc)))
+        except OSError:
+            pass
+
+    def handle(self, conn: socket.socket, reader: FrameReader, kind: Kind, req_id: int, payload: bytes) -> bool:
+        """Answer one frame; return False to close the connection."""
+        if kind is Kind.READ:
+            return self._serve_read(conn, req_id, payload)
+        if kind is Kind.WRITE:
+            return self._serve_write(conn, reader, req_id, payload)
+        if kind in (Kind.RELEASE, Kind.RELEASE_NOREPLY, Kind.WABORT):
+            try:
+                if kind is Kind.WABORT:
+                    self.sink.abort_remote(payload)
+                else:
+                    self.source.release_remote(payload)
+            except KVBridgeError as exc:
+                if kind is Kind.RELEASE_NOREPLY:
+                    log.info("release refused: %s", exc)
+                else:
+                    self._reply_error(conn, req_id, exc)
+                return True
+            if kind is not Kind.RELEASE_NOREPLY:
+                conn.sendall(pack(Kind.OK, req_id))
+            return True
+        if kind is Kind.PING:
+            conn.sendall(pack(Kind.PONG, req_id, payload))
+            return True
+        self._reply_error(conn, req_id, ProtocolError(f"unexpected {kind.name} frame"))
+        return True
+
+    def _serve_read(self, conn: socket.socket, req_id: int, payload: bytes) -> bool:
+        try:
+            req = decode_request(payload)
+            grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
+        except KVBridgeError as exc:
+            self._reply_error(conn, req_id, exc)
+            return True
+        try:
+            spans = grant.spans
+            if req.layers is None:
+                head = pack(Kind.DATA, req_id, length=spans.nbytes)
+            else:
+                prefix = encode_layers(*grant.layers, grant.sums)
+                head = pack(Kind.LDATA, req_id, prefix, length=len(prefix) + spans.nbytes)
+            if spans.pool.is_host:
+                send_all(conn, [head, *spans.views()])
+            else:
+                ring = self._rings.take()
+                try:
+                    send_staged(conn, spans, ring, head)
+                finally:
+                    self._rings.give(ring)
+        finally:
+            grant.close()
+        return True
+
+    def _serve_write(self, conn: socket.socket, reader: FrameReader, req_id: int, payload: bytes) -> bool:
+        """Push: authorize, then take the bytes that follow the frame straight into the
+        reserved blocks, hashing as they land; answer OK only once they verified."""
+        try:
+            req = decode_request(payload)
+            if req.layers is None:
+                raise ProtocolError("WRITE frame names no layers")
+        except KVBridgeError as exc:
+            self._reply_error(conn, req_id, exc)
+            return False                      # the data length is unknown: framing is lost
+        try:
+            grant = self.sink.open_write(req.ticket, req.layers, req.claim)
+        except KVBridgeError as exc:
+            if req.nbytes > DISCARD_LIMIT:
+                self._reply_error(conn, req_id, exc)
+                return False
+            reader.skip(req.nbytes)           # refused: drop its bytes, keep the connection
+            self._reply_error(conn, req_id, exc)
+            return True
+        try:
+            spans = grant.spans
+            if req.nbytes != spans.nbytes:
+                self._reply_error(conn, req_id, ProtocolError(
+                    f"WRITE carries {req.nbytes} bytes, the reserved blocks hold {spans.nbytes}"))
+                return False
+            try:
+                if spans.pool.is_host:
+                    reader.read_into(spans.views(), spans.on_landed)
+                else:                          # a device pool: land in host memory, then copy up
+                    bounce = torch.empty(spans.nbytes, dtype=torch.uint8)
+                    reader.read_into([memoryview(bounce.numpy())])
+                    copy_slices(device_slices(spans), [bounce])
+            except KVBridgeError as exc:      # cancelled mid-write: the rest of the frame is unread
+                self._reply_error(conn, req_id, exc)
+                return False
+            try:
+                grant.finish(req.sums, req.last)
+            except KVBridgeError as exc:
+                self._reply_error(conn, req_id, exc)
+                return True
+            conn.sendall(pack(Kind.OK, req_id))
+            return True
+        finally:
+            grant.close()
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._thread.join(timeout=2)
+
+
+def connector(family: int, address: Any, url: str) -> Callable[[float], socket.socket]:
+    """A connect function for SocketClient: a stream socket to ``address``, errors mapped."""
+    def connect(timeout: float) -> socket.socket:
+        s = socket.socket(family, socket.SOCK_STREAM)
+        s.settimeout(timeout)
+        try:
+            s.connect(address)
+        except OSError as exc:
+            s.close()
+            raise PeerUnavailable(f"cannot connect to {url}: {exc}") from None
+        return s
+    return connect
+
+
+class SocketClient:
+    """Pooled connections to frame servers, keyed by address."""
+
+    def __init__(self, connect: Callable[[float], socket.socket], timeout: Timeout) -> None:
+        self._connect = connect
+        self.timeout = timeout
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._req = 0
+        self.opened = 0
+
+    def acquire(self) -> socket.socket:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        sock = self._connect(self.timeout.connect)
+        self.opened += 1
+        tune(sock)
+        set_os_timeouts(sock, self.timeout.transfer)
+        return sock
+
+    def put_back(self, sock: socket.socket) -> None:
+        with self._lock:
+            if len(self._idle) < 8:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    def next_id(self) -> int:
+        with self._lock:
+            self._req = (self._req + 1) & 0xFFFFFFFF
+            return self._req
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+
+    def release(self, handle: KVHandle, wait: bool, what: str) -> None:
+        """RELEASE (and read the answer), or RELEASE_NOREPLY: one send, no round trip."""
+        if not wait:
+            sock = self.acquire()
+            try:
+                sock.sendall(pack(Kind.RELEASE_NOREPLY, self.next_id(), handle.to_bytes()))
+            except BaseException as exc:
+                sock.close()
+                raise map_os_error(exc, what) from None
+            self.put_back(sock)
+            return
+        self.control(Kind.RELEASE, handle.to_bytes(), what)
+
+    def control(self, kind: Kind, payload: bytes, what: str) -> tuple[Kind, bytes]:
+        """One control round trip: the reply's kind and body; an ERROR reply is raised."""
+        sock, k, _, length = self.call(kind, payload, what)
+        try:
+            body = recv_exact(sock, length) if length else b""
+        except BaseException as exc:
+            sock.close()
+            raise map_os_error(exc, what) from None
+        self.put_back(sock)
+        if k is Kind.ERROR:
+            raise decode_error(body)
+        return k, body
+
+    def call(self, kind: Kind, payload: bytes, what: str) -> tuple[socket.socket, Kind, int, int]:
+        """Send one control frame and read the reply header (the caller reads the body)."""
+        sock = self.acquire()
+        try:
+            rid = self.next_id()
+            sock.sendall(pack(kind, rid, payload))
+            k, got_id, length = unpack_header(recv_exact(sock, HEADER.size))
+            if got_id != rid and k is not Kind.ERROR:
+                raise ProtocolError(f"{what}: reply for request {got_id}, expected {rid}")
+            return sock, k, got_id, length
+        except BaseException as exc:
+            sock.close()
+            raise map_os_error(exc, what) from None
+
+
