@@ -4,7 +4,7 @@ threads, transfer workers), so every update goes through :meth:`add`, under a lo
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 __all__ = ["SenderStats", "ReceiverStats"]
@@ -22,9 +22,7 @@ class _Counters:
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
-            d = asdict(self)
-        d.pop("_lock", None)
-        return d
+            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
 
 
 @dataclass

@@ -245,30 +245,33 @@ class KVSender:
             self.mark_ready(handle, int(layers_ready))
         return handle
 
-    def mark_ready(self, handle: Union[KVHandle, Transfer], layers: int) -> None:
+    def mark_ready(self, handle: Union[KVHandle, Transfer], layers: int) -> bool:
         """Layers ``0..layers-1`` of a layer-wise handle (or push) are final: checksum them and
-        wake the readers (or the push) waiting for them. Calls may repeat; counts never go back."""
+        wake the readers (or the push) waiting for them. Calls may repeat; counts never go back.
+        Returns False when the handle has already ended (released, cancelled by the receiver,
+        expired): nothing waits for its layers any more, so the prefill can skip the rest."""
         h = handle.handle if isinstance(handle, Transfer) else handle
         if h is None or not h.layerwise:
             raise ConfigError("mark_ready() takes a layer-wise handle (publish(..., layers_ready=n)) or a push")
         with self._lock:
             rec = self._records.get(h.handle_id)
         if rec is None:
-            raise HandleNotFound(f"handle {h.id} is not live (released, expired or revoked)")
+            return False
         L = self.pool.layout.num_layers
         if not 0 <= layers <= L:
             raise ConfigError(f"mark_ready: {layers} layers outside 0..{L}")
         start = rec.ready
         if layers <= start:
-            return
+            return rec.live
         new = ([layer_checksums(self.pool, rec.block_ids, range(i, i + 1)) for i in range(start, layers)]
                if self.checksums else [[] for _ in range(start, layers)])
         with self._ready_cv:
             if rec.ready != start:           # a concurrent call got there first
-                return
+                return rec.live
             rec.sums.extend(new)
             rec.ready = layers
             self._ready_cv.notify_all()
+        return rec.live
 
     def revoke(self, handle: Union[KVHandle, bytes], reason: FreeReason = "revoked") -> bool:
         """End a handle now (e.g. the request was aborted); frees once reads drain."""
@@ -379,6 +382,8 @@ class KVSender:
         res = _parse_ticket(reservation)
         if not res.reservation:
             raise BadHandle("push() takes a reservation (KVReceiver.reserve), not a handle")
+        if res.lease_id and res.lease_id != res.lease_digest():
+            raise AccessDenied("reservation's token or contents do not match its lease: altered or forged")
         L = self.pool.layout
         if res.layout_hash != L.compat_hash:
             raise LayoutMismatch(f"reservation layout {res.layout_hash} != this pool's {L.compat_hash} "
@@ -415,8 +420,11 @@ class KVSender:
             if rec is None:
                 raise StaleHandle(f"push of {res.request_id!r}: its blocks were freed before it started")
             if store is not None:
-                lease = self.retry.call(lambda: store.claim(res.lease_id, self.owner, self.claim_ttl))
-                claim = Claim(self.owner, lease.fence.epoch, lease.fence.counter)
+                # Each push is its own claimer: a second push of the same reservation, even from
+                # this sender, is a second writer and loses the claim.
+                who = f"{self.owner}/push-{h.id[:12]}"
+                lease = self.retry.call(lambda: store.claim(res.lease_id, who, self.claim_ttl))
+                claim = Claim(who, lease.fence.epoch, lease.fence.counter)
             transport = self._transport(url)
             done = 0
             idle_until = time.monotonic() + self.timeout.transfer
@@ -449,7 +457,8 @@ class KVSender:
         except KVBridgeError as exc:
             out.error = exc
             out.failed_block_ids = list(res.block_ids)
-            self._abort_push(res, store, claim, url)
+            if store is None or claim is not None:   # a writer that never won the claim ends nothing
+                self._abort_push(res, store, claim, url)
         out.seconds = time.perf_counter() - t0
         if rec is not None:
             self._end(rec, "pushed" if out.ok else "aborted")

@@ -162,13 +162,13 @@ def encode_layers(first: int, end: int, sums: bytes) -> bytes:
 
 def decode_layers(payload: bytes, num_blocks: int, asked: tuple[int, int]) -> tuple[int, int, bytes, int]:
     """Parse a layers prefix; returns (first, end, sums, bytes consumed). Checks that the
-    range is what was asked for (starts at its first layer, inside it) and that there is
-    either no checksum or one per (layer, block)."""
+    range is what was asked for (starts at its first layer, inside it; empty means "not
+    ready yet, ask again") and that there is either no checksum or one per (layer, block)."""
     try:
         first, end, ns = LAYERS.unpack_from(payload, 0)
     except struct.error:
         raise ProtocolError("layers prefix is truncated") from None
-    if first != asked[0] or not first < end <= asked[1]:
+    if first != asked[0] or not first <= end <= asked[1]:
         raise ProtocolError(f"peer served layers [{first}, {end}) for a request of [{asked[0]}, {asked[1]})")
     if ns not in (0, (end - first) * num_blocks):
         raise ProtocolError(f"peer sent {ns} checksums for {end - first} layers of {num_blocks} blocks")

@@ -122,6 +122,7 @@ class SenderHost:
         self.pools: dict[str, KVPool] = {}
         self.events: dict[str, list[list[Any]]] = {}
         self.handles: dict[str, Any] = {}
+        self.pushes: dict[str, Any] = {}
         self._closing: list[threading.Thread] = []
         self._n = 0
 
@@ -130,13 +131,13 @@ class SenderHost:
 
     def op_new_sender(self, layout: dict, num_blocks: int, listen: str, seed: int, ttl: float = 60.0,
                       secret: Optional[str] = None, reserve_all: bool = False,
-                      timeout: Optional[dict] = None) -> dict:
+                      timeout: Optional[dict] = None, allocator: str = "kvbridge") -> dict:
         self._n += 1
         sid = f"s{self._n}"
         L = KVLayout.from_dict(layout)
-        pool = KVPool.allocate(L, num_blocks, shared=listen.startswith("shm:"))
+        pool = KVPool.allocate(L, num_blocks, shared=listen.startswith("shm:"), allocator=allocator)
         fill_pool(pool, seed)
-        if reserve_all:
+        if reserve_all and allocator == "kvbridge":
             pool.alloc(num_blocks)
         ev: list[list[Any]] = []
 
@@ -151,10 +152,32 @@ class SenderHost:
         return self.pools[sid].alloc(n)
 
     def op_publish(self, sid: str, request_id: str, block_ids: list[int], num_tokens: int,
-                   ttl: Optional[float] = None) -> str:
-        h = self.senders[sid].publish(request_id, block_ids, num_tokens, ttl=ttl)
+                   ttl: Optional[float] = None, layers_ready: Optional[int] = None) -> str:
+        h = self.senders[sid].publish(request_id, block_ids, num_tokens, ttl=ttl, layers_ready=layers_ready)
         self.handles[h.id] = h
         return base64.b64encode(h.to_bytes()).decode()
+
+    def op_mark_ready(self, sid: str, handle_id: str, layers: int) -> None:
+        self.senders[sid].mark_ready(self.handles[handle_id], layers)
+
+    def op_push(self, sid: str, reservation: str, block_ids: list[int], layers_ready: Optional[int] = None) -> str:
+        t = self.senders[sid].push(base64.b64decode(reservation), block_ids, layers_ready=layers_ready)
+        assert t.handle is not None
+        self.handles[t.handle.id] = t
+        self.pushes[t.handle.id] = t
+        return t.handle.id
+
+    def op_push_result(self, push_id: str, timeout: float = 10.0) -> dict:
+        r = self.pushes[push_id].result(timeout)
+        return {"ok": r.ok, "error": type(r.error).__name__ if r.error else None, "nbytes": r.nbytes,
+                "layers_done": self.pushes[push_id].layers_done}
+
+    def op_push_state(self, push_id: str) -> dict:
+        t = self.pushes[push_id]
+        return {"state": t.state.value, "layers_done": t.layers_done}
+
+    def op_retire(self, sid: str, block_ids: list[int]) -> list[int]:
+        return self.pools[sid].retire(block_ids)
 
     def op_revoke(self, sid: str, handle_id: str) -> bool:
         return self.senders[sid].revoke(bytes.fromhex(handle_id))
@@ -171,6 +194,7 @@ class SenderHost:
     def op_state(self, sid: str) -> dict:
         pool, s = self.pools[sid], self.senders[sid]
         return {"num_free": pool.num_free, "num_live": s.num_live, "events": list(self.events[sid]),
+                "generations": pool.generations(range(pool.num_blocks)),
                 "refcounts": [pool.refcount(b) for b in range(pool.num_blocks)]}
 
     def op_close_sender(self, sid: str, wait: bool = True) -> None:

@@ -37,11 +37,25 @@ class PeerSender:
     seed: int
 
     def publish(self, block_ids: list[int], request_id: str = "req", num_tokens: Optional[int] = None,
-                ttl: Optional[float] = None) -> KVHandle:
+                ttl: Optional[float] = None, layers_ready: Optional[int] = None) -> KVHandle:
         n = len(block_ids) * self.layout.block_size if num_tokens is None else num_tokens
         raw = self.peer.publish(sid=self.sid, request_id=request_id, block_ids=list(block_ids),
-                                num_tokens=n, ttl=ttl)
+                                num_tokens=n, ttl=ttl, layers_ready=layers_ready)
         return KVHandle.from_bytes(base64.b64decode(raw))
+
+    def mark_ready(self, handle_id: str, layers: int) -> None:
+        """``handle_id``: a published handle's id, or a push's id."""
+        self.peer.mark_ready(sid=self.sid, handle_id=handle_id, layers=layers)
+
+    def push(self, reservation: KVHandle, block_ids: list[int], layers_ready: Optional[int] = None) -> str:
+        return self.peer.push(sid=self.sid, reservation=base64.b64encode(reservation.to_bytes()).decode(),
+                              block_ids=list(block_ids), layers_ready=layers_ready)
+
+    def push_result(self, push_id: str, timeout: float = 10.0) -> dict:
+        return self.peer.push_result(push_id=push_id, timeout=timeout)
+
+    def retire(self, block_ids: list[int]) -> list[int]:
+        return self.peer.retire(sid=self.sid, block_ids=list(block_ids))
 
     def alloc(self, n: int) -> list[int]:
         return self.peer.alloc(sid=self.sid, n=n)
@@ -76,11 +90,11 @@ def make_sender(peer: Any, scheme: str) -> Iterator[Any]:
     made: list[PeerSender] = []
 
     def make(layout: KVLayout, num_blocks: int, *, ttl: float = 60.0, secret: Optional[bytes] = None,
-             reserve_all: bool = True, timeout: Optional[dict] = None) -> PeerSender:
+             reserve_all: bool = True, timeout: Optional[dict] = None, allocator: str = "kvbridge") -> PeerSender:
         seed = next(_seeds)
         info = peer.new_sender(layout=layout.to_dict(), num_blocks=num_blocks, listen=LISTEN[scheme],
                                seed=seed, ttl=ttl, secret=secret.hex() if secret else None,
-                               reserve_all=reserve_all, timeout=timeout)
+                               reserve_all=reserve_all, timeout=timeout, allocator=allocator)
         s = PeerSender(peer, info["sid"], info["url"], layout, num_blocks, seed)
         made.append(s)
         return s
@@ -97,10 +111,12 @@ def make_receiver() -> Iterator[Any]:
     made: list[KVReceiver] = []
 
     def make(layout: KVLayout, num_blocks: int, *, seed: int = 7, retry: Retry = FAST_RETRY,
-             timeout: Timeout = RECV_TIMEOUT, secret: Optional[bytes] = None) -> tuple[KVReceiver, KVPool]:
-        pool = KVPool.allocate(layout, num_blocks)
+             timeout: Timeout = RECV_TIMEOUT, secret: Optional[bytes] = None, listen: Optional[str] = None,
+             allocator: str = "kvbridge", **kw: Any) -> tuple[KVReceiver, KVPool]:
+        pool = KVPool.allocate(layout, num_blocks, shared=bool(listen and listen.startswith("shm:")),
+                               allocator=allocator)
         fill_pool(pool, seed)
-        r = KVReceiver(pool, retry=retry, timeout=timeout, secret=secret)
+        r = KVReceiver(pool, retry=retry, timeout=timeout, secret=secret, listen=listen, **kw)
         made.append(r)
         return r, pool
     yield make

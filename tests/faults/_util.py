@@ -119,7 +119,7 @@ class Bounded:
 class _HeldGrant:
     def __init__(self, owner: "FaultSender", inner: Any) -> None:
         self._owner, self._inner = owner, inner
-        self.spans = inner.spans
+        self.spans, self.layers, self.sums = inner.spans, inner.layers, inner.sums
 
     def still_valid(self) -> bool:
         return bool(self._inner.still_valid())
@@ -163,10 +163,10 @@ class FaultSender(KVSender):
             self.violations += 1
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
-                  claim: Optional[Claim] = None) -> Any:
+                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> Any:
         if self.hold_before and self._held(claim):
             self._hold()
-        grant = super().open_read(handle_bytes, indices, claim)
+        grant = super().open_read(handle_bytes, indices, claim, layers)
         if self.hold_after and self._held(claim):
             try:
                 self._hold()
