@@ -238,6 +238,7 @@ class KVHandle:
         return {"kvbridge_handle": HANDLE_VERSION,
                 "request_id": self.request_id, "num_tokens": self.num_tokens,
                 "num_blocks": self.num_blocks, "urls": list(self.urls),
+                **({"reservation": True} if self.reservation else {}),
                 "data": base64.b64encode(self.to_bytes()).decode("ascii")}
 
     @classmethod
@@ -248,7 +249,20 @@ class KVHandle:
             raw = base64.b64decode(d["data"], validate=True)
         except (ValueError, TypeError):
             raise BadHandle("handle dict 'data' is not base64") from None
-        return cls.from_bytes(raw, key)
+        h = cls.from_bytes(raw, key)
+        if d.get("reservation", False) != h.reservation:
+            raise BadHandle("handle dict field 'reservation' differs from the signed handle: altered")
+        # The visible fields are for routers and logs; they must say what the signed data says.
+        signed = {"request_id": h.request_id, "num_tokens": h.num_tokens, "num_blocks": h.num_blocks,
+                  "urls": list(h.urls)}
+        for name, value in signed.items():
+            if name in d and d[name] != value:
+                raise BadHandle(f"handle dict field {name!r} ({d[name]!r}) differs from the signed handle "
+                                f"({value!r}): altered")
+        unknown = set(d) - set(signed) - {"kvbridge_handle", "data", "reservation"}
+        if unknown:
+            raise BadHandle(f"handle dict has unknown fields {sorted(unknown)}")
+        return h
 
 
 class _Issued(Protocol):

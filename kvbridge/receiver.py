@@ -202,6 +202,8 @@ class KVReceiver:
         dst = self._check_dst(dst_block_ids, h.num_blocks if idx is None else len(idx))
         if idx is not None and any(not 0 <= i < h.num_blocks for i in idx):
             raise PoolError(f"block index outside the {h.num_blocks}-block handle")
+        if idx is not None and len(set(idx)) != len(idx):
+            raise PoolError("repeated block indices")
         if not h.urls:
             raise BadHandle("handle names no sender URL")
         self.stats.add(fetches=1)

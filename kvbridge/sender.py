@@ -39,6 +39,7 @@ from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBri
                      TransferTimeout)
 from .handle import KVHandle, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
+from .logs import RateLimitedLog
 from .lease import Claim, Fence, LeaseState, LeaseStore, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout
@@ -51,6 +52,7 @@ from .transports.registry import get_transport_class, scheme_of
 __all__ = ["KVSender", "FreeReason"]
 
 log = logging.getLogger("kvbridge.sender")
+_limited = RateLimitedLog(log)
 FreeReason = str   # "released" | "aborted" | "expired" | "revoked" | "retired" | "pushed" | "closed"
 SWEEP_INTERVAL = 1.0
 LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
@@ -321,6 +323,8 @@ class KVSender:
         else:
             if any(not 0 <= i < n for i in indices):
                 raise ProtocolError(f"block index out of range for a {n}-block handle")
+            if len(set(indices)) != len(indices):   # a repeated index would multiply the bytes served
+                raise ProtocolError("repeated block indices in a read")
             ids = [rec.block_ids[i] for i in indices]
         L = self.pool.layout.num_layers
         lo = hi = 0
@@ -502,8 +506,8 @@ class KVSender:
                 self.leases.revoke(rec.handle.lease_id, self.owner)
             except LeaseStoreUnavailable:
                 if time.monotonic() < rec.deadline:
-                    log.warning("cannot revoke %s (lease server down); freeing at its deadline",
-                                rec.handle.request_id)
+                    _limited.log(logging.WARNING, "revoke", "cannot revoke %s (lease server down); freeing at "
+                                 "its deadline", rec.handle.request_id)
                     with self._lock:
                         rec.free_after = rec.deadline
                         rec.revoking = False
@@ -577,7 +581,7 @@ class KVSender:
                     next_sweep = time.monotonic() + SWEEP_INTERVAL
                     self._sweep_leases()
             except LeaseStoreUnavailable as exc:
-                log.warning("lease server unreachable: %s", exc)
+                _limited.log(logging.WARNING, "unreachable", "lease server unreachable: %s", exc)
                 time.sleep(0.2)
             except Exception:   # never let the watcher die silently
                 log.exception("lease watcher error")

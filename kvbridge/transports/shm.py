@@ -21,7 +21,6 @@ import os
 import secrets
 import socket
 import struct
-import tempfile
 import threading
 from collections import OrderedDict
 from typing import Any, Optional
@@ -45,9 +44,15 @@ MAX_MAPPED = 16
 
 
 def _path_of(url: str) -> str:
+    """The control socket's address: ``shm:///path.sock`` a file, ``shm://@name`` Linux's
+    abstract namespace (no file, nothing left behind by a killed process)."""
     u = urlsplit(url)
     if u.scheme != "shm":
-        raise ConfigError(f"expected shm:///path/to/control.sock, got {url!r}")
+        raise ConfigError(f"expected shm:///path/to/control.sock or shm://@name, got {url!r}")
+    if u.netloc.startswith("@"):
+        if len(u.netloc) < 2:
+            raise ConfigError(f"empty abstract socket name in {url!r}")
+        return "\0" + u.netloc[1:]
     return u.path
 
 
@@ -155,23 +160,25 @@ class ShmTransport(Transport):
 
     @classmethod
     def serve(cls, url: str, source: Any, timeout: Timeout = Timeout()) -> Server:
-        path = _path_of(url) or os.path.join(tempfile.gettempdir(), f"kvb-{os.getpid()}-{secrets.token_hex(4)}.sock")
+        path = _path_of(url) or f"\0kvb-{os.getpid()}-{secrets.token_hex(6)}"   # default: abstract, no file
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             lst.bind(path)
             lst.listen(128)
         except OSError as exc:
             lst.close()
-            raise ConfigError(f"cannot listen on {path}: {exc}") from None
-        srv = ShmServer(lst, f"shm://{path}", source, timeout)
+            raise ConfigError(f"cannot listen on {path!r}: {exc}") from None
+        abstract = path.startswith("\0")
+        srv = ShmServer(lst, f"shm://@{path[1:]}" if abstract else f"shm://{path}", source, timeout)
         close = srv.close
 
         def close_and_unlink() -> None:
             close()
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            if not abstract:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         srv.close = close_and_unlink  # type: ignore[method-assign]
         return srv
 

@@ -15,7 +15,7 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
-from .wire import (HEADER, MAX_CONTROL, FrameReader, Kind, decode_error, decode_request, encode_error,
+from .wire import (HEADER, MAX_CONTROL, Budget, FrameReader, Kind, RateGuard, decode_error, decode_request, encode_error,
                    encode_layers, map_os_error, pack, recv_exact, send_all, set_os_timeouts, unpack_header)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
@@ -23,6 +23,11 @@ __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 log = logging.getLogger("kvbridge.sockets")
 IDLE_TIMEOUT = 300.0
 DISCARD_LIMIT = 64 << 20   # a refused write's bytes up to this are skipped; past it the connection closes
+MAX_CONNECTIONS = 512      # per server; one more is answered with an error and closed
+CONTROL_BUDGET = 64 << 20  # control-frame bytes all connections of a server may buffer at once
+MAX_PING = 64              # PING payload echoed back, at most
+MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
+RATE_GRACE = 2.0
 
 
 def tune(sock: socket.socket) -> None:
@@ -44,6 +49,9 @@ class SocketServer(Server):
         self._rings = RingPool()
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._budget = Budget(CONTROL_BUDGET)
+        self.max_connections = MAX_CONNECTIONS
+        self.refused_connections = 0
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
         self._thread.start()
 
@@ -67,24 +75,33 @@ class SocketServer(Server):
                 break
             tune(conn)
             with self._lock:
-                self._conns.add(conn)
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self.refused_connections += 1
+                conn.settimeout(0.1)
+                self._reply_error(conn, 0, ProtocolError(
+                    f"server at its limit of {self.max_connections} connections; retry later"))
+                conn.close()
+                continue
             threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
                              name=f"kvb-conn {self.url}").start()
 
     def _serve_conn(self, conn: socket.socket) -> None:
         # Blocking socket with kernel timeouts: a peer that stalls mid-frame or mid-send for
         # `transfer` seconds is dropped; between frames we wait up to idle_timeout().
-        tick = max(0.05, min(self.timeout.transfer, IDLE_TIMEOUT))
+        tick = max(0.05, min(self.timeout.transfer, 1.0))
         set_os_timeouts(conn, tick)
-        reader = FrameReader(conn)
+        reader = FrameReader(conn, frame_timeout=self.timeout.transfer, budget=self._budget)
         idle = 0.0
         try:
             while not self._closed.is_set():
                 try:
                     kind, req_id, payload = reader.read_frame(MAX_CONTROL)
                 except BlockingIOError:
-                    idle += tick
-                    if not reader.empty or idle >= self.idle_timeout(conn):
+                    idle += tick   # mid-frame: a stalled peer gets `transfer` seconds; between frames, idle time
+                    if idle >= (self.timeout.transfer if not reader.empty else self.idle_timeout(conn)):
                         return
                     continue
                 except (ConnectionLost, OSError):
@@ -141,6 +158,9 @@ class SocketServer(Server):
                 conn.sendall(pack(Kind.OK, req_id))
             return True
         if kind is Kind.PING:
+            if len(payload) > MAX_PING:
+                self._reply_error(conn, req_id, ProtocolError(f"PING payload over {MAX_PING} bytes"))
+                return True
             conn.sendall(pack(Kind.PONG, req_id, payload))
             return True
         self._reply_error(conn, req_id, ProtocolError(f"unexpected {kind.name} frame"))
@@ -161,7 +181,7 @@ class SocketServer(Server):
                 prefix = encode_layers(*grant.layers, grant.sums)
                 head = pack(Kind.LDATA, req_id, prefix, length=len(prefix) + spans.nbytes)
             if spans.pool.is_host:
-                send_all(conn, [head, *spans.views()])
+                send_all(conn, [head, *spans.views()], RateGuard(MIN_RATE, RATE_GRACE))
             else:
                 ring = self._rings.take()
                 try:
@@ -197,9 +217,16 @@ class SocketServer(Server):
                 self._reply_error(conn, req_id, ProtocolError(
                     f"WRITE carries {req.nbytes} bytes, the reserved blocks hold {spans.nbytes}"))
                 return False
+            guard = RateGuard(MIN_RATE, RATE_GRACE)
+            landed = spans.on_landed
+
+            def progress(n: int) -> None:
+                guard(n)
+                if landed is not None:
+                    landed(n)
             try:
                 if spans.pool.is_host:
-                    reader.read_into(spans.views(), spans.on_landed)
+                    reader.read_into(spans.views(), progress)
                 else:                          # a device pool: land in host memory, then copy up
                     bounce = torch.empty(spans.nbytes, dtype=torch.uint8)
                     reader.read_into([memoryview(bounce.numpy())])

@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 import socket
 import struct
+import threading
+import time
 from typing import Callable, NamedTuple, Optional, Sequence
 
 from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError,
@@ -20,7 +22,8 @@ from ..lease.base import Claim
 
 __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER", "MAX_CONTROL", "pack",
            "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS",
-           "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error"]
+           "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
+           "RateGuard"]
 
 MAGIC = b"KB"
 VERSION = 2
@@ -211,14 +214,43 @@ def set_os_timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
-class FrameReader:
-    """Reads whole frames from a socket through one reused buffer: usually one recv per frame."""
+class Budget:
+    """Bytes a server lets all its connections buffer for control frames at once."""
 
-    def __init__(self, sock: socket.socket, size: int = 64 << 10) -> None:
+    def __init__(self, nbytes: int) -> None:
+        self.left = nbytes
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if n > self.left:
+                return False
+            self.left -= n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.left += n
+
+
+class FrameReader:
+    """Reads whole frames from a socket through one reused buffer: usually one recv per frame.
+
+    Hostile peers are bounded: the buffer grows only as bytes actually arrive (a header that
+    declares 16 MiB allocates nothing until they come), a frame larger than the base buffer
+    must fit the server's :class:`Budget`, and a frame must be complete within
+    ``frame_timeout`` seconds of its first byte, however slowly it trickles."""
+
+    def __init__(self, sock: socket.socket, size: int = 64 << 10, frame_timeout: float = 0.0,
+                 budget: Optional[Budget] = None) -> None:
         self.sock = sock
+        self.base = size
         self.buf = bytearray(size)
         self.start = 0
         self.end = 0
+        self.frame_timeout = frame_timeout
+        self.budget = budget
+        self._since = 0.0          # when the first byte of the current frame arrived
 
     @property
     def empty(self) -> bool:
@@ -228,33 +260,47 @@ class FrameReader:
         """Make ``need`` bytes available from ``start``; raises ConnectionLost on EOF."""
         if self.start + need > len(self.buf):
             have = self.end - self.start
-            if need > len(self.buf):
-                newbuf = bytearray(max(need, 2 * len(self.buf)))
-                newbuf[:have] = self.buf[self.start:self.end]
-                self.buf = newbuf
-            else:
-                self.buf[:have] = self.buf[self.start:self.end]
+            self.buf[:have] = self.buf[self.start:self.end]
             self.start, self.end = 0, have
-        view = memoryview(self.buf)
         while self.end - self.start < need:
-            k = self.sock.recv_into(view[self.end:])
+            if self.end == len(self.buf):             # full: grow, never past what is needed
+                newbuf = bytearray(min(need, 2 * len(self.buf)))
+                newbuf[:self.end] = self.buf[:self.end]
+                self.buf = newbuf
+            k = self.sock.recv_into(memoryview(self.buf)[self.end:])
             if k == 0:
                 raise ConnectionLost("peer closed the connection")
+            if self.start == self.end and not self._since:
+                self._since = time.monotonic()
             self.end += k
+            if self.frame_timeout and self._since and time.monotonic() - self._since > self.frame_timeout:
+                raise TransferTimeout(f"a frame took over {self.frame_timeout} s to arrive")
 
     def read_frame(self, max_len: int = MAX_CONTROL) -> tuple[Kind, int, bytes]:
+        if self.start != self.end and not self._since:
+            self._since = time.monotonic()            # bytes of this frame came with the last one
         self._fill(HEADER.size)
         kind, req_id, length = unpack_header(self.buf, self.start)
         if length > max_len:
             raise FrameTooLarge(f"{kind.name} frame of {length} bytes exceeds {max_len}")
-        self._fill(HEADER.size + length)
-        s = self.start + HEADER.size
-        payload = bytes(self.buf[s:s + length])
+        big = HEADER.size + length > self.base
+        if big and self.budget is not None and not self.budget.take(length):
+            raise FrameTooLarge(f"{kind.name} frame of {length} bytes: the server's control budget is spent; "
+                                "retry later")
+        try:
+            self._fill(HEADER.size + length)
+            s = self.start + HEADER.size
+            payload = bytes(self.buf[s:s + length])
+        finally:
+            if big and self.budget is not None:
+                self.budget.give(length)
         self.start = s + length
+        self._since = 0.0
         if self.start == self.end:
             self.start = self.end = 0
+            if len(self.buf) > self.base:             # give a big frame's memory back
+                self.buf = bytearray(self.base)
         return kind, req_id, payload
-
 
     def read_into(self, views: Sequence[memoryview], landed: Optional[Callable[[int], None]] = None) -> int:
         """Fill ``views`` with the bytes that follow the last frame: those already buffered
@@ -378,7 +424,22 @@ def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
     return got
 
 
-def send_all(sock: socket.socket, views: Sequence[memoryview | bytes]) -> int:
+class RateGuard:
+    """Drops a peer that moves a transfer slower than ``min_rate`` bytes/s once ``grace``
+    seconds have passed: a slow reader cannot hold a read (and its blocks) in flight."""
+
+    def __init__(self, min_rate: float, grace: float) -> None:
+        self.min_rate, self.grace = min_rate, grace
+        self.t0 = time.monotonic()
+
+    def __call__(self, moved: int) -> None:
+        dt = time.monotonic() - self.t0
+        if dt > self.grace and moved < self.min_rate * dt:
+            raise TransferTimeout(f"peer moved {moved} bytes in {dt:.1f} s, under the minimum "
+                                  f"{self.min_rate:.0f} B/s")
+
+
+def send_all(sock: socket.socket, views: Sequence[memoryview | bytes], guard: Optional[RateGuard] = None) -> int:
     """Send every buffer, scatter-gather (sendmsg), handling partial sends."""
     vs = [memoryview(v) if not isinstance(v, memoryview) else v for v in views if len(v)]
     i = 0
@@ -387,4 +448,6 @@ def send_all(sock: socket.socket, views: Sequence[memoryview | bytes]) -> int:
         k = sock.sendmsg(vs[i:_window(vs, i, SEND_WINDOW)])
         sent += k
         i = _advance(vs, i, k)
+        if guard is not None:
+            guard(sent)
     return sent

@@ -485,7 +485,7 @@ def _raw_connect(url: str) -> socket.socket:
     else:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(5)
-        s.connect(u.path)
+        s.connect("\0" + u.netloc[1:] if u.netloc.startswith("@") else u.path)
     return s
 
 
