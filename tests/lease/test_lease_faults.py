@@ -159,7 +159,7 @@ def test_unix_socket_url(server: EmbeddedRedis, make_store: Any) -> None:
 
 
 def test_script_flush_reloads(server: EmbeddedRedis, store: RedisLeaseStore) -> None:
-    raw = redis.Redis.from_url(server.url)
+    raw = redis.Redis.from_url(server.auth_url)
     try:
         store.publish("a", "owner", ttl_s=10)
         raw.script_flush()
@@ -177,7 +177,7 @@ def test_epoch_key_loss_detected(server: EmbeddedRedis, store: RedisLeaseStore, 
     """Even if only the epoch key vanished, old leases and fences are refused."""
     store.publish("a", "owner", ttl_s=10)
     c = store.claim("a", "dec", 5)
-    raw = redis.Redis.from_url(server.url)
+    raw = redis.Redis.from_url(server.auth_url)
     try:
         raw.delete("{" + ns + "}:epoch")
     finally:

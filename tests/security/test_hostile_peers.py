@@ -1,0 +1,225 @@
+"""Hostile peers on loopback: each attack the servers must survive, bounded in time and memory.
+
+A sender runs in a child process (``_child.py``); the attacks speak raw frames to its port.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from typing import Iterator
+
+import pytest
+
+from kvbridge import BadHandle, KVHandle, KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
+from kvbridge.transports.wire import HEADER, MAX_CONTROL, Kind, decode_error, encode_request, pack
+
+pytestmark = pytest.mark.timeout(90)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class Child:
+    def __init__(self, **cfg: object) -> None:
+        self.proc = subprocess.Popen([sys.executable, os.path.join(HERE, "_child.py"), json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        info = json.loads(self.proc.stdout.readline())
+        self.url, self.pid = info["url"], info["pid"]
+        self.handle = base64.b64decode(info["handle"])
+
+    def rss(self) -> int:
+        with open(f"/proc/{self.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        raise AssertionError("no VmRSS")
+
+    def threads(self) -> int:
+        return len(os.listdir(f"/proc/{self.pid}/task"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture
+def child() -> Iterator[Child]:
+    c = Child(listen="tcp://127.0.0.1:0", transfer=2.0)
+    yield c
+    c.close()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=5)
+    return s
+
+
+def _reply(s: socket.socket, timeout: float = 5.0) -> object:
+    """(Kind, payload) of the next frame, or 'closed'."""
+    s.settimeout(timeout)
+    head = b""
+    try:
+        while len(head) < HEADER.size:
+            chunk = s.recv(HEADER.size - len(head))
+            if not chunk:
+                return "closed"
+            head += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        return "closed"
+    kind, _, length = Kind(head[3]), 0, struct.unpack("!Q", head[8:])[0]
+    body = b""
+    while len(body) < min(length, 1 << 16) and kind is not Kind.DATA:
+        chunk = s.recv(length - len(body))
+        if not chunk:
+            break
+        body += chunk
+    return kind, body
+
+
+def test_declared_huge_frames_and_trickling_peers_are_bounded(child: Child) -> None:
+    before = child.rss()
+    socks = []
+    for _ in range(100):                                # each declares the largest frame ...
+        s = _connect(child.url)
+        s.sendall(pack(Kind.READ, 1, length=MAX_CONTROL)[:HEADER.size] + b"x")
+        socks.append(s)
+    t0 = time.monotonic()
+    for _ in range(10):                                 # ... and trickles a byte now and then
+        for s in socks:
+            try:
+                s.send(b"x")
+            except OSError:
+                pass
+        time.sleep(0.1)
+    growth = child.rss() - before
+    assert growth <= 64 << 20, f"RSS grew {growth >> 20} MiB"
+    # every trickler is dropped within the frame deadline (2 s) plus one tick
+    for s in socks:
+        got = _reply(s, timeout=max(0.1, 5.0 - (time.monotonic() - t0)))
+        assert got == "closed" or got[0] is Kind.ERROR, got
+        s.close()
+    assert time.monotonic() - t0 < 6.0
+
+
+def test_repeated_indices_refused_before_any_data(child: Child) -> None:
+    s = _connect(child.url)
+    s.sendall(pack(Kind.READ, 7, encode_request(child.handle, [0] * 1_000_000)))
+    kind, body = _reply(s)
+    assert kind is Kind.ERROR and isinstance(decode_error(body), ProtocolError), (kind, body[:80])
+    s.close()
+
+
+def test_ping_is_bounded(child: Child) -> None:
+    s = _connect(child.url)
+    s.sendall(pack(Kind.PING, 3, b"p" * (1 << 20)))
+    kind, _ = _reply(s)
+    assert kind is Kind.ERROR
+    s.sendall(pack(Kind.PING, 4, b"ok"))
+    assert _reply(s) == (Kind.PONG, b"ok")
+    s.close()
+
+
+def test_connection_cap_refuses_clearly() -> None:
+    L = KVLayout.vllm_flash(1, 1, 4, block_size=2, dtype="float16")
+    with KVSender(KVPool.allocate(L, 2), "tcp://127.0.0.1:0", leases=False) as snd:
+        snd.servers[0].max_connections = 20
+        socks = [_connect(snd.url) for _ in range(20)]
+        time.sleep(0.2)
+        extra = _connect(snd.url)
+        kind, body = _reply(extra)
+        assert kind is Kind.ERROR and "limit" in decode_error(body).message
+        for s in socks:
+            s.close()
+
+
+def test_slow_reader_is_dropped_and_blocks_are_freed_on_time() -> None:
+    L = KVLayout.vllm_flash(8, 8, 128, block_size=16, dtype="float16")   # 512 KiB a block: a 64 MiB handle,
+    pool = KVPool.allocate(L, 128)                                         # more than kernel buffers hold
+    freed: list[str] = []
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False, timeout=Timeout(transfer=10),
+                  on_free=lambda h, r: freed.append(r)) as snd:
+        h = snd.publish("slow", pool.alloc(128), 128 * 16)
+        host, port = snd.url.removeprefix("tcp://").rsplit(":", 1)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        s.sendall(pack(Kind.READ, 1, encode_request(h.to_bytes())))
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4.5:               # read 4 KiB a tenth of a second: ~40 KB/s
+            s.settimeout(1)
+            try:
+                if not s.recv(4096):
+                    break
+            except OSError:
+                break
+            time.sleep(0.1)
+        # the server gave up on this reader (its read is no longer in flight): a revoke frees at once;
+        # a read still in flight would hold the blocks until it drained
+        assert snd.revoke(h) and freed == ["revoked"]    # nothing in flight any more: freed at once
+        s.close()
+
+
+def test_handle_dict_visible_fields_are_checked() -> None:
+    L = KVLayout.vllm_flash(1, 1, 4, block_size=2, dtype="float16")
+    with KVSender(KVPool.allocate(L, 4), "inproc://", leases=False) as snd:
+        pool = snd.pool
+        h = snd.publish("real", pool.alloc(2), 4)
+        d = h.to_dict()
+        for field, value in [("request_id", "someone-else"), ("num_blocks", 999), ("urls", ["tcp://evil:1"]),
+                             ("num_tokens", 0)]:
+            with pytest.raises(BadHandle, match="differs"):
+                KVHandle.from_dict({**d, field: value})
+        assert KVHandle.from_dict(d) == h
+
+
+def test_lease_server_refuses_unauthenticated_clients() -> None:
+    import redis
+    from kvbridge.lease import EmbeddedRedis
+    with EmbeddedRedis() as srv:
+        assert ":@" not in srv.url and srv.password not in srv.url
+        with open(f"/proc/{srv.pid}/cmdline", "rb") as f:
+            assert srv.password.encode() not in f.read()          # not on the command line
+        anon = redis.Redis(host="127.0.0.1", port=srv.port, socket_timeout=2)
+        with pytest.raises(redis.exceptions.ResponseError) if False else pytest.raises(Exception) as err:
+            anon.keys("*")
+        assert "auth" in str(err.value).lower()
+        from kvbridge.lease import RedisLeaseStore
+        with RedisLeaseStore(srv.url) as store:                   # this user's processes find the password
+            assert store.publish("lease-1", "owner", 5).lease_id == "lease-1"
+
+
+def test_nothing_left_behind_after_kill_9() -> None:
+    import glob
+    import tempfile
+    c = Child(listen="shm://", leases=True, transfer=2.0)
+    KVReceiver(KVPool.allocate(KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16"), 8),
+               leases=False).close()
+    pid = c.pid
+    assert c.url.startswith("shm://@")                            # abstract socket: no file to leave
+    os.kill(pid, 9)
+    c.proc.wait(10)
+    from kvbridge.lease import EmbeddedRedis
+    from kvbridge.pool import sweep_dead_segments
+    with EmbeddedRedis():                                         # the next start sweeps the dead one's folder
+        pass
+    sweep_dead_segments()
+    tmp = tempfile.gettempdir()
+    left = (glob.glob(os.path.join(tmp, f"kvb-{pid}-*")) + glob.glob(os.path.join(tmp, f"kvbridge-redis-{pid}-*"))
+            + glob.glob(f"/dev/shm/kvb-{pid}-*"))
+    assert left == [], left
+    # its lease password file is swept too
+    from kvbridge.lease.credentials import credentials_dir
+    assert not [n for n in os.listdir(credentials_dir()) if n.endswith(f"-{pid}")]
