@@ -221,9 +221,11 @@ class KVReceiver:
         self.stats.add(claimed=1)
         return Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
 
-    def _pull(self, t: Transfer, j: _Job) -> FetchResult:
+    def _pull(self, t: Optional[Transfer], j: _Job) -> FetchResult:
+        """The pipeline. ``t`` is None for a blocking fetch on the caller's thread (nothing
+        to report progress to, nothing can cancel it)."""
         try:
-            if t.cancel_event.is_set():
+            if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled before it started")
             if j.claim is None:
                 j.claim = self._claim(j.store, j.h)
@@ -233,7 +235,8 @@ class KVReceiver:
                 spans = self._spans(j, t)
                 self._read_whole(j, spans)
                 self._verify_whole(j, spans)
-                t._layer_ready(self.pool.layout.num_layers)
+                if t is not None:
+                    t._layer_ready(self.pool.layout.num_layers)
         except KVBridgeError as exc:
             j.res.error = exc
         return self._settle(j)
@@ -288,7 +291,7 @@ class KVReceiver:
             j.res.failed_block_ids = [j.dst[k] for k in still]
             raise IntegrityError(f"{len(still)} block(s) of request {j.h.request_id!r} failed their checksum twice")
 
-    def _move_layers(self, t: Transfer, j: _Job) -> None:
+    def _move_layers(self, t: Optional[Transfer], j: _Job) -> None:
         """A layer-wise handle: read whatever layers are ready, verify them, announce them."""
         L = self.pool.layout.num_layers
         made: list[Spans] = []
@@ -297,7 +300,8 @@ class KVReceiver:
             s = Spans.of_blocks(self.pool, j.dst, range(lo, hi))
             if self.verify:
                 s.verifier = StreamVerifier(self.pool, j.dst, range(lo, hi), per_layer=True)
-            s.cancel = t.cancel_event
+            if t is not None:
+                s.cancel = t.cancel_event
             made.append(s)
             return s
 
@@ -311,7 +315,7 @@ class KVReceiver:
         done = 0
         idle_until = time.monotonic() + self.timeout.transfer
         while done < L:
-            if t.cancel_event.is_set():
+            if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled at layer {done}")
             made.clear()
             chunk = read(done, L)
@@ -333,7 +337,8 @@ class KVReceiver:
                                          f"checksum of layers [{chunk.first}, {chunk.end}) twice")
             j.res.nbytes += chunk.nbytes
             done = chunk.end
-            t._layer_ready(done)
+            if t is not None:
+                t._layer_ready(done)
             idle_until = time.monotonic() + self.timeout.transfer
 
     def _bad_layer_blocks(self, j: _Job, spans: Spans, chunk: Chunk) -> list[int]:
@@ -404,9 +409,7 @@ class KVReceiver:
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
               indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
         """Move the handle's blocks into ``dst_block_ids`` on this thread; the result."""
-        t = self._transfer(self._prepare(handle, dst_block_ids, indices, release))
-        t._run()
-        return t.result()
+        return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
 
     async def afetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
                      indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
@@ -441,9 +444,7 @@ class KVReceiver:
         out = []
         for j in jobs:
             if j.res.error is None and j.h.layerwise:
-                t = self._transfer(j)
-                t._run()
-                out.append(t.result())
+                out.append(self._pull(None, j))
             else:
                 out.append(self._settle(j))
         return out

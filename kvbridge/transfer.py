@@ -18,7 +18,7 @@ import asyncio
 import enum
 import logging
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Optional
 
@@ -59,6 +59,22 @@ class FetchResult:
         return self
 
 
+class Flag:
+    """A cancel flag: ``set()`` once, ``is_set()`` from any thread (cheaper than an Event;
+    nothing waits on it, transfers check it between chunks)."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 class TransferState(str, enum.Enum):
     PENDING = "pending"      # started, not yet picked up by a worker
     RUNNING = "running"
@@ -84,7 +100,7 @@ class Transfer:
         self._result: Optional[FetchResult] = None
         self._layers = 0
         self._callbacks: list[Callable[["Transfer"], None]] = []
-        self.cancel_event = threading.Event()
+        self.cancel_event = Flag()
 
     # -- the running side ----------------------------------------------------------------
     def _take(self) -> bool:
@@ -238,23 +254,49 @@ class Transfer:
 
 
 class Workers:
-    """The threads transfers run on: created on demand, up to ``max_workers``."""
+    """The threads transfers run on: started on demand, up to ``max_workers``; one that has
+    been idle for ``idle`` seconds goes away. Submitting is an append and a notify."""
 
-    def __init__(self, name: str, max_workers: int = 32) -> None:
+    def __init__(self, name: str, max_workers: int = 32, idle: float = 10.0) -> None:
         self._name = name
         self._max = max_workers
-        self._pool: Optional[ThreadPoolExecutor] = None
-        self._lock = threading.Lock()
+        self._idle = idle
+        self._queue: deque[Transfer] = deque()
+        self._cv = threading.Condition(threading.Lock())
+        self._threads = 0
+        self._waiting = 0
+        self._closed = False
 
     def submit(self, t: Transfer) -> Transfer:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._max, thread_name_prefix=self._name)
-            self._pool.submit(t._run)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("workers are closed")
+            self._queue.append(t)
+            if self._waiting:
+                self._cv.notify()
+                start = False
+            else:
+                start = self._threads < self._max
+                self._threads += start
+        if start:
+            threading.Thread(target=self._loop, name=self._name, daemon=True).start()
         return t
 
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                self._waiting += 1
+                got = self._cv.wait_for(lambda: self._queue or self._closed, self._idle)
+                self._waiting -= 1
+                if not self._queue:
+                    if got or self._closed or not self._queue:
+                        self._threads -= 1
+                        return
+                t = self._queue.popleft()
+            t._run()
+
     def close(self) -> None:
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify_all()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import abc
 import ctypes
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
 
@@ -30,6 +29,7 @@ from ..lease.base import Claim
 
 if TYPE_CHECKING:
     from ..integrity import StreamVerifier
+    from ..transfer import Flag
     from ..pool import KVPool
 
 __all__ = ["Run", "Spans", "ReadGrant", "WriteGrant", "BlockSource", "BlockSink", "Server", "Transport",
@@ -58,7 +58,7 @@ class Spans:
         self._views: Optional[list[memoryview]] = None
         self._runs: Optional[list[Run]] = None
         self.verifier: Optional["StreamVerifier"] = None   # hashes bytes as they land
-        self.cancel: Optional[threading.Event] = None
+        self.cancel: Optional["Flag"] = None     # anything with is_set(): a Transfer's cancel flag
 
     @property
     def watched(self) -> bool:

@@ -78,6 +78,9 @@ class ShmServer(SocketServer):
         # A peer holding a mapping must finish its copy within the transfer timeout.
         return self.timeout.transfer if self._open.get(conn) else super().idle_timeout(conn)
 
+    def can_park(self, conn: socket.socket) -> bool:
+        return not self._open.get(conn)
+
     def connection_closed(self, conn: socket.socket) -> None:
         with self._glock:
             grants = self._open.pop(conn, {})

@@ -4,9 +4,12 @@ server and pooled client connections. Frames are defined in :mod:`.wire`."""
 from __future__ import annotations
 
 import logging
+import queue
+import selectors
 import socket
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,7 +26,9 @@ __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 log = logging.getLogger("kvbridge.sockets")
 IDLE_TIMEOUT = 300.0
 DISCARD_LIMIT = 64 << 20   # a refused write's bytes up to this are skipped; past it the connection closes
-MAX_CONNECTIONS = 512      # per server; one more is answered with an error and closed
+MAX_CONNECTIONS = 4096     # per server; one more is answered with an error and closed
+WORKERS = 64               # threads serving active connections, per server
+PARK_AFTER = 0.25          # seconds idle before a connection leaves its worker for the selector
 CONTROL_BUDGET = 64 << 20  # control-frame bytes all connections of a server may buffer at once
 MAX_PING = 64              # PING payload echoed back, at most
 MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
@@ -36,9 +41,12 @@ def tune(sock: socket.socket) -> None:
 
 
 class SocketServer(Server):
-    """A threaded frame server on a listening socket, for an endpoint that is a
-    :class:`BlockSource` (reads), a :class:`BlockSink` (push writes), or both.
-    Subclasses answer more frame kinds."""
+    """A frame server on a listening socket, for an endpoint that is a :class:`BlockSource`
+    (reads), a :class:`BlockSink` (push writes), or both. Subclasses answer more frame kinds.
+
+    Threads are for active connections only: at most ``WORKERS`` serve frames; a connection
+    idle for ``PARK_AFTER`` seconds leaves its worker and waits in one selector thread until
+    its next frame arrives, so thousands of idle peers cost file descriptors, not threads."""
 
     def __init__(self, listener: socket.socket, url: str, endpoint: Any, timeout: Timeout) -> None:
         self.url = url
@@ -52,8 +60,16 @@ class SocketServer(Server):
         self._budget = Budget(CONTROL_BUDGET)
         self.max_connections = MAX_CONNECTIONS
         self.refused_connections = 0
+        self._tick = max(0.05, min(self.timeout.transfer, PARK_AFTER))
+        self._ready: queue.SimpleQueue[tuple[socket.socket, FrameReader]] = queue.SimpleQueue()
+        self._workers = 0
+        self._waiting = 0                       # workers waiting for a connection to serve
+        self._sel = selectors.DefaultSelector()
+        self._parked: dict[socket.socket, float] = {}
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
         self._thread.start()
+        self._poller = threading.Thread(target=self._poll_loop, name=f"kvb-idle {url}", daemon=True)
+        self._poller.start()
 
     @property
     def source(self) -> BlockSource:
@@ -66,6 +82,11 @@ class SocketServer(Server):
         if not hasattr(self.endpoint, "open_write"):
             raise ProtocolError("this endpoint takes no writes (it is a sender's endpoint)")
         return self.endpoint  # type: ignore[no-any-return]
+
+    @property
+    def threads(self) -> int:
+        """Worker threads started so far (at most ``WORKERS``)."""
+        return self._workers
 
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
@@ -85,43 +106,122 @@ class SocketServer(Server):
                     f"server at its limit of {self.max_connections} connections; retry later"))
                 conn.close()
                 continue
-            threading.Thread(target=self._serve_conn, args=(conn,), daemon=True,
-                             name=f"kvb-conn {self.url}").start()
+            set_os_timeouts(conn, self._tick)
+            self._dispatch(conn, FrameReader(conn, frame_timeout=self.timeout.transfer, budget=self._budget))
 
-    def _serve_conn(self, conn: socket.socket) -> None:
-        # Blocking socket with kernel timeouts: a peer that stalls mid-frame or mid-send for
-        # `transfer` seconds is dropped; between frames we wait up to idle_timeout().
-        tick = max(0.05, min(self.timeout.transfer, 1.0))
-        set_os_timeouts(conn, tick)
-        reader = FrameReader(conn, frame_timeout=self.timeout.transfer, budget=self._budget)
+    def _dispatch(self, conn: socket.socket, reader: FrameReader) -> None:
+        """Hand a connection with work (or a new one) to a worker, starting one if none waits."""
+        self._ready.put((conn, reader))
+        with self._lock:
+            start = self._waiting == 0 and self._workers < WORKERS
+            if start:
+                self._workers += 1
+        if start:
+            threading.Thread(target=self._work_loop, name=f"kvb-conn {self.url}", daemon=True).start()
+
+    def _work_loop(self) -> None:
+        while not self._closed.is_set():
+            with self._lock:
+                self._waiting += 1
+            try:
+                item: Optional[tuple[socket.socket, FrameReader]] = self._ready.get(timeout=5.0)
+            except queue.Empty:
+                item = None
+            with self._lock:
+                self._waiting -= 1
+                if item is None and self._ready.empty():   # idle a while: give the thread back
+                    self._workers -= 1
+                    return
+            if item is not None:
+                self._serve_conn(*item)
+        with self._lock:
+            self._workers -= 1
+
+    def _poll_loop(self) -> None:
+        """Parked (idle) connections: back to a worker when a frame arrives; closed when idle
+        past ``idle_timeout``."""
+        while not self._closed.is_set():
+            try:
+                events = self._sel.select(timeout=1.0)
+            except (OSError, ValueError):
+                if self._closed.is_set():
+                    return
+                time.sleep(0.01)
+                continue
+            for key, _ in events:
+                conn = key.fileobj
+                assert isinstance(conn, socket.socket)
+                self._unpark(conn)
+                self._dispatch(conn, key.data)
+            now = time.monotonic()
+            with self._lock:
+                stale = [c for c, t in self._parked.items() if now - t > self.idle_timeout(c)]
+            for c in stale:
+                self._unpark(c)
+                self._drop(c)
+
+    def _park(self, conn: socket.socket, reader: FrameReader) -> None:
+        with self._lock:
+            self._parked[conn] = time.monotonic()
+        try:
+            self._sel.register(conn, selectors.EVENT_READ, reader)
+        except (KeyError, ValueError, OSError):
+            with self._lock:
+                self._parked.pop(conn, None)
+            self._drop(conn)
+
+    def _unpark(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._parked.pop(conn, None)
+        try:
+            self._sel.unregister(conn)
+        except (KeyError, ValueError, OSError):
+            pass
+
+    def can_park(self, conn: socket.socket) -> bool:
+        """Whether an idle ``conn`` may leave its worker (it holds nothing open)."""
+        return True
+
+    def _serve_conn(self, conn: socket.socket, reader: FrameReader) -> None:
+        # Blocking socket with kernel timeouts (one tick): a peer that stalls mid-frame for
+        # `transfer` seconds is dropped; an idle one parks after PARK_AFTER.
         idle = 0.0
         try:
             while not self._closed.is_set():
                 try:
                     kind, req_id, payload = reader.read_frame(MAX_CONTROL)
                 except BlockingIOError:
-                    idle += tick   # mid-frame: a stalled peer gets `transfer` seconds; between frames, idle time
-                    if idle >= (self.timeout.transfer if not reader.empty else self.idle_timeout(conn)):
+                    idle += self._tick
+                    if not reader.empty:
+                        if idle >= self.timeout.transfer:
+                            break
+                        continue
+                    if idle >= PARK_AFTER and self.can_park(conn):
+                        self._park(conn, reader)
                         return
+                    if idle >= self.idle_timeout(conn):
+                        break
                     continue
                 except (ConnectionLost, OSError):
-                    return
+                    break
                 except ProtocolError as exc:   # includes FrameTooLarge: peers never send data here
                     self._reply_error(conn, 0, exc)
-                    return   # framing is lost: close
+                    break    # framing is lost: close
                 idle = 0.0
                 if not self.handle(conn, reader, kind, req_id, payload):
-                    return
+                    break
         except (OSError, KVBridgeError) as exc:
             log.debug("connection closed: %s", exc)
-        finally:
-            self.connection_closed(conn)
-            with self._lock:
-                self._conns.discard(conn)
-            try:
-                conn.close()
-            except OSError:
-                pass
+        self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.connection_closed(conn)
+        with self._lock:
+            self._conns.discard(conn)
+        try:
+            conn.close()
+        except OSError:
+            pass
 
     def idle_timeout(self, conn: socket.socket) -> float:
         """How long to wait for the next frame on ``conn``."""
@@ -255,12 +355,18 @@ class SocketServer(Server):
         self._listener.close()
         with self._lock:
             conns = list(self._conns)
+            parked = list(self._parked)
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
         self._thread.join(timeout=2)
+        self._poller.join(timeout=2)
+        for c in parked:
+            self._unpark(c)
+            self._drop(c)
+        self._sel.close()
 
 
 def connector(family: int, address: Any, url: str) -> Callable[[float], socket.socket]:

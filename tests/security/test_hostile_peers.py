@@ -223,3 +223,19 @@ def test_nothing_left_behind_after_kill_9() -> None:
     # its lease password file is swept too
     from kvbridge.lease.credentials import credentials_dir
     assert not [n for n in os.listdir(credentials_dir()) if n.endswith(f"-{pid}")]
+
+
+def test_idle_connections_cost_no_threads(child: Child) -> None:
+    """2,000 idle connections: the sender's thread count stays bounded and a real fetch still runs."""
+    base = child.threads()
+    socks = [_connect(child.url) for _ in range(2000)]
+    time.sleep(1.0)                                   # past PARK_AFTER: every one parked
+    peak = child.threads()
+    assert peak - base <= 70, f"{peak - base} threads for 2,000 idle connections"
+    L = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")
+    with KVReceiver(KVPool.allocate(L, 8), leases=False) as rcv:
+        h = KVHandle.from_bytes(child.handle)
+        res = rcv.fetch(h, list(range(8)), release=False)
+        assert res.ok, res.error
+    for s in socks:
+        s.close()
