@@ -46,6 +46,7 @@ from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
 from .transports.base import Chunk, ReadOp, Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
+from .transports.wire import CLAIM_ME
 
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 
@@ -227,13 +228,17 @@ class KVReceiver:
         try:
             if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled before it started")
-            if j.claim is None:
-                j.claim = self._claim(j.store, j.h)
+            if j.claim is None and j.store is not None:
+                if self.transport(j.h.urls[0]).claims_on_read:
+                    j.claim = CLAIM_ME(self.claimer, self.claim_ttl)   # the sender claims as it serves
+                else:
+                    j.claim = self._claim(j.store, j.h)
             if j.h.layerwise:
                 self._move_layers(t, j)
             else:
                 spans = self._spans(j, t)
                 self._read_whole(j, spans)
+                self._learn_claim(j, spans.claimed)
                 self._verify_whole(j, spans)
                 if t is not None:
                     t._layer_ready(self.pool.layout.num_layers)
@@ -250,8 +255,12 @@ class KVReceiver:
             spans.cancel = t.cancel_event
         return spans
 
-    def _over_urls(self, h: KVHandle, op: Any) -> Any:
-        """Run ``op(transport, url)`` over the handle's URLs in order (the same sender)."""
+    def _over_urls(self, h: KVHandle, op: Any, j: Optional[_Job] = None) -> Any:
+        """Run ``op(transport, url)`` over the handle's URLs in order (the same sender).
+
+        When no URL answers and the claim was to travel with the read, claim in the lease
+        store now: a lease that is gone (the owner died and it expired) is final at once
+        (re-prefill), instead of retrying a sender that will not come back."""
         last: Optional[KVBridgeError] = None
         for url in h.urls:
             try:
@@ -259,6 +268,8 @@ class KVReceiver:
             except PeerUnavailable as exc:
                 last = exc
         assert last is not None
+        if j is not None and j.store is not None and j.claim is not None and j.claim.epoch == 0:
+            j.claim = self._claim(j.store, j.h)      # a LeaseError here is final
         raise last
 
     def _read_whole(self, j: _Job, spans: Spans) -> None:
@@ -266,7 +277,7 @@ class KVReceiver:
             j.res.attempts += 1
             if spans.verifier is not None and spans.verifier.started:
                 spans.verifier.reset()            # a new attempt restarts the stream
-            return int(self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, spans, j.idx, j.claim)))
+            return int(self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, spans, j.idx, j.claim), j))
         j.res.nbytes = self.retry.call(attempt, self._on_retry)
 
     def _verify_whole(self, j: _Job, spans: Spans) -> None:
@@ -308,8 +319,8 @@ class KVReceiver:
         def read(lo: int, hi: int) -> Chunk:
             def attempt() -> Chunk:
                 j.res.attempts += 1
-                return self._over_urls(j.h, lambda tr, url: tr.read_layers(url, j.h, spans_for, lo, hi, j.idx,
-                                                                            j.claim))  # type: ignore[no-any-return]
+                return self._over_urls(j.h, lambda tr, url: tr.read_layers(  # type: ignore[no-any-return]
+                    url, j.h, spans_for, lo, hi, j.idx, j.claim), j)
             return self.retry.call(attempt, self._on_retry)
 
         done = 0
@@ -335,11 +346,20 @@ class KVReceiver:
                     j.res.failed_block_ids = [j.dst[k] for k in bad]
                     raise IntegrityError(f"{len(bad)} block(s) of request {j.h.request_id!r} failed the "
                                          f"checksum of layers [{chunk.first}, {chunk.end}) twice")
+            self._learn_claim(j, chunk.claim)
             j.res.nbytes += chunk.nbytes
             done = chunk.end
             if t is not None:
                 t._layer_ready(done)
             idle_until = time.monotonic() + self.timeout.transfer
+
+    def _learn_claim(self, j: _Job, claim: Optional[Claim]) -> None:
+        """The sender claimed on our behalf: from now on reads carry that fence."""
+        if claim is not None and j.claim is not None and j.claim.epoch == 0:
+            if claim.claimer != self.claimer:
+                raise ProtocolError("sender reports a claim for another claimer")
+            j.claim = claim
+            self.stats.add(claimed=1)
 
     def _bad_layer_blocks(self, j: _Job, spans: Spans, chunk: Chunk) -> list[int]:
         """Positions (into ``j.dst``) with a layer whose checksum does not match."""
@@ -355,6 +375,16 @@ class KVReceiver:
     def _settle(self, j: _Job) -> FetchResult:
         """Validate-after-read (with the release when there is one), or abort; record stats."""
         res, h, c, store = j.res, j.h, j.claim, j.store
+        if c is not None and c.epoch == 0:           # asked the sender to claim; never heard the fence
+            c = j.claim = None
+            if res.error is None:
+                res.error = ProtocolError(f"sender of {h.request_id!r} served a leased read without its claim")
+            elif store is not None and not isinstance(res.error, (LeaseError, BadHandle, AccessDenied)):
+                try:                                  # it may have claimed: learn the fence to abort
+                    lease = store.claim(h.lease_id, self.claimer, self.claim_ttl)
+                    c = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
+                except KVBridgeError:
+                    c = None
         if res.error is None and store is not None and c is not None:
             # A release succeeds only while the lease is claimed by us with this fence -- so
             # before the owner could have revoked it and freed the blocks.

@@ -82,6 +82,7 @@ class _Grant:
     spans: Spans
     layers: tuple[int, int] = (0, 0)
     sums: bytes = b""
+    claim: Optional[Claim] = None
     closed: bool = field(default=False)
 
     def still_valid(self) -> bool:
@@ -313,10 +314,17 @@ class KVSender:
                 self.stats.add(refused=1)
                 raise AccessDenied("this handle is leased: reads must carry the claimer and its fence")
             try:
-                self.leases.validate(rec.handle.lease_id, claim.claimer, claim.fence)
+                if claim.epoch == 0:      # CLAIM_ME: claim on the reader's behalf, one round trip
+                    ttl = min(max(claim.counter / 1000, 0.001), 3600.0)
+                    lease = self.leases.claim(rec.handle.lease_id, claim.claimer, ttl)
+                    claim = Claim(claim.claimer, lease.fence.epoch, lease.fence.counter)
+                else:
+                    self.leases.validate(rec.handle.lease_id, claim.claimer, claim.fence)
             except StaleHandle:
                 self.stats.add(refused=1)
                 raise
+        else:
+            claim = None
         n = len(rec.block_ids)
         if indices is None:
             ids = rec.block_ids
@@ -362,7 +370,7 @@ class KVSender:
             self._read_done(rec)
             raise
         self.stats.add(reads=1, bytes_served=spans.nbytes)
-        return _Grant(self, rec, spans, (lo, hi), sums)
+        return _Grant(self, rec, spans, (lo, hi), sums, claim)
 
     def release_remote(self, handle_bytes: bytes) -> None:
         """A direct release (handles without a lease). A leased handle ends only through its

@@ -49,7 +49,7 @@ class Spans:
     :attr:`watched` is true.
     """
 
-    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier", "cancel")
+    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier", "cancel", "claimed")
 
     def __init__(self, pool: "KVPool", segments: list[Segment]) -> None:
         self.pool = pool
@@ -59,6 +59,7 @@ class Spans:
         self._runs: Optional[list[Run]] = None
         self.verifier: Optional["StreamVerifier"] = None   # hashes bytes as they land
         self.cancel: Optional["Flag"] = None     # anything with is_set(): a Transfer's cancel flag
+        self.claimed: Optional[Claim] = None     # the claim a read was served under, when the sender made it
 
     @property
     def watched(self) -> bool:
@@ -153,6 +154,7 @@ class ReadGrant(Protocol):
     spans: Spans               # source memory in canonical order
     layers: tuple[int, int]
     sums: bytes
+    claim: Optional[Claim]     # the claim the read is served under (the sender's, for CLAIM_ME reads)
 
     def still_valid(self) -> bool: ...
     def close(self) -> None: ...
@@ -176,7 +178,9 @@ class BlockSource(Protocol):
     source waits (bounded) until ``first`` is ready and serves the ready ones below ``end``."""
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
-                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> ReadGrant: ...
+                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> ReadGrant:
+        """``claim`` with fence (0, 0) (:func:`~kvbridge.transports.wire.CLAIM_ME`) asks the
+        source to claim the lease for that claimer; the grant's ``claim`` says under which fence."""
     def release_remote(self, handle_bytes: bytes) -> None: ...
 
 
@@ -213,6 +217,7 @@ class Chunk:
     end: int
     sums: bytes
     nbytes: int
+    claim: Optional[Claim] = None
 
 
 SpansFor = Callable[[int, int], Spans]   # destination memory of layers [first, end)
@@ -222,6 +227,7 @@ class Transport(abc.ABC):
     """A client for one URL scheme. Instances keep connections and are thread-safe."""
 
     scheme: ClassVar[str]
+    claims_on_read: ClassVar[bool] = False   # reads may carry CLAIM_ME and report the claim back
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         self.timeout = timeout

@@ -40,6 +40,7 @@ def _copy(dst: Spans, src: Spans) -> int:
 
 class InprocTransport(Transport):
     scheme = "inproc"
+    claims_on_read = True
 
     @classmethod
     def serve(cls, url: str, source: Any, timeout: Timeout = Timeout()) -> Server:
@@ -65,6 +66,7 @@ class InprocTransport(Transport):
              claim: Optional[Claim] = None) -> int:
         grant = self._endpoint(url, "open_read").open_read(handle.to_bytes(), indices, claim)
         try:
+            dst.claimed = grant.claim
             return _copy(dst, grant.spans)
         finally:
             grant.close()
@@ -74,7 +76,7 @@ class InprocTransport(Transport):
         grant = self._endpoint(url, "open_read").open_read(handle.to_bytes(), indices, claim, (first, end))
         try:
             lo, hi = grant.layers
-            return Chunk(lo, hi, grant.sums, _copy(spans_for(lo, hi), grant.spans))
+            return Chunk(lo, hi, grant.sums, _copy(spans_for(lo, hi), grant.spans), grant.claim)
         finally:
             grant.close()
 

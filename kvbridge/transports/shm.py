@@ -34,7 +34,8 @@ from ..pool import SharedSegment
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
 from .sockets import SocketClient, SocketServer, connector
 from .staging import copy_slices, device_slices
-from .wire import (HEADER, LAYERS, FrameReader, Kind, decode_error, decode_layers, decode_request, encode_layers, encode_request,
+from .tcp import _claim_of
+from .wire import (FENCE, HEADER, LAYERS, FrameReader, Kind, decode_error, decode_layers, decode_request, encode_layers, encode_request,
                    map_os_error, pack, recv_exact, unpack_header)
 
 __all__ = ["ShmTransport"]
@@ -62,7 +63,9 @@ def _mapped_body(grant: Any, layers: tuple[int, int], sums: bytes, what: str) ->
         raise ConfigError(f"shm:// needs the {what}'s pool in shared memory: KVPool.allocate(..., shared=True)")
     offs = pool.buffer_offsets
     name = pool.segment.name.encode()
-    body = [encode_layers(*layers, sums), struct.pack("!H", len(name)), name,
+    c = getattr(grant, "claim", None)
+    body = [FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0),
+            encode_layers(*layers, sums), struct.pack("!H", len(name)), name,
             struct.pack("!I", len(grant.spans.segments))]
     body += [_RUN.pack(offs[b] + o, n) for b, o, n in grant.spans.segments]
     return b"".join(body)
@@ -154,6 +157,7 @@ def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]
 
 class ShmTransport(Transport):
     scheme = "shm"
+    claims_on_read = True
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
@@ -256,7 +260,8 @@ class ShmTransport(Transport):
     def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
              claim: Optional[Claim] = None) -> int:
         def move(body: bytes) -> tuple[int, bytes]:
-            seg, runs = self._runs(body, LAYERS.size, False)
+            dst.claimed = _claim_of(body, claim)
+            seg, runs = self._runs(body, FENCE.size + LAYERS.size, False)
             return self._copy_in(dst, seg, runs), b""
         return int(self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim), move,
                                   Kind.DONE, f"map {url}"))
@@ -266,19 +271,20 @@ class ShmTransport(Transport):
         nb = len(indices) if indices is not None else handle.num_blocks
 
         def move(body: bytes) -> tuple[Chunk, bytes]:
-            lo, hi, sums, used = decode_layers(body, nb, (first, end))
-            seg, runs = self._runs(body, used, False)
-            return Chunk(lo, hi, sums, self._copy_in(spans_for(lo, hi), seg, runs)), b""
+            got = _claim_of(body, claim)
+            lo, hi, sums, used = decode_layers(body[FENCE.size:], nb, (first, end))
+            seg, runs = self._runs(body, FENCE.size + used, False)
+            return Chunk(lo, hi, sums, self._copy_in(spans_for(lo, hi), seg, runs), got), b""
         return self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
                               move, Kind.DONE, f"map layers of {url}")  # type: ignore[no-any-return]
 
     def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
               sums: bytes, last: bool) -> int:
         def move(body: bytes) -> tuple[int, bytes]:
-            lo, hi, _, used = decode_layers(body, ticket.num_blocks, layers)
+            lo, hi, _, used = decode_layers(body[FENCE.size:], ticket.num_blocks, layers)
             if (lo, hi) != layers:
                 raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
-            seg, runs = self._runs(body, used, True)
+            seg, runs = self._runs(body, FENCE.size + used, True)
             dst = [(seg.address + o, k) for o, k in runs]
             if src.pool.is_host:
                 n = copy_runs(dst, src.runs())

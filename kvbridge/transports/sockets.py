@@ -18,7 +18,7 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
-from .wire import (HEADER, MAX_CONTROL, Budget, FrameReader, Kind, RateGuard, decode_error, decode_request, encode_error,
+from .wire import (FENCE, HEADER, MAX_CONTROL, Budget, FrameReader, Kind, RateGuard, decode_error, decode_request, encode_error,
                    encode_layers, map_os_error, pack, recv_exact, send_all, set_os_timeouts, unpack_header)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
@@ -65,6 +65,8 @@ class SocketServer(Server):
         self._workers = 0
         self._waiting = 0                       # workers waiting for a connection to serve
         self._sel = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()     # close() wakes the selector at once
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._parked: dict[socket.socket, float] = {}
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
         self._thread.start()
@@ -149,6 +151,8 @@ class SocketServer(Server):
                 time.sleep(0.01)
                 continue
             for key, _ in events:
+                if key.data is None:                # the wake-up socket: closing
+                    return
                 conn = key.fileobj
                 assert isinstance(conn, socket.socket)
                 self._unpark(conn)
@@ -212,6 +216,8 @@ class SocketServer(Server):
                     break
         except (OSError, KVBridgeError) as exc:
             log.debug("connection closed: %s", exc)
+        except Exception:      # a bug: say so loudly, drop this connection, keep the worker
+            log.exception("serving %s failed", self.url)
         self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
@@ -275,10 +281,12 @@ class SocketServer(Server):
             return True
         try:
             spans = grant.spans
+            c = grant.claim
+            prefix = FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0)
             if req.layers is None:
-                head = pack(Kind.DATA, req_id, length=spans.nbytes)
+                head = pack(Kind.DATA, req_id, prefix, length=len(prefix) + spans.nbytes)
             else:
-                prefix = encode_layers(*grant.layers, grant.sums)
+                prefix += encode_layers(*grant.layers, grant.sums)
                 head = pack(Kind.LDATA, req_id, prefix, length=len(prefix) + spans.nbytes)
             if spans.pool.is_host:
                 send_all(conn, [head, *spans.views()], RateGuard(MIN_RATE, RATE_GRACE))
@@ -353,6 +361,10 @@ class SocketServer(Server):
         except OSError:
             pass
         self._listener.close()
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
         with self._lock:
             conns = list(self._conns)
             parked = list(self._parked)
@@ -367,6 +379,8 @@ class SocketServer(Server):
             self._unpark(c)
             self._drop(c)
         self._sel.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def connector(family: int, address: Any, url: str) -> Callable[[float], socket.socket]:

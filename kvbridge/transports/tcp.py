@@ -25,7 +25,7 @@ from ..policy import Timeout
 from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport
 from .sockets import SocketClient, SocketServer, connector
 from .staging import RingPool, recv_staged, send_staged
-from .wire import (HEADER, LAYERS, Kind, decode_error, decode_layers, encode_request, map_os_error, pack,
+from .wire import (FENCE, HEADER, LAYERS, Kind, decode_error, decode_layers, encode_request, map_os_error, pack,
                    recv_exact, recv_scatter, send_all, unpack_header)
 
 __all__ = ["TCPTransport", "parse_tcp_url"]
@@ -55,18 +55,31 @@ def _recv_into(sock: socket.socket, dst: Spans) -> int:
     return recv_scatter(sock, dst.views(), dst.on_landed)
 
 
-def _read_reply_data(sock: socket.socket, kind: Kind, length: int, dst: Spans, what: str) -> int:
+def _claim_of(prefix: bytes, claim: Optional[Claim]) -> Optional[Claim]:
+    """The claim a reply says the read was served under (None: the read was not leased)."""
+    epoch, counter = FENCE.unpack_from(prefix, 0)
+    if not (epoch or counter):
+        return None
+    if claim is None:
+        raise ProtocolError("sender reports a claim for an unclaimed read")
+    return Claim(claim.claimer, epoch, counter)
+
+
+def _read_reply_data(sock: socket.socket, kind: Kind, length: int, dst: Spans, what: str,
+                     claim: Optional[Claim]) -> int:
     if kind is Kind.ERROR:
         raise decode_error(recv_exact(sock, length))
-    if kind is not Kind.DATA:
+    if kind is not Kind.DATA or length < FENCE.size:
         raise ProtocolError(f"{what}: expected DATA, got {kind.name}")
-    if length != dst.nbytes:
-        raise ProtocolError(f"{what}: sender offers {length} bytes, destination holds {dst.nbytes}")
+    if length - FENCE.size != dst.nbytes:
+        raise ProtocolError(f"{what}: sender offers {length - FENCE.size} bytes, destination holds {dst.nbytes}")
+    dst.claimed = _claim_of(recv_exact(sock, FENCE.size), claim)
     return _recv_into(sock, dst)
 
 
 class TCPTransport(Transport):
     scheme = "tcp"
+    claims_on_read = True
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
@@ -103,7 +116,7 @@ class TCPTransport(Transport):
         sock, kind, _, length = client.call(Kind.READ, encode_request(handle.to_bytes(), indices, claim),
                                             f"read {url}")
         try:
-            n = _read_reply_data(sock, kind, length, dst, f"read {url}")
+            n = _read_reply_data(sock, kind, length, dst, f"read {url}", claim)
         except BaseException as exc:
             sock.close()
             raise map_os_error(exc, f"read from {url}") from None
@@ -119,16 +132,19 @@ class TCPTransport(Transport):
         try:
             if kind is Kind.ERROR:
                 raise decode_error(recv_exact(sock, length))
-            if kind is not Kind.LDATA or length < LAYERS.size:
+            if kind is not Kind.LDATA or length < FENCE.size + LAYERS.size:
                 raise ProtocolError(f"{what}: expected LDATA, got {kind.name}")
-            head = recv_exact(sock, LAYERS.size)
+            pre = recv_exact(sock, FENCE.size + LAYERS.size)
+            got_claim = _claim_of(pre, claim)
+            head = pre[FENCE.size:]
             nsums = int.from_bytes(head[4:8], "big")
-            if LAYERS.size + 8 * nsums > length:
+            if FENCE.size + LAYERS.size + 8 * nsums > length:
                 raise ProtocolError(f"{what}: checksums overrun the frame")
             if nsums:
                 head += recv_exact(sock, 8 * nsums)
             nb = len(indices) if indices is not None else handle.num_blocks
             lo, hi, sums, used = decode_layers(head, nb, (first, end))
+            used += FENCE.size
             dst = spans_for(lo, hi)
             if length - used != dst.nbytes:
                 raise ProtocolError(f"{what}: sender offers {length - used} bytes, destination holds {dst.nbytes}")
@@ -137,7 +153,7 @@ class TCPTransport(Transport):
             sock.close()
             raise map_os_error(exc, what) from None
         client.put_back(sock)
-        return Chunk(lo, hi, sums, n)
+        return Chunk(lo, hi, sums, n, got_claim)
 
     def read_many(self, url: str, ops: list[ReadOp]) -> list[ReadOp]:
         """Pipelined: up to PIPELINE_WINDOW requests in flight on one connection."""
@@ -164,7 +180,7 @@ class TCPTransport(Transport):
                 if rid != ids[i]:
                     raise ProtocolError(f"pipelined reply {rid} out of order (expected {ids[i]})")
                 try:
-                    op.result = _read_reply_data(sock, kind, length, op.dst, f"read {url}")
+                    op.result = _read_reply_data(sock, kind, length, op.dst, f"read {url}", op.claim)
                 except KVBridgeError as exc:
                     if kind is not Kind.ERROR:
                         raise

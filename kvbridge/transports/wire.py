@@ -21,7 +21,8 @@ from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolErro
 from ..lease.base import Claim
 
 __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER", "MAX_CONTROL", "pack",
-           "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS",
+           "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS", "FENCE",
+           "CLAIM_ME",
            "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
            "RateGuard"]
 
@@ -75,7 +76,15 @@ def unpack_header(buf: bytes | bytearray, offset: int = 0) -> tuple[Kind, int, i
 
 _CLAIM = struct.Struct("!QQH")
 LAYERS = struct.Struct("!HHI")    # first layer, end layer, number of checksums (reply prefix)
+FENCE = struct.Struct("!QQ")      # every read reply starts with the fence it was served under (0, 0: none)
 F_INDICES, F_CLAIM, F_LAYERS, F_LAST, F_DATA = 1, 2, 4, 8, 16
+
+
+def CLAIM_ME(claimer: str, ttl: float) -> Claim:
+    """A read's request that the sender claim the lease for ``claimer`` itself, for ``ttl``
+    seconds (one lease round trip instead of the receiver's claim plus the sender's check);
+    the reply carries the fence. Epoch 0 marks it: no real fence has epoch 0."""
+    return Claim(claimer, 0, max(1, int(ttl * 1000)))
 
 
 class Request(NamedTuple):

@@ -119,7 +119,7 @@ class Bounded:
 class _HeldGrant:
     def __init__(self, owner: "FaultSender", inner: Any) -> None:
         self._owner, self._inner = owner, inner
-        self.spans, self.layers, self.sums = inner.spans, inner.layers, inner.sums
+        self.spans, self.layers, self.sums, self.claim = inner.spans, inner.layers, inner.sums, inner.claim
 
     def still_valid(self) -> bool:
         return bool(self._inner.still_valid())

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from kvbridge import Action, LeaseConflict, LeaseExpired, PeerUnavailable, StaleFence
+from kvbridge import HandleNotFound, Action, LeaseConflict, LeaseExpired, PeerUnavailable, StaleFence
 from kvbridge.lease import owner_deadline
 
 from ._util import Bounded, publish_fresh, wait_until
@@ -101,12 +101,14 @@ def test_revoke_mid_flight(shared_redis, make_sender, make_receiver, tally) -> N
     assert res.action is Action.REPREFILL and res.failed_block_ids == [0, 1]
     assert tally.owner(sender, start) == 0
     assert sender.freed_reasons("req-revoke") == ["revoked"] and sender.violations == 0
-    # revoked before anyone claimed: the fetch is final at once
+    # revoked before anyone claimed: the fetch is final at once (the claim travels in the read,
+    # which the owner refuses: the handle is no longer live there)
     h2, _ = publish_fresh(sender, 1, "req-revoke-2")
     sender.revoke(h2)
     t0 = time.monotonic()
     res2 = r.fetch(h2, [3])
-    assert isinstance(res2.error, LeaseExpired) and res2.attempts == 0
+    assert isinstance(res2.error, (LeaseExpired, HandleNotFound)) and res2.attempts <= 1, res2.error
+    assert res2.action is Action.REPREFILL and res2.failed_block_ids == [3]
     assert time.monotonic() - t0 < 0.5
     assert tally.owner(sender, start) == 0
 

@@ -67,7 +67,9 @@ def test_prefill_killed_lease_expired_fetch_is_reprefill_at_once(shared_redis, n
     took = time.monotonic() - t0
     tally.result(res, [], pool)
     assert not res.ok and isinstance(res.error, LeaseExpired), res.error
-    assert res.action is Action.REPREFILL and res.attempts == 0   # final: never read
+    # final at once: the claim travels with the first read; that read finds no sender, and the
+    # claim made in the lease store instead finds the lease gone -- no retries
+    assert res.action is Action.REPREFILL and res.attempts <= 1
     assert res.failed_block_ids == [0, 1] and untouched(pool, [0, 1])
     assert took < 0.5, took
 
