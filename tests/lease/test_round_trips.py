@@ -17,12 +17,9 @@ def _script_calls(srv: EmbeddedRedis) -> int:
 
 
 def test_leased_fetch_is_two_lease_round_trips(own_server: EmbeddedRedis) -> None:
-    src, dst = KVPool.allocate(L, 8), KVPool.allocate(L, 8)
-    src.alloc(8)
+    dst = KVPool.allocate(L, 8)
     for listen in ("tcp://127.0.0.1:0", "shm://", "inproc://"):
-        if listen == "shm://":
-            src = KVPool.allocate(L, 8, shared=True)
-            src.alloc(8)
+        src = KVPool.allocate(L, 8, shared=listen == "shm://", allocator="engine")
         with RedisLeaseStore(own_server.url) as ls, KVSender(src, listen, leases=ls) as snd, \
                 KVReceiver(dst, leases=ls) as rcv:
             assert rcv.fetch(snd.publish("warm", [7], 4), [7]).ok         # scripts loaded
