@@ -1,0 +1,194 @@
+"""Lossy codecs: int8 and fp8 (e4m3) with absmax scales. These torch functions are each
+codec's definition; the CUDA kernels in ``native/`` (loaded by :mod:`kvbridge.codecs.gpu`)
+must reproduce them (int8 bit for bit, fp8 within one e4m3 step).
+
+Quantization of a group ``x`` of values (a *row*: one token of one head, ``head_dim``
+values; or, for ``fp8-block``, one whole part of one block)::
+
+    amax  = max |x|                 (float32)
+    scale = amax / QMAX             (float32, stored in the frame)
+    inv   = QMAX / amax, 0 if amax == 0
+    q     = round_half_even(x * inv) clamped to [-127, 127]          int8,  QMAX = 127
+    q     = e4m3(clamp(x * inv, -448, 448)), round to nearest even    fp8,   QMAX = 448
+    x'    = float32(q) * scale, then rounded to the destination dtype
+
+Body of a frame: float32 scales (canonical order, padded to 16 bytes), then the quantized
+values (canonical order). Non-finite KV cannot be scaled and is refused at encode
+(:class:`ConfigError`); a lossless codec carries it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ..errors import ConfigError, ProtocolError
+from ..layout import KVLayout
+from ..pool import KVPool
+from .base import Codec, FrameHeader, gather_layer, layer_shape
+
+__all__ = ["INT8_MAX", "FP8_MAX", "quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8",
+           "Int8Codec", "FP8Codec", "AbsmaxCodec"]
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+_ALIGN = 16
+
+
+def _absmax(xf: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inv, scale) per row of ``xf`` (float32, (..., G)): inv keeps the trailing dim."""
+    amax = xf.abs().amax(-1, keepdim=True)
+    if not bool(torch.isfinite(amax).all()):
+        raise ConfigError("KV holds non-finite values (inf/nan) that a scaled codec cannot encode; "
+                          "use a lossless codec")
+    inv = torch.where(amax > 0, qmax / amax, torch.zeros((), dtype=torch.float32, device=xf.device))
+    return inv, (amax / qmax).squeeze(-1)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (..., G), any float dtype -> (int8 (..., G), float32 scales (...))."""
+    xf = x.to(torch.float32)
+    inv, scale = _absmax(xf, INT8_MAX)
+    q = torch.round(xf * inv).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (..., G) -> (float8_e4m3fn (..., G), float32 scales (...))."""
+    xf = x.to(torch.float32)
+    inv, scale = _absmax(xf, FP8_MAX)
+    q = (xf * inv).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+
+
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class AbsmaxCodec(Codec):
+    """Scaled 8-bit codecs: one float32 scale per row (a token of a head) or per part of a block."""
+
+    lossless = False
+    qdtype: torch.dtype = torch.int8
+    kind = ""
+    quantize: Quantize
+    dequantize: Dequantize
+
+    def __init__(self, per_block: bool = False, use_kernels: bool = True) -> None:
+        self.per_block = per_block
+        self.use_kernels = use_kernels
+
+    # group: values sharing one scale
+    def group(self, layout_or_hdr: Any) -> int:
+        h = layout_or_hdr
+        return h.block_size * h.num_kv_heads * h.head_dim if self.per_block else h.head_dim
+
+    def sizes(self, layout_or_hdr: Any, num_blocks: int, num_layers: int) -> tuple[int, int]:
+        """(bytes of the scale section, number of quantized values)."""
+        h = layout_or_hdr
+        elems = num_layers * h.num_parts * num_blocks * h.block_size * h.num_kv_heads * h.head_dim
+        return _align(4 * (elems // self.group(h))), elems
+
+    def max_body_nbytes(self, layout: KVLayout, num_blocks: int, num_layers: int) -> int:
+        s, e = self.sizes(layout, num_blocks, num_layers)
+        return s + e
+
+    def _aux_ok(self, hdr: FrameHeader) -> bool:
+        return hdr.aux == self.group(hdr)
+
+    def _kernels(self, device: torch.device) -> Optional[Any]:
+        if not self.use_kernels or device.type != "cuda":
+            return None
+        from . import gpu
+        return gpu.kernels_or_none(device)
+
+    def _encode_body(self, pool: KVPool, idx: torch.Tensor, layers: range, body: torch.Tensor) -> tuple[int, int]:
+        L, n = pool.layout, int(idx.numel())
+        G = self.group(L)
+        sbytes, elems = self.sizes(L, n, len(layers))
+        scales = body[:sbytes].view(torch.float32)
+        q = body[sbytes:sbytes + elems].view(self.qdtype)
+        k = self._kernels(pool.device)
+        if k is not None:
+            k.encode(self.kind, pool, idx, layers, G, scales, q)
+            return sbytes + elems, G
+        per_e = elems // len(layers)
+        per_s = per_e // G
+        tmp = torch.empty(layer_shape(L, n), dtype=L.torch_dtype, device=pool.device)
+        for i, layer in enumerate(layers):
+            gather_layer(pool, idx, layer, tmp)
+            qq, sc = self.quantize(tmp.view(-1, G))
+            q[i * per_e:(i + 1) * per_e].copy_(qq.view(-1))
+            scales[i * per_s:(i + 1) * per_s].copy_(sc)
+        return sbytes + elems, G
+
+    def _decode_body(self, body: torch.Tensor, hdr: FrameHeader, device: torch.device) -> Iterator[torch.Tensor]:
+        G = self.group(hdr)
+        sbytes, elems = self.sizes(hdr, hdr.num_blocks, hdr.num_layers)
+        if hdr.body_nbytes != sbytes + elems:
+            raise ProtocolError(f"{self.name} frame body is {hdr.body_nbytes} bytes, its geometry makes "
+                                f"{sbytes + elems}")
+        if body.device != device:
+            body = body.to(device)
+        if body.data_ptr() % 4:
+            body = body.clone()
+        scales = body[:sbytes].view(torch.float32)
+        q = body[sbytes:sbytes + elems].view(self.qdtype)
+        per_e = elems // hdr.num_layers
+        per_s = per_e // G
+        shape = layer_shape(hdr, hdr.num_blocks)
+        for i in range(hdr.num_layers):
+            qq = q[i * per_e:(i + 1) * per_e].view(-1, G)
+            yield self.dequantize(qq, scales[i * per_s:(i + 1) * per_s], torch.float32).view(shape)
+
+    def _decode_into(self, body: torch.Tensor, hdr: FrameHeader, pool: KVPool, idx: torch.Tensor) -> None:
+        k = self._kernels(pool.device)
+        if k is None:
+            super()._decode_into(body, hdr, pool, idx)
+            return
+        sbytes, elems = self.sizes(hdr, hdr.num_blocks, hdr.num_layers)
+        if hdr.body_nbytes != sbytes + elems:
+            raise ProtocolError(f"{self.name} frame body is {hdr.body_nbytes} bytes, its geometry makes "
+                                f"{sbytes + elems}")
+        body = body.to(pool.device)
+        k.decode(self.kind, pool, idx, hdr.layers, self.group(hdr), body[:sbytes].view(torch.float32),
+                 body[sbytes:sbytes + elems].view(self.qdtype))
+
+
+class Int8Codec(AbsmaxCodec):
+    """int8 with one absmax scale per token per head (2x smaller than 16-bit KV, plus scales)."""
+
+    name = "int8"
+    kind = "int8"
+    qdtype = torch.int8
+    quantize = staticmethod(quantize_int8)
+    dequantize = staticmethod(dequantize_int8)
+
+    def __init__(self, use_kernels: bool = True) -> None:
+        super().__init__(per_block=False, use_kernels=use_kernels)
+
+
+class FP8Codec(AbsmaxCodec):
+    """fp8 e4m3 with one scale per token per head, or (``per_block``) per part of a block."""
+
+    qdtype = torch.float8_e4m3fn
+    quantize = staticmethod(quantize_fp8)
+    dequantize = staticmethod(dequantize_fp8)
+
+    def __init__(self, per_block: bool = False, use_kernels: bool = True) -> None:
+        super().__init__(per_block=per_block, use_kernels=use_kernels)
+        self.name = "fp8-block" if per_block else "fp8"
+        self.kind = self.name
