@@ -6,7 +6,7 @@ Quantization of a group ``x`` of values (a *row*: one token of one head, ``head_
 values; or, for ``fp8-block``, one whole part of one block)::
 
     amax  = max |x|                 (float32)
-    scale = amax / QMAX             (float32, stored in the frame)
+    scale = amax * float32(1/QMAX)  (float32, stored in the frame)
     inv   = QMAX / amax, 0 if amax == 0
     q     = round_half_even(x * inv) clamped to [-127, 127]          int8,  QMAX = 127
     q     = e4m3(clamp(x * inv, -448, 448)), round to nearest even    fp8,   QMAX = 448
@@ -33,6 +33,9 @@ __all__ = ["INT8_MAX", "FP8_MAX", "quantize_int8", "dequantize_int8", "quantize_
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0
+# 1/127 and 1/448 rounded to float32 (exactly representable here, so no double rounding):
+# scale = amax * INV, the same constant the CUDA kernels multiply by.
+_INV = {INT8_MAX: float.fromhex("0x1.020408p-7"), FP8_MAX: float.fromhex("0x1.24924ap-9")}
 _ALIGN = 16
 
 
@@ -43,7 +46,7 @@ def _absmax(xf: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
         raise ConfigError("KV holds non-finite values (inf/nan) that a scaled codec cannot encode; "
                           "use a lossless codec")
     inv = torch.where(amax > 0, qmax / amax, torch.zeros((), dtype=torch.float32, device=xf.device))
-    return inv, (amax / qmax).squeeze(-1)
+    return inv, (amax * _INV[qmax]).squeeze(-1)
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,11 +112,12 @@ class AbsmaxCodec(Codec):
     def _aux_ok(self, hdr: FrameHeader) -> bool:
         return hdr.aux == self.group(hdr)
 
-    def _kernels(self, device: torch.device) -> Optional[Any]:
-        if not self.use_kernels or device.type != "cuda":
+    def _kernels(self, pool: KVPool) -> Optional[Any]:
+        """The fused CUDA kernels for a device pool when CuPy is present, else None (torch)."""
+        if not self.use_kernels or pool.device.type != "cuda":
             return None
         from . import gpu
-        return gpu.kernels_or_none(device)
+        return gpu.kernels_or_none(pool.device) if gpu.supports(pool.layout.torch_dtype) else None
 
     def _encode_body(self, pool: KVPool, idx: torch.Tensor, layers: range, body: torch.Tensor) -> tuple[int, int]:
         L, n = pool.layout, int(idx.numel())
@@ -121,7 +125,7 @@ class AbsmaxCodec(Codec):
         sbytes, elems = self.sizes(L, n, len(layers))
         scales = body[:sbytes].view(torch.float32)
         q = body[sbytes:sbytes + elems].view(self.qdtype)
-        k = self._kernels(pool.device)
+        k = self._kernels(pool)
         if k is not None:
             k.encode(self.kind, pool, idx, layers, G, scales, q)
             return sbytes + elems, G
@@ -155,7 +159,7 @@ class AbsmaxCodec(Codec):
             yield self.dequantize(qq, scales[i * per_s:(i + 1) * per_s], torch.float32).view(shape)
 
     def _decode_into(self, body: torch.Tensor, hdr: FrameHeader, pool: KVPool, idx: torch.Tensor) -> None:
-        k = self._kernels(pool.device)
+        k = self._kernels(pool)
         if k is None:
             super()._decode_into(body, hdr, pool, idx)
             return
