@@ -1,18 +1,22 @@
 """Lossless codecs: lz4 (block format) and zstd, each with an optional byte shuffle.
 
-The body is the compressor's output over the gathered parts (canonical order, source
-dtype). With ``+shuffle`` the bytes are first regrouped by their position in the element
-(all low bytes, then all high bytes for 16-bit types): the sign/exponent byte of KV values
-repeats far more than the mantissa byte, which the compressors then find. Compression runs
+The body is a plane table (one ``(length u64, mode u8)`` entry of 16 bytes per plane) and the
+planes: without shuffle one plane, the gathered parts (canonical order, source dtype); with
+``+shuffle`` one plane per byte of the element (for 16-bit types the low bytes, then the high
+bytes), each compressed on its own: the sign/exponent byte of KV values repeats far more than
+the mantissa byte, and a plane that does not compress (mode 0) is stored as it is instead of
+costing decode time. Compression runs
 on the host; a device pool's blocks are gathered on the device and copied over first.
 """
 
 from __future__ import annotations
 
+import struct
 import threading
 from typing import Any, Iterator
 
 import lz4.block
+import numpy as np
 import torch
 
 from ..errors import IntegrityError, ProtocolError
@@ -22,17 +26,27 @@ from .base import Codec, FrameHeader, as_byte_tensor, gather_layer, layer_shape,
 
 __all__ = ["LZ4Codec", "ZstdCodec", "shuffle_bytes", "unshuffle_bytes"]
 
+_PLANE = struct.Struct("<QB7x")  # stored length, mode (1: compressed, 0: stored), padding
+
 
 def shuffle_bytes(x: torch.Tensor) -> torch.Tensor:
-    """Bytes of ``x`` (contiguous) regrouped by position within the element: (itemsize * n,) uint8."""
+    """Bytes of ``x`` (contiguous, host) regrouped by position within the element: (itemsize * n,) uint8."""
     k = x.element_size()
     b = x.reshape(-1).view(torch.uint8)
-    return b if k == 1 else b.view(-1, k).t().contiguous().view(-1)
+    if k == 1:
+        return b
+    out = torch.empty_like(b)
+    np.copyto(out.numpy().reshape(k, -1), b.numpy().reshape(-1, k).T)  # numpy: ~5x torch's transpose here
+    return out
 
 
 def unshuffle_bytes(b: torch.Tensor, itemsize: int) -> torch.Tensor:
     """Inverse of :func:`shuffle_bytes`: (n * itemsize,) uint8 in element order."""
-    return b if itemsize == 1 else b.view(itemsize, -1).t().contiguous().view(-1)
+    if itemsize == 1:
+        return b
+    out = torch.empty_like(b)
+    np.copyto(out.numpy().reshape(-1, itemsize), b.numpy().reshape(itemsize, -1).T)
+    return out
 
 
 class _Compressor(Codec):
@@ -60,8 +74,13 @@ class _Compressor(Codec):
     def _decompress(self, src: memoryview, size: int) -> bytes:
         raise NotImplementedError
 
+    def _planes(self, itemsize: int) -> int:
+        return itemsize if self.shuffle else 1
+
     def max_body_nbytes(self, layout: KVLayout, num_blocks: int, num_layers: int) -> int:
-        return self._bound(num_layers * layout.num_parts * num_blocks * layout.part_nbytes)
+        k = self._planes(layout.itemsize)
+        raw = num_layers * layout.num_parts * num_blocks * layout.part_nbytes
+        return _PLANE.size * k + k * self._bound(raw // k)
 
     def _encode_body(self, pool: KVPool, idx: torch.Tensor, layers: range, body: torch.Tensor) -> tuple[int, int]:
         L, n = pool.layout, int(idx.numel())
@@ -70,32 +89,59 @@ class _Compressor(Codec):
             gather_layer(pool, idx, layer, raw[i])
         if raw.device.type != "cpu":
             raw = raw.cpu()
-        src = shuffle_bytes(raw) if self.shuffle else raw.view(-1).view(torch.uint8)
-        packed = self._compress(memoryview(src.numpy()))
-        m = len(packed)
-        if m > body.numel():  # cannot happen: the bound is the compressor's own worst case
-            raise ProtocolError(f"{self.name} output {m} bytes over its bound {body.numel()}")
-        if m:
-            body[:m].copy_(as_byte_tensor(packed))
-        return m, (L.itemsize if self.shuffle else 0)
+        k = self._planes(L.itemsize)
+        flat = raw.view(-1).view(torch.uint8).numpy()
+        planes = [flat] if k == 1 else [np.ascontiguousarray(flat.reshape(-1, k)[:, j]) for j in range(k)]
+        table = bytearray()
+        pos = _PLANE.size * k
+        out = body.numpy()
+        for plane in planes:
+            packed = self._compress(memoryview(plane))
+            stored = len(packed) < plane.nbytes  # an incompressible plane (mantissa bytes) is stored as is
+            data = np.frombuffer(packed, dtype=np.uint8) if stored else plane
+            if pos + data.nbytes > out.size:  # cannot happen: the bound is the compressor's own
+                raise ProtocolError(f"{self.name} output over its bound {out.size}")
+            out[pos:pos + data.nbytes] = data
+            table += _PLANE.pack(data.nbytes, 1 if stored else 0)
+            pos += data.nbytes
+        out[:len(table)] = np.frombuffer(bytes(table), dtype=np.uint8)
+        return pos, (L.itemsize if self.shuffle else 0)
 
     def _decode_body(self, body: torch.Tensor, hdr: FrameHeader, device: torch.device) -> Iterator[torch.Tensor]:
-        host = body if body.device.type == "cpu" else body.cpu()
-        try:
-            out = self._decompress(memoryview(host.numpy()), hdr.raw_nbytes)
-        except Exception as exc:  # the compressors' own error types
-            raise IntegrityError(f"{self.name} frame does not decompress ({type(exc).__name__}: {exc}): "
-                                 "corrupted in flight") from None
-        if len(out) != hdr.raw_nbytes:
-            raise IntegrityError(f"{self.name} frame decompressed to {len(out)} bytes, header says "
-                                 f"{hdr.raw_nbytes}: corrupted in flight")
-        raw = as_byte_tensor(out)
-        if self.shuffle:
-            raw = unshuffle_bytes(raw, hdr.src_dtype.itemsize)
+        host = (body if body.device.type == "cpu" else body.cpu()).numpy()
+        k = self._planes(hdr.src_dtype.itemsize)
+        plane_n = hdr.raw_nbytes // k
+        if host.size < _PLANE.size * k:
+            raise ProtocolError(f"{self.name} frame body shorter than its plane table")
+        table = [_PLANE.unpack_from(host[:_PLANE.size * k].tobytes(), j * _PLANE.size) for j in range(k)]
+        if any(mode not in (0, 1) for _, mode in table) or _PLANE.size * k + sum(n for n, _ in table) != host.size:
+            raise IntegrityError(f"{self.name} frame plane table does not match its body: corrupted in flight")
+        raw = np.empty(hdr.raw_nbytes, dtype=np.uint8) if k > 1 else None
+        pos = _PLANE.size * k
+        for j, (n, mode) in enumerate(table):
+            chunk = host[pos:pos + n]
+            pos += n
+            if mode == 1:
+                try:
+                    plane = np.frombuffer(self._decompress(memoryview(chunk), plane_n), dtype=np.uint8)
+                except Exception as exc:  # the compressors' own error types
+                    raise IntegrityError(f"{self.name} frame does not decompress ({type(exc).__name__}: {exc}):"
+                                         " corrupted in flight") from None
+            else:
+                plane = chunk
+            if plane.size != plane_n:
+                raise IntegrityError(f"{self.name} frame plane {j} holds {plane.size} bytes, the header makes "
+                                     f"{plane_n}: corrupted in flight")
+            if raw is None:
+                raw = plane
+            else:
+                raw.reshape(-1, k)[:, j] = plane
+        assert raw is not None
+        t = as_byte_tensor(memoryview(raw))
         per = hdr.raw_nbytes // hdr.num_layers
         shape = layer_shape(hdr, hdr.num_blocks)
         for i in range(hdr.num_layers):
-            yield view_bytes(raw[i * per:(i + 1) * per], hdr.src_dtype, shape)
+            yield view_bytes(t[i * per:(i + 1) * per], hdr.src_dtype, shape)
 
 
 class LZ4Codec(_Compressor):

@@ -70,7 +70,16 @@ def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+    """``float32(q) * scale``; on the CPU float32(q) comes from a 256-entry table built by torch's own
+    conversion (the same values, ~3x faster than ``q.to(float32)`` there)."""
+    if q.device.type == "cpu":
+        f = torch.index_select(_FP8_TABLE, 0, q.view(torch.uint8).reshape(-1).to(torch.int32)).view(q.shape)
+    else:
+        f = q.to(torch.float32)
+    return (f * scale.unsqueeze(-1)).to(dtype)
+
+
+_FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
