@@ -121,7 +121,11 @@ def measure_codec_speeds(pool: KVPool, block_ids: Sequence[int], names: Optional
     dst = list(range(len(block_ids)))
     raw_bytes = len(block_ids) * pool.layout.block_nbytes
     out: list[CodecSpeed] = []
-    sync = torch.cuda.synchronize if pool.device.type == "cuda" else (lambda: None)
+    cuda = pool.device.type == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(pool.device)
     for name in (names if names is not None else available_codecs()):
         try:
             codec = get_codec(name)

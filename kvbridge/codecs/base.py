@@ -38,7 +38,7 @@ from ..pool import KVPool
 __all__ = [
     "FRAME_MAGIC", "FRAME_VERSION", "HEADER_NBYTES", "FrameHeader", "EncodedKV", "Codec", "RawCodec",
     "FrameInput", "read_header", "as_byte_tensor", "block_index", "layer_range", "gather_layer",
-    "scatter_layer", "layer_shape", "view_bytes", "DTYPE_CODES",
+    "scatter_layer", "layer_parts", "layer_shape", "view_bytes", "DTYPE_CODES",
 ]
 
 FRAME_MAGIC = b"KVBC"
@@ -184,7 +184,7 @@ class EncodedKV:
         """The frame as a byte memoryview (host frames; no copy)."""
         if self.data.device.type != "cpu":
             raise ConfigError("memoryview() needs a host frame; copy a device frame to pinned memory first")
-        return memoryview(self.data.numpy()).cast("B")
+        return self.data.numpy().data.cast("B")
 
     def __bytes__(self) -> bytes:
         return bytes(self.data.cpu().numpy())
@@ -228,7 +228,8 @@ def layer_range(layout: KVLayout, layers: Union[range, int, None]) -> range:
     return layers
 
 
-def _parts(pool: KVPool, layer: int) -> tuple[torch.Tensor, ...]:
+def layer_parts(pool: KVPool, layer: int) -> tuple[torch.Tensor, ...]:
+    """(K, V), each (num_blocks, *part_shape), or (latent,) of one layer."""
     kv = pool.layer_kv(layer)
     return kv if isinstance(kv, tuple) else (kv,)
 
@@ -236,7 +237,7 @@ def _parts(pool: KVPool, layer: int) -> tuple[torch.Tensor, ...]:
 def gather_layer(pool: KVPool, idx: torch.Tensor, layer: int, out: torch.Tensor) -> torch.Tensor:
     """Gather the parts of blocks ``idx`` of one layer into ``out`` (parts, n, *part_shape), in the
     pool's dtype: one ``index_select`` per part."""
-    for p, src in enumerate(_parts(pool, layer)):
+    for p, src in enumerate(layer_parts(pool, layer)):
         torch.index_select(src, 0, idx, out=out[p])
     return out
 
@@ -244,7 +245,7 @@ def gather_layer(pool: KVPool, idx: torch.Tensor, layer: int, out: torch.Tensor)
 def scatter_layer(pool: KVPool, idx: torch.Tensor, layer: int, src: torch.Tensor) -> None:
     """Write ``src`` (parts, n, *part_shape), any float dtype, into blocks ``idx`` of one layer,
     converting to the pool's dtype: one indexed copy per part."""
-    for p, dst in enumerate(_parts(pool, layer)):
+    for p, dst in enumerate(layer_parts(pool, layer)):
         part = src[p]
         if part.dtype != dst.dtype or part.device != dst.device:
             part = part.to(device=dst.device, dtype=dst.dtype)
@@ -291,9 +292,10 @@ class Codec(abc.ABC):
     def _encode_body(self, pool: KVPool, idx: torch.Tensor, layers: range, body: torch.Tensor) -> tuple[int, int]:
         """Encode into ``body`` (uint8, capacity :meth:`max_body_nbytes`); return (bytes written, aux)."""
 
-    @abc.abstractmethod
     def _decode_body(self, body: torch.Tensor, hdr: FrameHeader, device: torch.device) -> Iterator[torch.Tensor]:
-        """Yield each layer's KV as a (parts, n, *part_shape) float tensor, in frame order."""
+        """Yield each layer's KV as a (parts, n, *part_shape) float tensor, in frame order (used by the
+        default :meth:`_decode_into`; a codec overrides one of the two)."""
+        raise NotImplementedError
 
     def _aux_ok(self, hdr: FrameHeader) -> bool:
         return hdr.aux == 0
@@ -385,7 +387,7 @@ def _hash(body: torch.Tensor) -> int:
     host = body if body.device.type == "cpu" else body.cpu()
     if host.numel() == 0:
         return xxhash.xxh3_64_intdigest(b"")
-    return xxhash.xxh3_64_intdigest(memoryview(host.numpy()))
+    return xxhash.xxh3_64_intdigest(host.numpy().data)
 
 
 def layer_shape(hdr_or_layout: Union[FrameHeader, KVLayout], n: int) -> tuple[int, ...]:

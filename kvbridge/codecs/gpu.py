@@ -69,7 +69,7 @@ class GpuKernels:
 
     def __init__(self, device: torch.device) -> None:
         try:
-            import cupy
+            import cupy  # type: ignore[import-not-found,unused-ignore]
         except ImportError:
             raise BackendUnavailable("GPU codec kernels need CuPy", hint="pip install 'kvbridge[cupy]'") from None
         self.cupy: Any = cupy

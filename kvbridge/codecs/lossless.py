@@ -15,7 +15,7 @@ import struct
 import threading
 from typing import Any, Iterator
 
-import lz4.block
+import lz4.block  # type: ignore[import-untyped]
 import numpy as np
 import torch
 
@@ -96,7 +96,7 @@ class _Compressor(Codec):
         pos = _PLANE.size * k
         out = body.numpy()
         for plane in planes:
-            packed = self._compress(memoryview(plane))
+            packed = self._compress(plane.data)
             stored = len(packed) < plane.nbytes  # an incompressible plane (mantissa bytes) is stored as is
             data = np.frombuffer(packed, dtype=np.uint8) if stored else plane
             if pos + data.nbytes > out.size:  # cannot happen: the bound is the compressor's own
@@ -123,7 +123,7 @@ class _Compressor(Codec):
             pos += n
             if mode == 1:
                 try:
-                    plane = np.frombuffer(self._decompress(memoryview(chunk), plane_n), dtype=np.uint8)
+                    plane = np.frombuffer(self._decompress(chunk.data, plane_n), dtype=np.uint8)
                 except Exception as exc:  # the compressors' own error types
                     raise IntegrityError(f"{self.name} frame does not decompress ({type(exc).__name__}: {exc}):"
                                          " corrupted in flight") from None
@@ -137,7 +137,7 @@ class _Compressor(Codec):
             else:
                 raw.reshape(-1, k)[:, j] = plane
         assert raw is not None
-        t = as_byte_tensor(memoryview(raw))
+        t = as_byte_tensor(raw.data)
         per = hdr.raw_nbytes // hdr.num_layers
         shape = layer_shape(hdr, hdr.num_blocks)
         for i in range(hdr.num_layers):
@@ -181,7 +181,7 @@ class ZstdCodec(_Compressor):
         if pair is None:
             pair = (self._zstd.ZstdCompressor(level=self.level), self._zstd.ZstdDecompressor())
             self._local.pair = pair
-        return pair  # type: ignore[no-any-return]
+        return pair
 
     def _bound(self, n: int) -> int:
         small = ((128 << 10) - n) >> 11 if n < (128 << 10) else 0  # ZSTD_compressBound

@@ -26,7 +26,7 @@ import torch
 from ..errors import ConfigError, ProtocolError
 from ..layout import KVLayout
 from ..pool import KVPool
-from .base import Codec, FrameHeader, gather_layer, layer_shape
+from .base import Codec, FrameHeader, layer_parts, layer_shape
 
 __all__ = ["INT8_MAX", "FP8_MAX", "quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8",
            "Int8Codec", "FP8Codec", "AbsmaxCodec"]
@@ -37,6 +37,7 @@ FP8_MAX = 448.0
 # scale = amax * INV, the same constant the CUDA kernels multiply by.
 _INV = {INT8_MAX: float.fromhex("0x1.020408p-7"), FP8_MAX: float.fromhex("0x1.24924ap-9")}
 _ALIGN = 16
+_CHUNK = 1 << 18  # values per quantization chunk (1 MiB of float32 temporaries)
 
 
 def _absmax(xf: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,7 +107,7 @@ class AbsmaxCodec(Codec):
     # group: values sharing one scale
     def group(self, layout_or_hdr: Any) -> int:
         h = layout_or_hdr
-        return h.block_size * h.num_kv_heads * h.head_dim if self.per_block else h.head_dim
+        return int(h.block_size * h.num_kv_heads * h.head_dim if self.per_block else h.head_dim)
 
     def sizes(self, layout_or_hdr: Any, num_blocks: int, num_layers: int) -> tuple[int, int]:
         """(bytes of the scale section, number of quantized values)."""
@@ -128,57 +129,64 @@ class AbsmaxCodec(Codec):
         from . import gpu
         return gpu.kernels_or_none(pool.device) if gpu.supports(pool.layout.torch_dtype) else None
 
+    def _sections(self, body: torch.Tensor, h: Any, n: int, nl: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sbytes, elems = self.sizes(h, n, nl)
+        return body[:sbytes].view(torch.float32), body[sbytes:sbytes + elems].view(self.qdtype)
+
+    def _plan(self, h: Any, n: int, nl: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """(layer index, part, first block, last block + 1, value offset, scale offset) in frame order,
+        over chunks of blocks of about ``_CHUNK`` values (temporaries stay cache-sized)."""
+        pe = h.block_size * h.num_kv_heads * h.head_dim
+        G = self.group(h)
+        c = max(1, _CHUNK // pe)
+        for i in range(nl):
+            for p in range(h.num_parts):
+                base = (i * h.num_parts + p) * n * pe
+                for j0 in range(0, n, c):
+                    off = base + j0 * pe
+                    yield i, p, j0, min(n, j0 + c), off, off // G
+
     def _encode_body(self, pool: KVPool, idx: torch.Tensor, layers: range, body: torch.Tensor) -> tuple[int, int]:
         L, n = pool.layout, int(idx.numel())
         G = self.group(L)
-        sbytes, elems = self.sizes(L, n, len(layers))
-        scales = body[:sbytes].view(torch.float32)
-        q = body[sbytes:sbytes + elems].view(self.qdtype)
+        scales, q = self._sections(body, L, n, len(layers))
         k = self._kernels(pool)
         if k is not None:
             k.encode(self.kind, pool, idx, layers, G, scales, q)
-            return sbytes + elems, G
-        per_e = elems // len(layers)
-        per_s = per_e // G
-        tmp = torch.empty(layer_shape(L, n), dtype=L.torch_dtype, device=pool.device)
-        for i, layer in enumerate(layers):
-            gather_layer(pool, idx, layer, tmp)
-            qq, sc = self.quantize(tmp.view(-1, G))
-            q[i * per_e:(i + 1) * per_e].copy_(qq.view(-1))
-            scales[i * per_s:(i + 1) * per_s].copy_(sc)
-        return sbytes + elems, G
-
-    def _decode_body(self, body: torch.Tensor, hdr: FrameHeader, device: torch.device) -> Iterator[torch.Tensor]:
-        G = self.group(hdr)
-        sbytes, elems = self.sizes(hdr, hdr.num_blocks, hdr.num_layers)
-        if hdr.body_nbytes != sbytes + elems:
-            raise ProtocolError(f"{self.name} frame body is {hdr.body_nbytes} bytes, its geometry makes "
-                                f"{sbytes + elems}")
-        if body.device != device:
-            body = body.to(device)
-        if body.data_ptr() % 4:
-            body = body.clone()
-        scales = body[:sbytes].view(torch.float32)
-        q = body[sbytes:sbytes + elems].view(self.qdtype)
-        per_e = elems // hdr.num_layers
-        per_s = per_e // G
-        shape = layer_shape(hdr, hdr.num_blocks)
-        for i in range(hdr.num_layers):
-            qq = q[i * per_e:(i + 1) * per_e].view(-1, G)
-            yield self.dequantize(qq, scales[i * per_s:(i + 1) * per_s], torch.float32).view(shape)
+        else:
+            pe = L.part_nbytes // L.itemsize
+            tmp = torch.empty((max(1, min(n, _CHUNK // pe)), *L.part_shape), dtype=L.torch_dtype, device=pool.device)
+            parts = [layer_parts(pool, layer) for layer in layers]
+            for i, p, j0, j1, off, soff in self._plan(L, n, len(layers)):
+                x = tmp[:j1 - j0]
+                torch.index_select(parts[i][p], 0, idx[j0:j1], out=x)
+                qq, sc = self.quantize(x.view(-1, G))
+                q[off:off + qq.numel()].copy_(qq.view(-1))
+                scales[soff:soff + sc.numel()].copy_(sc)
+        return self.max_body_nbytes(L, n, len(layers)), G  # fixed size: scales (aligned), then values
 
     def _decode_into(self, body: torch.Tensor, hdr: FrameHeader, pool: KVPool, idx: torch.Tensor) -> None:
-        k = self._kernels(pool)
-        if k is None:
-            super()._decode_into(body, hdr, pool, idx)
-            return
         sbytes, elems = self.sizes(hdr, hdr.num_blocks, hdr.num_layers)
         if hdr.body_nbytes != sbytes + elems:
             raise ProtocolError(f"{self.name} frame body is {hdr.body_nbytes} bytes, its geometry makes "
                                 f"{sbytes + elems}")
         body = body.to(pool.device)
-        k.decode(self.kind, pool, idx, hdr.layers, self.group(hdr), body[:sbytes].view(torch.float32),
-                 body[sbytes:sbytes + elems].view(self.qdtype))
+        if body.data_ptr() % 4:
+            body = body.clone()
+        scales, q = self._sections(body, hdr, hdr.num_blocks, hdr.num_layers)
+        k = self._kernels(pool)
+        if k is not None:
+            k.decode(self.kind, pool, idx, hdr.layers, self.group(hdr), scales, q)
+            return
+        G = self.group(hdr)
+        part_shape = layer_shape(hdr, 1)[2:]
+        pe = hdr.rows_per_part * hdr.head_dim
+        parts = [layer_parts(pool, layer) for layer in hdr.layers]
+        for i, p, j0, j1, off, soff in self._plan(hdr, hdr.num_blocks, hdr.num_layers):
+            dst = parts[i][p]
+            qq = q[off:off + (j1 - j0) * pe].view(-1, G)
+            x = self.dequantize(qq, scales[soff:soff + qq.shape[0]], dst.dtype)
+            dst[idx[j0:j1]] = x.view(j1 - j0, *part_shape)
 
 
 class Int8Codec(AbsmaxCodec):

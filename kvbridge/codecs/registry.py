@@ -32,6 +32,7 @@ known_codecs: dict[str, dict[str, Any]] = {
     "int8": {"class": "kvbridge.codecs.quant:Int8Codec"},
     "fp8": {"class": "kvbridge.codecs.quant:FP8Codec", "kwargs": {"per_block": False}},
     "fp8-block": {"class": "kvbridge.codecs.quant:FP8Codec", "kwargs": {"per_block": True}},
+    "int4": {"class": "kvbridge.codecs.kivi:Int4Codec"},
 }
 
 _lock = threading.Lock()

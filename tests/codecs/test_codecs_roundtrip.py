@@ -154,3 +154,22 @@ def test_registry_lists_every_codec() -> None:
     for name in LOSSLESS + LOSSY:
         assert get_codec(name).name == name and get_codec(name) is get_codec(name)
         assert get_codec(name).lossless == (name in LOSSLESS)
+
+
+@pytest.mark.parametrize("name", LOSSY)
+def test_chunked_quantization_changes_nothing(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Encode and decode walk blocks in cache-sized chunks: any chunk size gives the same bytes."""
+    from kvbridge.codecs import quant
+
+    src = make_pool("flashinfer_hnd", "float16", num_blocks=9)
+    ids = [8, 0, 5, 2, 7, 1, 4]
+    whole = get_codec(name).encode(src, ids)
+    dst_whole = make_pool("flashinfer_hnd", "bfloat16", num_blocks=9, seed=4)
+    get_codec(name).decode(whole, dst_whole, ids[::-1])
+    monkeypatch.setattr(quant, "_CHUNK", 300)  # 2 blocks per chunk here (128 values a part)
+    chunked = get_codec(name).encode(src, ids)
+    assert torch.equal(whole.data, chunked.data)
+    dst = make_pool("flashinfer_hnd", "bfloat16", num_blocks=9, seed=4)
+    get_codec(name).decode(chunked, dst, ids[::-1])
+    for a, b in zip(dst_whole.buffers, dst.buffers):
+        assert_bits_equal(a, b)
