@@ -98,6 +98,7 @@ class Int4Codec(Codec):
         kpar = body[:kp].view(torch.float16)
         vpar = body[kp:kp + vp].view(torch.float16)
         codes = body[kp + vp:kp + vp + nc]
+        body[:kp + vp].zero_()  # alignment padding included: never send stale memory
         per_k = n * L.num_kv_heads * L.head_dim * 2  # float16 values of one layer's parameters
         per_v = n * L.block_size * L.num_kv_heads * 2
         per_c = nc // len(layers)

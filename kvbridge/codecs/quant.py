@@ -150,6 +150,8 @@ class AbsmaxCodec(Codec):
         L, n = pool.layout, int(idx.numel())
         G = self.group(L)
         scales, q = self._sections(body, L, n, len(layers))
+        used = q.numel() // G * 4
+        body[used:scales.numel() * 4].zero_()  # alignment padding: never send stale memory
         k = self._kernels(pool)
         if k is not None:
             k.encode(self.kind, pool, idx, layers, G, scales, q)
