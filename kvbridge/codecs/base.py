@@ -37,7 +37,7 @@ from ..pool import KVPool
 
 __all__ = [
     "FRAME_MAGIC", "FRAME_VERSION", "HEADER_NBYTES", "FrameHeader", "EncodedKV", "Codec", "RawCodec",
-    "FrameInput", "read_header", "as_byte_tensor", "block_index", "layer_range", "gather_layer",
+    "FrameInput", "read_header", "seal_frame", "as_byte_tensor", "block_index", "layer_range", "gather_layer",
     "scatter_layer", "layer_parts", "layer_shape", "view_bytes", "DTYPE_CODES",
 ]
 
@@ -381,6 +381,18 @@ class Codec(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
+
+
+def seal_frame(frame: torch.Tensor) -> FrameHeader:
+    """Add the body checksum to a frame in place (a 1-D uint8 host tensor, e.g. a device frame
+    just copied to a pinned staging buffer) and return its new header. A sealed frame stays as it is."""
+    if frame.device.type != "cpu":
+        raise ConfigError("seal_frame() hashes host memory; copy the device frame to the host first")
+    hdr = read_header(frame)
+    if hdr.body_hash is None:
+        hdr = replace(hdr, body_hash=_hash(frame[HEADER_NBYTES:]))
+        frame[:HEADER_NBYTES].copy_(torch.frombuffer(bytearray(hdr.pack()), dtype=torch.uint8))
+    return hdr
 
 
 def _hash(body: torch.Tensor) -> int:

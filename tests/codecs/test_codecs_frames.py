@@ -164,3 +164,16 @@ def test_register_a_third_party_codec(monkeypatch: pytest.MonkeyPatch) -> None:
     dst = KVPool.allocate(src.layout, 12)
     assert decode_frame(frame, dst, [0]).codec == "plain"
     assert torch.equal(dst.buffers[0][:, 0], src.buffers[0][:, 3])
+
+
+def test_seal_adds_the_body_checksum_later() -> None:
+    """Device frames travel without a body hash until staged; seal_frame adds it in place."""
+    from kvbridge.codecs import seal_frame
+
+    frame, src = _frame("int8", checksum=False)
+    staged = torch.frombuffer(bytearray(frame), dtype=torch.uint8)
+    assert seal_frame(staged).body_hash is not None and read_header(staged).body_hash is not None
+    decode_frame(staged, KVPool.allocate(src.layout, 6), [0, 1, 2])
+    staged[-1] ^= 1
+    with pytest.raises(IntegrityError, match="body failed its checksum"):
+        decode_frame(staged, KVPool.allocate(src.layout, 6), [0, 1, 2])

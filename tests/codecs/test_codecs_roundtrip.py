@@ -10,6 +10,7 @@ from kvcodec_helpers import FLOAT_DTYPES, LAYOUTS, assert_bits_equal, make_pool,
 
 from kvbridge.codecs import codec_names, decode_frame, get_codec
 from kvbridge.codecs.base import HEADER_NBYTES
+from kvbridge.errors import ProtocolError
 from kvbridge.layout import DTYPES
 from kvbridge.pool import KVPool
 
@@ -184,3 +185,23 @@ def test_frames_are_deterministic_and_carry_no_stale_bytes(name: str) -> None:
     a = codec.encode(src, [4, 0, 2], out=torch.full((cap,), 0xAB, dtype=torch.uint8))
     b = codec.encode(src, [4, 0, 2], out=torch.full((cap,), 0x11, dtype=torch.uint8))
     assert torch.equal(a.data, b.data)
+
+
+@pytest.mark.parametrize("name", ["lz4", "lz4+shuffle", "zstd", "zstd+shuffle"])
+def test_many_chunk_frames(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Planes are compressed in independent chunks; with 512-byte chunks a frame has dozens."""
+    from kvbridge.codecs import lossless
+
+    monkeypatch.setattr(lossless, "CHUNK_SHIFT", 9)
+    src = make_pool("vllm_flash", "float16", num_blocks=10)
+    for b in src.buffers:
+        b[:, 5:] = 0  # compressible chunks next to incompressible ones: both modes in one frame
+    frame = get_codec(name).encode(src, list(range(10)))
+    assert frame.header.aux >> 8 == 9 and frame.ratio > 1.2
+    dst = KVPool.allocate(src.layout, 10)
+    get_codec(name).decode(frame, dst, list(range(10)))
+    for a, b in zip(src.buffers, dst.buffers):
+        assert_bits_equal(a, b)
+    monkeypatch.setattr(lossless, "CHUNK_SHIFT", 10)  # a decoder that disagrees refuses the frame
+    with pytest.raises(ProtocolError, match="unexpected parameter"):
+        get_codec(name).decode(frame, dst, list(range(10)))
