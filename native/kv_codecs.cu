@@ -196,6 +196,108 @@ __device__ void kvb_dequant_scatter_parts(const u64* parts, int part_elems, cons
   for (int i = threadIdx.x; i < part_elems; i += blockDim.x) kvb_store(dst + i, Q::dec(in[i]) * s);
 }
 
+// ---- vectorized variants: 16-byte loads, a row held in registers -------------------------
+// Used when head_dim is a multiple of the vector width, head_dim / width lanes (a power of two
+// <= 32) cover a row, and every part address is 16-byte aligned (the host checks).
+template <typename T> struct KvbVec;
+template <> struct KvbVec<float> {
+  static constexpr int N = 4;
+  __device__ static void load(const float* p, float* o) {
+    float4 v = *reinterpret_cast<const float4*>(p);
+    o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
+  }
+  __device__ static void store(float* p, const float* o) {
+    *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
+  }
+};
+template <typename H, u16 (*ENC)(float), float (*DEC)(u16)> struct KvbVec16 {
+  static constexpr int N = 8;
+  __device__ static void load(const H* p, float* o) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { o[2 * i] = DEC((u16)(w[i] & 0xffffu)); o[2 * i + 1] = DEC((u16)(w[i] >> 16)); }
+  }
+  __device__ static void store(H* p, const float* o) {
+    u32 w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = (u32)ENC(o[2 * i]) | ((u32)ENC(o[2 * i + 1]) << 16);
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+__device__ __forceinline__ u16 kvb_enc_bf16(float f) { return kvb_f32_to_bf16(f); }
+__device__ __forceinline__ float kvb_dec_bf16(u16 h) { return kvb_bf16_to_f32(h); }
+template <> struct KvbVec<bf16> : KvbVec16<bf16, kvb_enc_bf16, kvb_dec_bf16> {};
+template <> struct KvbVec<f16> : KvbVec16<f16, kvb_f32_to_f16, kvb_f16_to_f32> {};
+
+template <int N> struct KvbCodes;  // N one-byte codes as one store
+template <> struct KvbCodes<4> {
+  __device__ static void store(u8* p, const u8* c) {
+    *reinterpret_cast<u32*>(p) = (u32)c[0] | ((u32)c[1] << 8) | ((u32)c[2] << 16) | ((u32)c[3] << 24);
+  }
+  __device__ static void load(const u8* p, u8* c) {
+    u32 w = *reinterpret_cast<const u32*>(p);
+    for (int i = 0; i < 4; ++i) c[i] = (u8)(w >> (8 * i));
+  }
+};
+template <> struct KvbCodes<8> {
+  __device__ static void store(u8* p, const u8* c) {
+    u32 a = (u32)c[0] | ((u32)c[1] << 8) | ((u32)c[2] << 16) | ((u32)c[3] << 24);
+    u32 b = (u32)c[4] | ((u32)c[5] << 8) | ((u32)c[6] << 16) | ((u32)c[7] << 24);
+    *reinterpret_cast<uint2*>(p) = make_uint2(a, b);
+  }
+  __device__ static void load(const u8* p, u8* c) {
+    uint2 w = *reinterpret_cast<const uint2*>(p);
+    for (int i = 0; i < 4; ++i) { c[i] = (u8)(w.x >> (8 * i)); c[4 + i] = (u8)(w.y >> (8 * i)); }
+  }
+};
+
+// lanes_per_row threads (a power of two <= 32) per row; out-of-range rows still join the shuffles.
+template <typename T, typename Q>
+__device__ void kvb_gather_quant_rows_vec(const u64* parts, long long num_rows, int rows_per_part, int dim,
+                                          int lanes_per_row, u8* q, float* scales, int* bad) {
+  constexpr int N = KvbVec<T>::N;
+  long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long row = t / lanes_per_row;
+  int sub = (int)(t % lanes_per_row);
+  bool valid = row < num_rows;
+  float v[N];
+  float m = 0.0f;
+  if (valid) {
+    const T* src = reinterpret_cast<const T*>(parts[row / rows_per_part]) + (row % rows_per_part) * (long long)dim;
+    KvbVec<T>::load(src + sub * N, v);
+#pragma unroll
+    for (int i = 0; i < N; ++i) m = kvb_nanmax(m, fabsf(v[i]));
+  }
+  for (int o = lanes_per_row >> 1; o > 0; o >>= 1) m = kvb_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (!valid) return;
+  if (sub == 0 && !kvb_finite(m)) *bad = 1;
+  float inv = m > 0.0f ? Q::QMAX / m : 0.0f;
+  u8 c[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) c[i] = Q::enc(v[i], inv);
+  KvbCodes<N>::store(q + row * (long long)dim + sub * N, c);
+  if (sub == 0) scales[row] = m * Q::inv_qmax();
+}
+
+template <typename T, typename Q>
+__device__ void kvb_dequant_scatter_rows_vec(const u64* parts, long long num_rows, int rows_per_part, int dim,
+                                             int lanes_per_row, const u8* q, const float* scales) {
+  constexpr int N = KvbVec<T>::N;
+  long long t = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long row = t / lanes_per_row;
+  int sub = (int)(t % lanes_per_row);
+  if (row >= num_rows) return;
+  T* dst = reinterpret_cast<T*>(parts[row / rows_per_part]) + (row % rows_per_part) * (long long)dim;
+  float s = scales[row];
+  u8 c[N];
+  KvbCodes<N>::load(q + row * (long long)dim + sub * N, c);
+  float v[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = Q::dec(c[i]) * s;
+  KvbVec<T>::store(dst + sub * N, v);
+}
+
 #define KVB_ROW_KERNELS(QN, Q, TN, T)                                                                    \
   extern "C" __global__ void gather_quant_rows_##QN##_##TN(const u64* parts, long long num_rows,           \
       int rows_per_part, int dim, u8* q, float* scales, int* bad) {                                      \
@@ -212,6 +314,14 @@ __device__ void kvb_dequant_scatter_parts(const u64* parts, int part_elems, cons
   extern "C" __global__ void dequant_scatter_parts_##QN##_##TN(const u64* parts, int part_elems,         \
       const u8* q, const float* scales) {                                                                \
     kvb_dequant_scatter_parts<T, Q>(parts, part_elems, q, scales);                                       \
+  }                                                                                                      \
+  extern "C" __global__ void gather_quant_vrows_##QN##_##TN(const u64* parts, long long num_rows,          \
+      int rows_per_part, int dim, int lanes_per_row, u8* q, float* scales, int* bad) {                   \
+    kvb_gather_quant_rows_vec<T, Q>(parts, num_rows, rows_per_part, dim, lanes_per_row, q, scales, bad); \
+  }                                                                                                      \
+  extern "C" __global__ void dequant_scatter_vrows_##QN##_##TN(const u64* parts, long long num_rows,       \
+      int rows_per_part, int dim, int lanes_per_row, const u8* q, const float* scales) {                 \
+    kvb_dequant_scatter_rows_vec<T, Q>(parts, num_rows, rows_per_part, dim, lanes_per_row, q, scales);   \
   }
 
 KVB_ROW_KERNELS(int8, QInt8, f32, float)

@@ -29,8 +29,8 @@ __all__ = ["native_dir", "source", "GpuKernels", "load_kernels", "kernels_or_non
 
 _TYPE_NAMES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 _KINDS = {"int8": ("int8", "rows"), "fp8": ("fp8", "rows"), "fp8-block": ("fp8", "parts")}
-KERNEL_NAMES = tuple(f"{op}_{g}_{q}_{t}" for op in ("gather_quant", "dequant_scatter") for g in ("rows", "parts")
-                     for q in ("int8", "fp8") for t in ("f32", "f16", "bf16"))
+KERNEL_NAMES = tuple(f"{op}_{g}_{q}_{t}" for op in ("gather_quant", "dequant_scatter")
+                     for g in ("rows", "vrows", "parts") for q in ("int8", "fp8") for t in ("f32", "f16", "bf16"))
 _WARPS_PER_CTA = 8
 _PART_THREADS = 256
 _lock = threading.Lock()
@@ -74,6 +74,7 @@ class GpuKernels:
             raise BackendUnavailable("GPU codec kernels need CuPy", hint="pip install 'kvbridge[cupy]'") from None
         self.cupy: Any = cupy
         self.device = device
+        self.vectorize = True  # 16-byte loads when the geometry allows (tests turn it off to compare)
         with cupy.cuda.Device(device.index or 0):
             try:
                 self.module = cupy.RawModule(code=source(), options=("--std=c++17",))
@@ -88,6 +89,16 @@ class GpuKernels:
         with self.cupy.cuda.Device(self.device.index or 0), self._stream():
             self.kernels[name]((grid,), (block,), args)
 
+    def _lanes(self, pool: KVPool, q: torch.Tensor) -> int:
+        """Threads per row for the vectorized row kernels, or 0 when they do not apply."""
+        L = pool.layout
+        width = 16 // L.itemsize
+        lanes = L.head_dim // width
+        aligned = (L.part_nbytes % 16 == 0 and q.data_ptr() % 8 == 0
+                   and all(b.data_ptr() % 16 == 0 for b in pool.buffers))
+        ok = self.vectorize and aligned and L.head_dim % width == 0 and 0 < lanes <= 32 and lanes & (lanes - 1) == 0
+        return lanes if ok else 0
+
     def encode(self, kind: str, pool: KVPool, idx: torch.Tensor, layers: range, group: int,
                scales: torch.Tensor, q: torch.Tensor) -> None:
         """Gather blocks ``idx`` of ``layers`` and quantize them into ``scales`` and ``q``."""
@@ -101,12 +112,19 @@ class GpuKernels:
         ptrs = part_pointers(pool, idx, layers)
         bad = torch.zeros(1, dtype=torch.int32, device=pool.device)
         rows_per_part = L.block_size * L.num_kv_heads
-        if g == "rows":
+        lanes = self._lanes(pool, q)
+        if g == "rows" and lanes:
+            rows = ptrs.numel() * rows_per_part
+            args: tuple[Any, ...] = (np.uint64(ptrs.data_ptr()), np.int64(rows), np.int32(rows_per_part),
+                                     np.int32(L.head_dim), np.int32(lanes), np.uint64(q.data_ptr()),
+                                     np.uint64(scales.data_ptr()), np.uint64(bad.data_ptr()))
+            self._launch(f"gather_quant_vrows_{qn}_{t}", -(-rows * lanes // 256), 256, args)
+        elif g == "rows":
             rows = ptrs.numel() * rows_per_part
             grid = -(-rows // _WARPS_PER_CTA)
-            args: tuple[Any, ...] = (np.uint64(ptrs.data_ptr()), np.int64(rows), np.int32(rows_per_part),
-                                     np.int32(L.head_dim), np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()),
-                                     np.uint64(bad.data_ptr()))
+            args = (np.uint64(ptrs.data_ptr()), np.int64(rows), np.int32(rows_per_part),
+                    np.int32(L.head_dim), np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()),
+                    np.uint64(bad.data_ptr()))
             self._launch(f"gather_quant_rows_{qn}_{t}", grid, 32 * _WARPS_PER_CTA, args)
         else:
             args = (np.uint64(ptrs.data_ptr()), np.int32(group), np.uint64(q.data_ptr()),
@@ -128,10 +146,17 @@ class GpuKernels:
             raise ConfigError(f"GPU codec kernels take float32/float16/bfloat16 pools, not {L.dtype}")
         ptrs = part_pointers(pool, idx, layers)
         rows_per_part = L.block_size * L.num_kv_heads
-        if g == "rows":
+        lanes = self._lanes(pool, q)
+        if g == "rows" and lanes:
             rows = ptrs.numel() * rows_per_part
             args: tuple[Any, ...] = (np.uint64(ptrs.data_ptr()), np.int64(rows), np.int32(rows_per_part),
-                                     np.int32(L.head_dim), np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()))
+                                     np.int32(L.head_dim), np.int32(lanes), np.uint64(q.data_ptr()),
+                                     np.uint64(scales.data_ptr()))
+            self._launch(f"dequant_scatter_vrows_{qn}_{t}", -(-rows * lanes // 256), 256, args)
+        elif g == "rows":
+            rows = ptrs.numel() * rows_per_part
+            args = (np.uint64(ptrs.data_ptr()), np.int64(rows), np.int32(rows_per_part),
+                    np.int32(L.head_dim), np.uint64(q.data_ptr()), np.uint64(scales.data_ptr()))
             self._launch(f"dequant_scatter_rows_{qn}_{t}", -(-rows // _WARPS_PER_CTA), 32 * _WARPS_PER_CTA, args)
         else:
             args = (np.uint64(ptrs.data_ptr()), np.int32(group), np.uint64(q.data_ptr()),

@@ -15,6 +15,7 @@ from kvcodec_helpers import LAYOUTS, assert_bits_equal, fill_pool
 
 from kvbridge.codecs import gpu
 from kvbridge.codecs.quant import FP8Codec, Int8Codec
+from kvbridge.layout import KVLayout
 from kvbridge.pool import KVPool
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,14 +102,20 @@ def test_kernel_matches_torch_twin(name: str) -> None:
     """Stated tolerance: int8 frames and decoded blocks bit-identical; fp8 scales bit-identical,
     e4m3 codes equal (the conversion is bit-exact on the host) or at most one code apart; decoding
     one frame through the kernel and through the twin gives bit-identical blocks."""
-    _gpu_or_skip()
-    for dtype in ["float32", "float16", "bfloat16"]:
-        for kind in ["vllm_flash", "flashinfer_hnd", "split_kv", "mla"]:
-            _compare(name, dtype, kind)
+    kernels = _gpu_or_skip()
+    try:
+        for vectorize in (True, False):  # 16-byte loads (head_dim 16 and 24 below) and the scalar kernels
+            kernels.vectorize = vectorize
+            for dtype in ["float32", "float16", "bfloat16"]:
+                for kind in ["vllm_flash", "flashinfer_hnd", "split_kv", "mla", "llama"]:
+                    _compare(name, dtype, kind)
+    finally:
+        kernels.vectorize = True
 
 
 def _compare(name: str, dtype: str, kind: str) -> None:
-    host = KVPool.allocate(LAYOUTS[kind](dtype, 16), 64)
+    layout = KVLayout.vllm_flash(2, 8, 128, 16, dtype) if kind == "llama" else LAYOUTS[kind](dtype, 16)
+    host = KVPool.allocate(layout, 64)
     fill_pool(host, seed=5)
     pool = KVPool.allocate(host.layout, 64, device="cuda")
     for a, b in zip(pool.buffers, host.buffers):
