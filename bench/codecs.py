@@ -210,7 +210,8 @@ def markdown(res: dict[str, Any]) -> str:
     ceil = "device-to-device copy" if res["gpu"] else "memcpy"
     lines = [f"KV of model `{res['model']}` ({res['pool_dtype']} pool, {res['layout']}), prefilled from this "
              f"repository's text; {res['rounds']} interleaved rounds, {res['threads']} torch thread(s), "
-             f"{res['device']}. Throughputs are GB/s of raw KV; ratios to the {ceil} ceiling are per round, "
+             f"{res['device']} (1-min load average {res['loadavg'][0]} at start, {res['loadavg'][1]} at end: "
+             "the machine is shared). Throughputs are GB/s of raw KV; ratios to the {ceil} ceiling are per round, "
              "median [min-max]. Break-even: the link bandwidth below which the codec makes a transfer "
              "faster (serial: encode, send, decode one after another; overlapped: pipelined layer by layer).",
              "", f"| size | codec | ratio | encode GB/s | decode GB/s | {ceil} GB/s | encode / {ceil} | "
@@ -301,6 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     min_s = a.min_seconds or (0.05 if a.quick else 0.2)
     codecs = a.codecs.split(",") if a.codecs else (["raw", "int8", "fp8", "fp8-block"] if a.gpu
                                                      else available_codecs())
+    load_before = os.getloadavg()
     model = CausalLM.from_seed(a.model, seed=0)
     log(f"prefilling {max(sizes) / MiB:.0f} MiB of KV with model {a.model} ...")
     t0 = time.perf_counter()
@@ -314,7 +316,8 @@ def main(argv: Optional[list[str]] = None) -> int:
            "device": torch.cuda.get_device_name() if a.gpu else f"CPU, {os.cpu_count()} cores",
            "layout": f"{L.num_layers} layers x {L.num_kv_heads} kv heads x head_dim {L.head_dim}, "
                      f"block {L.block_size}", "torch": torch.__version__, "ratios": ratios, "raw": rows,
-           "summary": summarize(rows), "kernels": _kernel_status() if a.gpu else None}
+           "summary": summarize(rows), "kernels": _kernel_status() if a.gpu else None,
+           "loadavg": [round(load_before[0], 2), round(os.getloadavg()[0], 2)]}
     md = markdown(res)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
