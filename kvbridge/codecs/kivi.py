@@ -22,11 +22,12 @@ import torch
 from ..errors import ConfigError, ProtocolError
 from ..layout import KVLayout, TokenOrder
 from ..pool import KVPool
-from .base import Codec, FrameHeader, gather_layer, layer_shape
+from .base import Codec, FrameHeader, layer_parts, layer_shape
 
 __all__ = ["Int4Codec", "quantize_int4", "dequantize_int4"]
 
 _LEVELS = 15.0
+_CHUNK = 1 << 18  # values per chunk of blocks (cache-sized temporaries)
 
 
 def _align(n: int) -> int:
@@ -99,46 +100,55 @@ class Int4Codec(Codec):
         vpar = body[kp:kp + vp].view(torch.float16)
         codes = body[kp + vp:kp + vp + nc]
         body[:kp + vp].zero_()  # alignment padding included: never send stale memory
-        per_k = n * L.num_kv_heads * L.head_dim * 2  # float16 values of one layer's parameters
-        per_v = n * L.block_size * L.num_kv_heads * 2
-        per_c = nc // len(layers)
         tdim = self._token_dim(L)
-        tmp = torch.empty(layer_shape(L, n), dtype=L.torch_dtype, device=pool.device)
-        for i, layer in enumerate(layers):
-            gather_layer(pool, idx, layer, tmp)
-            qk, pk = quantize_int4(tmp[0], tdim)
-            kpar[i * per_k:(i + 1) * per_k].copy_(pk.reshape(-1))
-            packed = [_pack(qk)]
-            if L.num_parts == 2:
-                qv, pv = quantize_int4(tmp[1], -1)
-                vpar[i * per_v:(i + 1) * per_v].copy_(pv.reshape(-1))
-                packed.append(_pack(qv))
-            codes[i * per_c:(i + 1) * per_c].copy_(torch.cat(packed))
+        parts = [layer_parts(pool, layer) for layer in layers]
+        tmp = torch.empty((min(n, self._chunk(L)), *L.part_shape), dtype=L.torch_dtype, device=pool.device)
+        for i, p, j0, j1, coff, poff in self._plan(L, n, len(layers)):
+            x = tmp[:j1 - j0]
+            torch.index_select(parts[i][p], 0, idx[j0:j1], out=x)
+            qq, pp = quantize_int4(x, tdim if p == 0 else -1)
+            packed = _pack(qq)
+            codes[coff:coff + packed.numel()].copy_(packed)
+            (kpar if p == 0 else vpar)[poff:poff + pp.numel()].copy_(pp.reshape(-1))
         return kp + vp + nc, 4
 
-    def _decode_body(self, body: torch.Tensor, hdr: FrameHeader, device: torch.device) -> Iterator[torch.Tensor]:
+    def _chunk(self, h: Any) -> int:
+        return int(max(1, _CHUNK // (h.block_size * h.num_kv_heads * h.head_dim)))
+
+    def _plan(self, h: Any, n: int, nl: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """(layer index, part, first block, end block, code byte offset, parameter offset in float16
+        values) over chunks of blocks, in frame order."""
+        pe = h.block_size * h.num_kv_heads * h.head_dim
+        per_block = (h.num_kv_heads * h.head_dim * 2, h.block_size * h.num_kv_heads * 2)  # K, V parameters
+        c = self._chunk(h)
+        for i in range(nl):
+            for p in range(h.num_parts):
+                for j0 in range(0, n, c):
+                    coff = ((i * h.num_parts + p) * n + j0) * pe // 2
+                    yield i, p, j0, min(n, j0 + c), coff, (i * n + j0) * per_block[p]
+
+    def _decode_into(self, body: torch.Tensor, hdr: FrameHeader, pool: KVPool, idx: torch.Tensor) -> None:
         n, nl = hdr.num_blocks, hdr.num_layers
         kp, vp, nc = self._sizes(hdr, n, nl)
         if hdr.body_nbytes != kp + vp + nc:
             raise ProtocolError(f"int4 frame body is {hdr.body_nbytes} bytes, its geometry makes {kp + vp + nc}")
-        body = body.to(device)
+        body = body.to(pool.device)
         if body.data_ptr() % 2:
             body = body.clone()
-        shape = layer_shape(hdr, n)
-        part = shape[1:]
+        part = layer_shape(hdr, 1)[2:]
         tdim = self._token_dim(hdr)
         kshape = list(part)
-        del kshape[tdim]
+        del kshape[tdim - 1]
         kpar = body[:kp].view(torch.float16)
         vpar = body[kp:kp + vp].view(torch.float16)
         codes = body[kp + vp:kp + vp + nc]
-        per_k = n * hdr.num_kv_heads * hdr.head_dim * 2
-        per_v = n * hdr.rows_per_part * 2
-        per_c = nc // nl
-        for i in range(nl):
-            q = _unpack(codes[i * per_c:(i + 1) * per_c]).view(hdr.num_parts, *part)
-            out = torch.empty(shape, dtype=torch.float32, device=device)
-            out[0] = dequantize_int4(q[0], kpar[i * per_k:(i + 1) * per_k].view(*kshape, 2), tdim)
-            if hdr.num_parts == 2:
-                out[1] = dequantize_int4(q[1], vpar[i * per_v:(i + 1) * per_v].view(*part[:-1], 2), -1)
-            yield out
+        pe = hdr.rows_per_part * hdr.head_dim
+        parts = [layer_parts(pool, layer) for layer in hdr.layers]
+        for i, p, j0, j1, coff, poff in self._plan(hdr, n, nl):
+            m = j1 - j0
+            q = _unpack(codes[coff:coff + m * pe // 2]).view(m, *part)
+            pshape = (m, *kshape, 2) if p == 0 else (m, *part[:-1], 2)
+            npar = m * (hdr.num_kv_heads * hdr.head_dim * 2 if p == 0 else hdr.rows_per_part * 2)
+            par = (kpar if p == 0 else vpar)[poff:poff + npar]
+            x = dequantize_int4(q, par.view(pshape), tdim if p == 0 else -1)
+            parts[i][p][idx[j0:j1]] = x.to(parts[i][p].dtype)

@@ -157,10 +157,10 @@ def test_registry_lists_every_codec() -> None:
         assert get_codec(name).lossless == (name in LOSSLESS)
 
 
-@pytest.mark.parametrize("name", LOSSY)
+@pytest.mark.parametrize("name", LOSSY + ["int4"])
 def test_chunked_quantization_changes_nothing(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Encode and decode walk blocks in cache-sized chunks: any chunk size gives the same bytes."""
-    from kvbridge.codecs import quant
+    from kvbridge.codecs import kivi, quant
 
     src = make_pool("flashinfer_hnd", "float16", num_blocks=9)
     ids = [8, 0, 5, 2, 7, 1, 4]
@@ -168,6 +168,7 @@ def test_chunked_quantization_changes_nothing(name: str, monkeypatch: pytest.Mon
     dst_whole = make_pool("flashinfer_hnd", "bfloat16", num_blocks=9, seed=4)
     get_codec(name).decode(whole, dst_whole, ids[::-1])
     monkeypatch.setattr(quant, "_CHUNK", 300)  # 2 blocks per chunk here (128 values a part)
+    monkeypatch.setattr(kivi, "_CHUNK", 300)
     chunked = get_codec(name).encode(src, ids)
     assert torch.equal(whole.data, chunked.data)
     dst = make_pool("flashinfer_hnd", "bfloat16", num_blocks=9, seed=4)
