@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from kvbridge.codecs import CodecSpeed, available_codecs, break_even_gbps, get_codec
+from kvbridge.codecs.base import layer_parts
 from kvbridge.codecs.lossless import shuffle_bytes
 from kvbridge.pool import KVPool
 from kvbridge.workers.engine import Engine
@@ -56,9 +57,10 @@ def _corpus() -> str:
 
 
 def build_kv(model: CausalLM, kv_bytes: int, dtype: str, device: str = "cpu", seed: int = 0,
-             block_size: int = 16) -> tuple[KVPool, list[int], list[int]]:
+             block_size: int = 16, tile_to: int = 0) -> tuple[KVPool, list[int], list[int]]:
     """Prefill text prompts until the pool holds ``kv_bytes`` of KV; returns (pool, blocks, full
-    blocks). Computed on the CPU, then copied to ``device``."""
+    blocks). Computed on the CPU, then copied to ``device``; ``tile_to`` repeats the blocks up to
+    that many bytes (GPU mode: the lossy codecs' speed does not depend on repeats)."""
     layout = model.kv_layout(block_size, dtype)
     per_block = layout.block_nbytes
     nblocks = max(1, kv_bytes // per_block)
@@ -76,12 +78,19 @@ def build_kv(model: CausalLM, kv_bytes: int, dtype: str, device: str = "cpu", se
         eng.prefill(prompt, b, chunk_size=512)
         blocks += b
         full += b if len(prompt) % block_size == 0 else b[:-1]
-    if device != "cpu":
-        dev = KVPool.allocate(layout, pool.num_blocks, device=device)
-        for a, s in zip(dev.buffers, pool.buffers):
-            a.copy_(s)
+    if device != "cpu" or tile_to > kv_bytes:
+        reps = max(1, -(-tile_to // kv_bytes))
+        dev = KVPool.allocate(layout, pool.num_blocks * reps, device=device)
+        src_idx = torch.tensor(blocks)
+        for layer in range(layout.num_layers):
+            for d, s in zip(layer_parts(dev, layer), layer_parts(pool, layer)):
+                for r in range(reps):
+                    d[src_idx + r * pool.num_blocks] = s[src_idx].to(device)
+        blocks = [b + r * pool.num_blocks for r in range(reps) for b in blocks]
+        full = [b + r * pool.num_blocks for r in range(reps) for b in full]
         pool = dev
     return pool, blocks, full
+
 
 
 def _xor_delta(x: torch.Tensor) -> torch.Tensor:
@@ -211,7 +220,7 @@ def markdown(res: dict[str, Any]) -> str:
     lines = [f"KV of model `{res['model']}` ({res['pool_dtype']} pool, {res['layout']}), prefilled from this "
              f"repository's text; {res['rounds']} interleaved rounds, {res['threads']} torch thread(s), "
              f"{res['device']} (1-min load average {res['loadavg'][0]} at start, {res['loadavg'][1]} at end: "
-             "the machine is shared). Throughputs are GB/s of raw KV; ratios to the {ceil} ceiling are per round, "
+             f"the machine is shared). Throughputs are GB/s of raw KV; ratios to the {ceil} ceiling are per round, "
              "median [min-max]. Break-even: the link bandwidth below which the codec makes a transfer "
              "faster (serial: encode, send, decode one after another; overlapped: pipelined layer by layer).",
              "", f"| size | codec | ratio | encode GB/s | decode GB/s | {ceil} GB/s | encode / {ceil} | "
@@ -306,7 +315,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     model = CausalLM.from_seed(a.model, seed=0)
     log(f"prefilling {max(sizes) / MiB:.0f} MiB of KV with model {a.model} ...")
     t0 = time.perf_counter()
-    pool, blocks, full = build_kv(model, max(sizes), a.pool_dtype, device)
+    pool, blocks, full = build_kv(model, min(max(sizes), 32 * MiB) if a.gpu else max(sizes), a.pool_dtype, device,
+                                  tile_to=max(sizes) if a.gpu else 0)
     log(f"  {len(blocks)} blocks in {time.perf_counter() - t0:.1f} s")
     ratios = ratio_study(pool, blocks, full) if not a.gpu else {}
     extra = _gpu_references(pool) if a.gpu else None
