@@ -299,6 +299,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="JSON path, Markdown next to it (default: a scratch directory)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
+    if a.gpu and not torch.cuda.is_available():
+        print("--gpu needs a CUDA device (run bench/gpu_codecs.sh on a GPU machine)", file=sys.stderr)
+        return 2
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     device = "cuda" if a.gpu else "cpu"
     if a.sizes_mib:

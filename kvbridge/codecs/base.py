@@ -142,7 +142,7 @@ def read_header(data: FrameInput) -> FrameHeader:
         raise IntegrityError("codec frame header failed its checksum (corrupted in flight)")
     if hsize != HEADER_NBYTES or dcode not in _CODE_DTYPES or ocode not in _CODE_ORDERS or parts not in (1, 2):
         raise ProtocolError("codec frame header has invalid fields")
-    if min(nb, bs, nh, hd) <= 0:
+    if min(nl, nb, bs, nh, hd) <= 0:
         raise ProtocolError("codec frame header has a zero dimension")
     try:
         codec = name.rstrip(b"\0").decode("ascii")

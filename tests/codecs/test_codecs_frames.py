@@ -76,6 +76,11 @@ def test_forged_header_with_valid_hash_is_still_checked() -> None:
     with pytest.raises(ProtocolError, match="raw bytes"):
         decode_frame(bytes(head) + frame[HEADER_NBYTES:], KVPool.allocate(src.layout, 6), [0, 1, 2])
     head = bytearray(frame[:HEADER_NBYTES])
+    struct.pack_into("<I", head, 28, 0)  # num_layers
+    struct.pack_into("<Q", head, 88, xxhash.xxh3_64_intdigest(bytes(head[:88])))
+    with pytest.raises(ProtocolError, match="zero dimension"):
+        decode_frame(bytes(head) + frame[HEADER_NBYTES:], KVPool.allocate(src.layout, 6), [0, 1, 2])
+    head = bytearray(frame[:HEADER_NBYTES])
     head[4] = 9  # version
     with pytest.raises(ProtocolError, match="version 9"):
         decode_frame(bytes(head) + frame[HEADER_NBYTES:], KVPool.allocate(src.layout, 6), [0, 1, 2])
@@ -177,3 +182,25 @@ def test_seal_adds_the_body_checksum_later() -> None:
     staged[-1] ^= 1
     with pytest.raises(IntegrityError, match="body failed its checksum"):
         decode_frame(staged, KVPool.allocate(src.layout, 6), [0, 1, 2])
+
+
+@settings(max_examples=150)
+@given(name=st.sampled_from(ALL + ["int4"]), data=st.data())
+def test_forged_headers_never_crash(name: str, data: st.DataObject) -> None:
+    """A peer can send any header with a valid hash: decoding raises a kvbridge error or writes a
+    frame that fits, never anything else (no ZeroDivisionError, no IndexError, no huge allocation)."""
+    from kvbridge.errors import KVBridgeError
+
+    frame, src = _frame(name)
+    head = bytearray(frame[:HEADER_NBYTES])
+    for _ in range(data.draw(st.integers(1, 4), label="fields")):
+        off, fmt = data.draw(st.sampled_from([(5, "<B"), (6, "<B"), (7, "<B"), (8, "<B"), (24, "<I"), (28, "<I"),
+                                              (32, "<I"), (36, "<I"), (40, "<I"), (44, "<I"), (48, "<Q"),
+                                              (56, "<Q"), (64, "<I")]), label="field")
+        bits = struct.calcsize(fmt) * 8
+        struct.pack_into(fmt, head, off, data.draw(st.integers(0, 2 ** bits - 1) | st.integers(0, 4), label="v"))
+    struct.pack_into("<Q", head, 88, xxhash.xxh3_64_intdigest(bytes(head[:88])))
+    try:
+        decode_frame(bytes(head) + frame[HEADER_NBYTES:], KVPool.allocate(src.layout, 6), [0, 1, 2])
+    except KVBridgeError:
+        pass
