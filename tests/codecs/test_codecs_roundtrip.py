@@ -206,3 +206,25 @@ def test_many_chunk_frames(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lossless, "CHUNK_SHIFT", 10)  # a decoder that disagrees refuses the frame
     with pytest.raises(ProtocolError, match="unexpected parameter"):
         get_codec(name).decode(frame, dst, list(range(10)))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_quantizers_are_the_documented_formulas(dtype: str) -> None:
+    """The (optimised) torch quantizers equal the formulas in quant.py's docstring, bit for bit."""
+    from kvbridge.codecs.quant import quantize_fp8, quantize_int8
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3000, 64, generator=g) * torch.exp2(torch.randint(-12, 12, (3000, 1), generator=g).float())
+    x[5] = 0
+    x = x.to(DTYPES[dtype])
+    before = x.clone()
+    for qmax, fn in ((127.0, quantize_int8), (448.0, quantize_fp8)):
+        xf = x.float()
+        amax = xf.abs().amax(-1, keepdim=True)
+        y = xf * torch.where(amax > 0, qmax / amax, torch.zeros(()))
+        want = (y.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) if qmax == 448.0
+                else torch.round(y).clamp(-127, 127).to(torch.int8))
+        q, scale = fn(x)
+        assert torch.equal(q.view(want.dtype), want)
+        assert torch.equal(scale, (amax * float(torch.tensor(1 / qmax, dtype=torch.float32))).squeeze(-1))
+    assert_bits_equal(x, before)  # inputs are never modified
