@@ -1,0 +1,218 @@
+"""Lossy codecs: int8 and fp8 (e4m3) with absmax scales. These torch functions are each
+codec's definition; the CUDA kernels in ``native/`` (loaded by :mod:`kvbridge.codecs.gpu`)
+must reproduce them (int8 bit for bit, fp8 within one e4m3 step).
+
+Quantization of a group ``x`` of values (a *row*: one token of one head, ``head_dim``
+values; or, for ``fp8-block``, one whole part of one block)::
+
+    amax  = max |x|                 (float32)
+    scale = amax * float32(1/QMAX)  (float32, stored in the frame)
+    inv   = QMAX / amax, 0 if amax == 0
+    q     = round_half_even(x * inv) clamped to [-127, 127]          int8,  QMAX = 127
+    q     = e4m3(clamp(x * inv, -448, 448)), round to nearest even    fp8,   QMAX = 448
+    x'    = float32(q) * scale, then rounded to the destination dtype
+
+Body of a frame: float32 scales (canonical order, padded to 16 bytes), then the quantized
+values (canonical order). Non-finite KV cannot be scaled and is refused at encode
+(:class:`ConfigError`); a lossless codec carries it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ..errors import ConfigError, ProtocolError
+from ..layout import KVLayout
+from ..pool import KVPool
+from .base import Codec, FrameHeader, layer_parts, layer_shape
+
+__all__ = ["INT8_MAX", "FP8_MAX", "quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8",
+           "Int8Codec", "FP8Codec", "AbsmaxCodec"]
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+# 1/127 and 1/448 rounded to float32 (exactly representable here, so no double rounding):
+# scale = amax * INV, the same constant the CUDA kernels multiply by.
+_INV = {INT8_MAX: float.fromhex("0x1.020408p-7"), FP8_MAX: float.fromhex("0x1.24924ap-9")}
+_ALIGN = 16
+_CHUNK = 1 << 18  # values per quantization chunk (1 MiB of float32 temporaries)
+
+
+def _scaled(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 ``x * inv`` (a new tensor), float32 scales) per row of ``x`` (..., G).
+
+    The absmax is taken in ``x``'s own dtype (exact: |x| and max need no rounding), which is
+    several times faster on the CPU than converting first; the products are then computed in
+    place on the float32 copy."""
+    amax = x.abs().amax(-1, keepdim=True).to(torch.float32)
+    if not bool(torch.isfinite(amax).all()):
+        raise ConfigError("KV holds non-finite values (inf/nan) that a scaled codec cannot encode; "
+                          "use a lossless codec")
+    inv = torch.where(amax > 0, qmax / amax, torch.zeros((), dtype=torch.float32, device=x.device))
+    xf = x.to(torch.float32, copy=True)
+    return xf.mul_(inv), (amax * _INV[qmax]).squeeze(-1)
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (..., G), any float dtype -> (int8 (..., G), float32 scales (...))."""
+    y, scale = _scaled(x, INT8_MAX)
+    return y.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``x`` (..., G) -> (float8_e4m3fn (..., G), float32 scales (...))."""
+    y, scale = _scaled(x, FP8_MAX)
+    return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``float32(q) * scale``; on the CPU float32(q) comes from a 256-entry table built by torch's own
+    conversion (the same values, ~3x faster than ``q.to(float32)`` there)."""
+    if q.device.type == "cpu":
+        f = torch.index_select(_FP8_TABLE, 0, q.view(torch.uint8).reshape(-1).to(torch.int32)).view(q.shape)
+    else:
+        f = q.to(torch.float32)
+    return (f * scale.unsqueeze(-1)).to(dtype)
+
+
+_FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+Quantize = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+class AbsmaxCodec(Codec):
+    """Scaled 8-bit codecs: one float32 scale per row (a token of a head) or per part of a block."""
+
+    lossless = False
+    qdtype: torch.dtype = torch.int8
+    kind = ""
+    quantize: Quantize
+    dequantize: Dequantize
+
+    def __init__(self, per_block: bool = False, use_kernels: bool = True) -> None:
+        self.per_block = per_block
+        self.use_kernels = use_kernels
+
+    # group: values sharing one scale
+    def group(self, layout_or_hdr: Any) -> int:
+        h = layout_or_hdr
+        return int(h.block_size * h.num_kv_heads * h.head_dim if self.per_block else h.head_dim)
+
+    def sizes(self, layout_or_hdr: Any, num_blocks: int, num_layers: int) -> tuple[int, int]:
+        """(bytes of the scale section, number of quantized values)."""
+        h = layout_or_hdr
+        elems = num_layers * h.num_parts * num_blocks * h.block_size * h.num_kv_heads * h.head_dim
+        return _align(4 * (elems // self.group(h))), elems
+
+    def max_body_nbytes(self, layout: KVLayout, num_blocks: int, num_layers: int) -> int:
+        s, e = self.sizes(layout, num_blocks, num_layers)
+        return s + e
+
+    def _aux_ok(self, hdr: FrameHeader) -> bool:
+        return hdr.aux == self.group(hdr)
+
+    def _kernels(self, pool: KVPool) -> Optional[Any]:
+        """The fused CUDA kernels for a device pool when CuPy is present, else None (torch)."""
+        if not self.use_kernels or pool.device.type != "cuda":
+            return None
+        from . import gpu
+        return gpu.kernels_or_none(pool.device) if gpu.supports(pool.layout.torch_dtype) else None
+
+    def _sections(self, body: torch.Tensor, h: Any, n: int, nl: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sbytes, elems = self.sizes(h, n, nl)
+        return body[:sbytes].view(torch.float32), body[sbytes:sbytes + elems].view(self.qdtype)
+
+    def _plan(self, h: Any, n: int, nl: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """(layer index, part, first block, last block + 1, value offset, scale offset) in frame order,
+        over chunks of blocks of about ``_CHUNK`` values (temporaries stay cache-sized)."""
+        pe = h.block_size * h.num_kv_heads * h.head_dim
+        G = self.group(h)
+        c = max(1, _CHUNK // pe)
+        for i in range(nl):
+            for p in range(h.num_parts):
+                base = (i * h.num_parts + p) * n * pe
+                for j0 in range(0, n, c):
+                    off = base + j0 * pe
+                    yield i, p, j0, min(n, j0 + c), off, off // G
+
+    def _encode_body(self, pool: KVPool, idx: torch.Tensor, layers: range, body: torch.Tensor) -> tuple[int, int]:
+        L, n = pool.layout, int(idx.numel())
+        G = self.group(L)
+        scales, q = self._sections(body, L, n, len(layers))
+        used = q.numel() // G * 4
+        body[used:scales.numel() * 4].zero_()  # alignment padding: never send stale memory
+        k = self._kernels(pool)
+        if k is not None:
+            k.encode(self.kind, pool, idx, layers, G, scales, q)
+        else:
+            pe = L.part_nbytes // L.itemsize
+            tmp = torch.empty((max(1, min(n, _CHUNK // pe)), *L.part_shape), dtype=L.torch_dtype, device=pool.device)
+            parts = [layer_parts(pool, layer) for layer in layers]
+            for i, p, j0, j1, off, soff in self._plan(L, n, len(layers)):
+                x = tmp[:j1 - j0]
+                torch.index_select(parts[i][p], 0, idx[j0:j1], out=x)
+                qq, sc = self.quantize(x.view(-1, G))
+                q[off:off + qq.numel()].copy_(qq.view(-1))
+                scales[soff:soff + sc.numel()].copy_(sc)
+        return self.max_body_nbytes(L, n, len(layers)), G  # fixed size: scales (aligned), then values
+
+    def _decode_into(self, body: torch.Tensor, hdr: FrameHeader, pool: KVPool, idx: torch.Tensor) -> None:
+        sbytes, elems = self.sizes(hdr, hdr.num_blocks, hdr.num_layers)
+        if hdr.body_nbytes != sbytes + elems:
+            raise ProtocolError(f"{self.name} frame body is {hdr.body_nbytes} bytes, its geometry makes "
+                                f"{sbytes + elems}")
+        body = body.to(pool.device)
+        if body.data_ptr() % 4:
+            body = body.clone()
+        scales, q = self._sections(body, hdr, hdr.num_blocks, hdr.num_layers)
+        k = self._kernels(pool)
+        if k is not None:
+            k.decode(self.kind, pool, idx, hdr.layers, self.group(hdr), scales, q)
+            return
+        G = self.group(hdr)
+        part_shape = layer_shape(hdr, 1)[2:]
+        pe = hdr.rows_per_part * hdr.head_dim
+        parts = [layer_parts(pool, layer) for layer in hdr.layers]
+        for i, p, j0, j1, off, soff in self._plan(hdr, hdr.num_blocks, hdr.num_layers):
+            dst = parts[i][p]
+            qq = q[off:off + (j1 - j0) * pe].view(-1, G)
+            x = self.dequantize(qq, scales[soff:soff + qq.shape[0]], dst.dtype)
+            dst[idx[j0:j1]] = x.view(j1 - j0, *part_shape)
+
+
+class Int8Codec(AbsmaxCodec):
+    """int8 with one absmax scale per token per head (2x smaller than 16-bit KV, plus scales)."""
+
+    name = "int8"
+    kind = "int8"
+    qdtype = torch.int8
+    quantize = staticmethod(quantize_int8)
+    dequantize = staticmethod(dequantize_int8)
+
+    def __init__(self, use_kernels: bool = True) -> None:
+        super().__init__(per_block=False, use_kernels=use_kernels)
+
+
+class FP8Codec(AbsmaxCodec):
+    """fp8 e4m3 with one scale per token per head, or (``per_block``) per part of a block."""
+
+    qdtype = torch.float8_e4m3fn
+    quantize = staticmethod(quantize_fp8)
+    dequantize = staticmethod(dequantize_fp8)
+
+    def __init__(self, per_block: bool = False, use_kernels: bool = True) -> None:
+        super().__init__(per_block=per_block, use_kernels=use_kernels)
+        self.name = "fp8-block" if per_block else "fp8"
+        self.kind = self.name
