@@ -36,6 +36,7 @@ from typing import Any, Optional, Sequence, Union
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
                      LayoutMismatch, LeaseError, LeaseExpired, PeerUnavailable, PoolError, ProtocolError,
                      StaleHandle, TransferCancelled, TransferTimeout)
+from .frames import FrameLoader, check_codec
 from .handle import KVHandle, lookup_ticket
 from .integrity import StreamVerifier, block_checksums, layer_checksums, unpack_sums
 from .lease import Claim, LeaseStore
@@ -200,6 +201,10 @@ class KVReceiver:
                 f"handle layout {h.layout_hash} != this pool's {self.pool.layout.compat_hash} "
                 f"({self.pool.layout.compat_key()})")
         idx = None if indices is None else [int(i) for i in indices]
+        if h.codec != "raw":
+            check_codec(h.codec)          # unknown, or its extra missing: refused here, never misread
+            if idx is not None:
+                raise ConfigError(f"a {h.codec}-coded handle is fetched whole (its frames hold every block)")
         dst = self._check_dst(dst_block_ids, h.num_blocks if idx is None else len(idx))
         if idx is not None and any(not 0 <= i < h.num_blocks for i in idx):
             raise PoolError(f"block index outside the {h.num_blocks}-block handle")
@@ -233,7 +238,7 @@ class KVReceiver:
                     j.claim = CLAIM_ME(self.claimer, self.claim_ttl)   # the sender claims as it serves
                 else:
                     j.claim = self._claim(j.store, j.h)
-            if j.h.layerwise:
+            if j.h.layerwise or j.h.codec != "raw":
                 self._move_layers(t, j)
             else:
                 spans = self._spans(j, t)
@@ -306,10 +311,14 @@ class KVReceiver:
         """A layer-wise handle: read whatever layers are ready, verify them, announce them."""
         L = self.pool.layout.num_layers
         made: list[Spans] = []
+        coded = FrameLoader(j.h.codec, self.pool, j.dst, j.h.layerwise) if j.h.codec != "raw" else None
 
-        def spans_for(lo: int, hi: int) -> Spans:
-            s = Spans.of_blocks(self.pool, j.dst, range(lo, hi))
-            if self.verify:
+        def spans_for(lo: int, hi: int, nbytes: int) -> Spans:
+            if coded is not None:         # frames land in a staging buffer, then decode into the blocks
+                s = coded.spans_for(lo, hi, nbytes)
+            else:
+                s = Spans.of_blocks(self.pool, j.dst, range(lo, hi))
+            if self.verify and coded is None:
                 s.verifier = StreamVerifier(self.pool, j.dst, range(lo, hi), per_layer=True)
             if t is not None:
                 s.cancel = t.cancel_event
@@ -335,12 +344,13 @@ class KVReceiver:
                     raise TransferTimeout(f"layer {done} of {j.h.request_id!r} not ready within "
                                           f"{self.timeout.transfer} s")
                 continue
-            bad = self._bad_layer_blocks(j, made[-1], chunk)
+            bad = self._bad_layer_blocks(j, made[-1], chunk, coded)
             if bad:
                 self.stats.add(refetches=1)
                 made.clear()
                 again = read(chunk.first, chunk.end)
-                bad = self._bad_layer_blocks(j, made[-1], again) if again.end == chunk.end else list(range(len(j.dst)))
+                bad = (self._bad_layer_blocks(j, made[-1], again, coded) if again.end == chunk.end
+                       else list(range(len(j.dst))))
                 if bad:
                     self.stats.add(integrity_failures=1)
                     j.res.failed_block_ids = [j.dst[k] for k in bad]
@@ -361,8 +371,15 @@ class KVReceiver:
             j.claim = claim
             self.stats.add(claimed=1)
 
-    def _bad_layer_blocks(self, j: _Job, spans: Spans, chunk: Chunk) -> list[int]:
-        """Positions (into ``j.dst``) with a layer whose checksum does not match."""
+    def _bad_layer_blocks(self, j: _Job, spans: Spans, chunk: Chunk, coded: Optional[FrameLoader] = None) -> list[int]:
+        """Positions (into ``j.dst``) with a layer whose checksum does not match; for coded
+        frames, decode them (each frame's body hash checked first: all blocks, or none)."""
+        if coded is not None:
+            try:
+                coded.decode(spans, chunk.first, chunk.end)
+            except IntegrityError:
+                return list(range(len(j.dst)))
+            return []
         if not self.verify or not chunk.sums:
             return []
         nb = len(j.dst)
@@ -455,7 +472,7 @@ class KVReceiver:
         self._claim_batch(jobs)
         groups: dict[str, list[tuple[_Job, ReadOp]]] = {}
         for j in jobs:
-            if j.res.error is None and not j.h.layerwise:
+            if j.res.error is None and not j.h.layerwise and j.h.codec == "raw":
                 groups.setdefault(j.h.urls[0], []).append((j, ReadOp(j.h, self._spans(j), claim=j.claim)))
         for url, ops in groups.items():
             self.transport(url).read_many(url, [op for _, op in ops])
@@ -473,7 +490,7 @@ class KVReceiver:
                     j.res.error = exc
         out = []
         for j in jobs:
-            if j.res.error is None and j.h.layerwise:
+            if j.res.error is None and (j.h.layerwise or j.h.codec != "raw"):
                 out.append(self._pull(None, j))
             else:
                 out.append(self._settle(j))

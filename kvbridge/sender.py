@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch,
                      LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle, TransferCancelled,
                      TransferTimeout)
+from .frames import FrameStore, check_codec
 from .handle import KVHandle, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
 from .logs import RateLimitedLog
@@ -73,6 +74,7 @@ class _Record:
     revoking: bool = False    # a revoke is on its way to Redis: nothing may free yet
     ready: int = 0            # layers 0..ready-1 are final
     sums: list[list[int]] = field(default_factory=list)   # layer-wise: per layer, per block
+    frames: Optional[FrameStore] = None                   # a coded handle's frames
 
 
 @dataclass
@@ -120,7 +122,9 @@ class KVSender:
                  on_free: Optional[Callable[[KVHandle, FreeReason], None]] = None,
                  checksums: bool = True, leases: LeasesArg = None, owner: Optional[str] = None,
                  lease_namespace: str = "kvb", clock_margin: float = 1.0, retry: Retry = Retry(),
-                 claim_ttl: float = 30.0) -> None:
+                 claim_ttl: float = 30.0, codec: str = "raw") -> None:
+        check_codec(codec)
+        self.codec = codec
         self.pool = pool
         self.servers: list[Server] = []
         self._closed = False
@@ -181,15 +185,19 @@ class KVSender:
 
     # -- prefill side --------------------------------------------------------------------
     def publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int,
-                ttl: Optional[float] = None, layers_ready: Optional[int] = None) -> KVHandle:
+                ttl: Optional[float] = None, layers_ready: Optional[int] = None,
+                codec: Optional[str] = None) -> KVHandle:
         """Hand ``block_ids`` (holding ``num_tokens`` tokens of ``request_id``) to a receiver.
 
         ``layers_ready=n`` publishes before the prefill has finished: only layers ``0..n-1``
-        are final; :meth:`mark_ready` announces the rest."""
-        return self._publish(request_id, block_ids, num_tokens, ttl, layers_ready, leased=True)
+        are final; :meth:`mark_ready` announces the rest. ``codec`` (default: the sender's)
+        encodes the blocks (``lz4``, ``zstd``, ``int8``, ``fp8``, ...; see
+        :mod:`kvbridge.codecs`); the signed handle names it and receivers decode it."""
+        return self._publish(request_id, block_ids, num_tokens, ttl, layers_ready, leased=True,
+                             codec=self.codec if codec is None else codec)
 
     def _publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl: Optional[float],
-                 layers_ready: Optional[int], leased: bool) -> KVHandle:
+                 layers_ready: Optional[int], leased: bool, codec: str = "raw") -> KVHandle:
         ids = [int(b) for b in block_ids]
         if len(set(ids)) != len(ids):
             raise PoolError("publish: duplicate block ids")
@@ -206,14 +214,22 @@ class KVSender:
         if layerwise and not 0 <= int(layers_ready) <= L.num_layers:  # type: ignore[arg-type]
             raise ConfigError(f"layers_ready={layers_ready} outside 0..{L.num_layers}")
         ttl = self.ttl if ttl is None else ttl
+        check_codec(codec)
         if self.pool.engine_allocated:
             self.pool.pin(ids)
+        frames: Optional[FrameStore] = None
         try:
+            if codec != "raw":   # frames carry their own body hashes: no per-block checksums
+                frames = FrameStore(codec, self.pool, ids, layerwise,
+                                    shared=any(u.startswith("shm:") for u in self.urls))
+                if not layerwise:
+                    frames.encode(range(L.num_layers))
             bare = KVHandle(
                 handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash,
                 urls=self.urls, block_ids=tuple(ids), generations=tuple(self.pool.generations(ids)),
-                checksums=tuple(block_checksums(self.pool, ids)) if self.checksums and not layerwise else (),
-                num_tokens=num_tokens, token=os.urandom(16), layerwise=layerwise)
+                checksums=(tuple(block_checksums(self.pool, ids)) if self.checksums and not layerwise
+                           and frames is None else ()),
+                num_tokens=num_tokens, codec=codec, token=os.urandom(16), layerwise=layerwise)
             sent_at = time.monotonic()
             expires_at_ms = int((time.time() + ttl) * 1000)
             if self.leases is not None and leased:
@@ -222,12 +238,15 @@ class KVSender:
                 bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
                                fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
         except BaseException:
+            if frames is not None:
+                frames.close()
             if self.pool.engine_allocated:
                 self.pool.unpin(ids)
             raise
         handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
         deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
-        rec = _Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers)
+        rec = _Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers,
+                      frames=frames)
         with self._lock:
             if self._closed:
                 closed = True
@@ -266,8 +285,12 @@ class KVSender:
         start = rec.ready
         if layers <= start:
             return rec.live
-        new = ([layer_checksums(self.pool, rec.block_ids, range(i, i + 1)) for i in range(start, layers)]
-               if self.checksums else [[] for _ in range(start, layers)])
+        if rec.frames is not None:         # a coded handle: its frames carry their own hashes
+            rec.frames.encode(range(start, layers))
+            new: list[list[int]] = [[] for _ in range(start, layers)]
+        else:
+            new = ([layer_checksums(self.pool, rec.block_ids, range(i, i + 1)) for i in range(start, layers)]
+                   if self.checksums else [[] for _ in range(start, layers)])
         with self._ready_cv:
             if rec.ready != start:           # a concurrent call got there first
                 return rec.live
@@ -337,12 +360,16 @@ class KVSender:
         L = self.pool.layout.num_layers
         lo = hi = 0
         if layers is not None:
-            if not rec.handle.layerwise:
-                raise ProtocolError("layer reads are for layer-wise handles; read this one whole")
+            if not (rec.handle.layerwise or rec.frames is not None):
+                raise ProtocolError("layer reads are for layer-wise or coded handles; read this one whole")
             lo = layers[0]
             if not lo < L:
                 raise ProtocolError(f"layer {lo} outside a {L}-layer handle")
+            if rec.frames is not None and indices is not None:
+                raise ProtocolError("a coded handle is read whole: its frames hold every block")
             hi = self._wait_layers(rec, lo, min(layers[1], L))
+            if rec.frames is not None and not rec.handle.layerwise:
+                hi = L                          # one frame holds every layer
         with self._lock:
             if not rec.live:
                 self.stats.add(refused=1)
@@ -350,12 +377,14 @@ class KVSender:
             if self.pool.generations(rec.block_ids) != list(rec.handle.generations):
                 self.stats.add(refused=1)
                 raise StaleHandle(f"blocks of handle {rec.handle.id} were freed and reused")
-            if layers is None and rec.ready < L:
-                raise ProtocolError("this layer-wise handle is not complete yet: read it layer by layer")
+            if layers is None and (rec.ready < L or rec.frames is not None):
+                raise ProtocolError("layer-wise and coded handles are read by layer range")
             rec.inflight += 1
         try:
             sums = b""
-            if layers is not None:
+            if layers is not None and rec.frames is not None:
+                spans = rec.frames.spans(lo, hi)
+            elif layers is not None:
                 spans = Spans.of_blocks(self.pool, ids, range(lo, hi))
                 if self.checksums and hi > lo:
                     sel = rec.sums[lo:hi] if indices is None else [[s[i] for i in indices] for s in rec.sums[lo:hi]]
@@ -547,6 +576,8 @@ class KVSender:
             self.pool.free(rec.block_ids)
         except PoolError as exc:   # the engine freed them behind our back
             log.error("freeing blocks of %s: %s", rec.handle.request_id, exc)
+        if rec.frames is not None:
+            rec.frames.close()
         n = len(rec.block_ids)
         self.stats.add(**{rec.reason: 1, f"blocks_{rec.reason}": n, "blocks_freed": n})
         if self.on_free is not None:

@@ -195,9 +195,8 @@ class Transfer:
         ended without it (``result()`` says why) or ``timeout`` passed."""
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside 0..{self.num_layers - 1}")
-        if not self._taken and self._job is not None:
-            # Not picked up yet: run it here (it is this thread's to wait for anyway).
-            self._run()
+        # Never run the transfer here: this thread wants layer i as soon as it lands, not after
+        # the last one. A worker picks it up (``workers=`` bounds how many run at once).
         with self._cv:
             self._cv.wait_for(lambda: self._layers > layer or self.done(), timeout)
             return self._layers > layer and self._state is not TransferState.FAILED \

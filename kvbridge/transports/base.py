@@ -28,11 +28,13 @@ from ..policy import Timeout
 from ..lease.base import Claim
 
 if TYPE_CHECKING:
+    import torch
+
     from ..integrity import StreamVerifier
     from ..transfer import Flag
     from ..pool import KVPool
 
-__all__ = ["Run", "Spans", "ReadGrant", "WriteGrant", "BlockSource", "BlockSink", "Server", "Transport",
+__all__ = ["Run", "Spans", "Staging", "ReadGrant", "WriteGrant", "BlockSource", "BlockSink", "Server", "Transport",
            "ReadOp", "Chunk", "SpansFor", "Claim", "copy_runs", "total"]
 
 # (address, nbytes): a contiguous run of host memory
@@ -91,6 +93,40 @@ class Spans:
             addrs = self.pool.buffer_addresses()
             self._runs = [(addrs[b] + o, n) for b, o, n in self.segments]
         return self._runs
+
+
+class Staging:
+    """A byte buffer that transports move like pool memory: codec frames, in canonical order.
+
+    It answers what :class:`Spans` asks of a pool (``host_views``, ``buffer_addresses``,
+    ``buffers``, ``is_host``) and, when it lives in shared memory, what ``shm://`` asks
+    (``segment``, ``buffer_offsets``)."""
+
+    def __init__(self, data: "torch.Tensor", segment: Any = None) -> None:
+        self.buffers = [data]
+        self.device = data.device
+        self.segment = segment
+        self.buffer_offsets = [0]
+        self._views: Optional[list[memoryview]] = None
+
+    @property
+    def is_host(self) -> bool:
+        return self.device.type == "cpu"
+
+    def host_views(self) -> list[memoryview]:
+        if self._views is None:
+            t = self.buffers[0]
+            n = t.numel()
+            self._views = [memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B") if n
+                           else memoryview(bytearray(0))]
+        return self._views
+
+    def buffer_addresses(self) -> list[int]:
+        return [self.buffers[0].data_ptr()]
+
+    def spans(self, pieces: Sequence[tuple[int, int]]) -> "Spans":
+        """Spans of (offset, nbytes) pieces of the buffer, in order."""
+        return Spans(self, [(0, o, n) for o, n in pieces if n])  # type: ignore[arg-type]
 
 
 def total(runs: Sequence[Run]) -> int:
@@ -220,7 +256,7 @@ class Chunk:
     claim: Optional[Claim] = None
 
 
-SpansFor = Callable[[int, int], Spans]   # destination memory of layers [first, end)
+SpansFor = Callable[[int, int, int], Spans]   # destination of layers [first, end), given the bytes that come
 
 
 class Transport(abc.ABC):
@@ -247,9 +283,10 @@ class Transport(abc.ABC):
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
-        """Read the ready layers of a layer-wise handle from ``first`` (below ``end``); the
-        sender waits, bounded, for ``first`` to be ready. ``spans_for(first, end)`` gives the
-        destination of the layers actually served."""
+        """Read the ready layers of a layer-wise (or coded) handle from ``first`` (below
+        ``end``); the sender waits, bounded, for ``first`` to be ready. ``spans_for(first,
+        end, nbytes)`` gives the destination of the layers actually served (``nbytes``: what
+        the sender offers; coded frames vary in size, raw layers must match exactly)."""
         raise ConfigError(f"{self.scheme}:// does not support layer-wise handles")
 
     def read_many(self, url: str, ops: list[ReadOp]) -> list[ReadOp]:

@@ -76,7 +76,7 @@ class InprocTransport(Transport):
         grant = self._endpoint(url, "open_read").open_read(handle.to_bytes(), indices, claim, (first, end))
         try:
             lo, hi = grant.layers
-            return Chunk(lo, hi, grant.sums, _copy(spans_for(lo, hi), grant.spans), grant.claim)
+            return Chunk(lo, hi, grant.sums, _copy(spans_for(lo, hi, grant.spans.nbytes), grant.spans), grant.claim)
         finally:
             grant.close()
 

@@ -274,7 +274,8 @@ class ShmTransport(Transport):
             got = _claim_of(body, claim)
             lo, hi, sums, used = decode_layers(body[FENCE.size:], nb, (first, end))
             seg, runs = self._runs(body, FENCE.size + used, False)
-            return Chunk(lo, hi, sums, self._copy_in(spans_for(lo, hi), seg, runs), got), b""
+            dst = spans_for(lo, hi, sum(n for _, n in runs))
+            return Chunk(lo, hi, sums, self._copy_in(dst, seg, runs), got), b""
         return self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
                               move, Kind.DONE, f"map layers of {url}")  # type: ignore[no-any-return]
 

@@ -145,7 +145,7 @@ class TCPTransport(Transport):
             nb = len(indices) if indices is not None else handle.num_blocks
             lo, hi, sums, used = decode_layers(head, nb, (first, end))
             used += FENCE.size
-            dst = spans_for(lo, hi)
+            dst = spans_for(lo, hi, length - used)
             if length - used != dst.nbytes:
                 raise ProtocolError(f"{what}: sender offers {length - used} bytes, destination holds {dst.nbytes}")
             n = _recv_into(sock, dst)

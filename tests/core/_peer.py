@@ -27,18 +27,24 @@ LISTEN = {"inproc": "inproc://", "tcp": "tcp://127.0.0.1:0", "shm": "shm://"}
 
 
 # -- pool contents ----------------------------------------------------------------------------
-def fill_pool(pool: KVPool, seed: int) -> None:
-    """Deterministic pseudo-random bytes in every buffer (any dtype; NaN patterns included)."""
+def fill_pool(pool: KVPool, seed: int, normal: bool = False) -> None:
+    """Deterministic pseudo-random bytes in every buffer (any dtype; NaN patterns included),
+    or with ``normal`` standard-normal values (what KV looks like to a quantizer)."""
+    if normal:
+        for i, buf in enumerate(pool.buffers):
+            g = torch.Generator().manual_seed(seed * 1009 + i)
+            buf.copy_(torch.randn(buf.shape, generator=g).to(buf.dtype))
+        return
     for i, buf in enumerate(pool.buffers):
         flat = buf.view(-1).view(torch.uint8)
         g = torch.Generator().manual_seed(seed * 1009 + i)
         flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=g))
 
 
-def reference_pool(layout: KVLayout, num_blocks: int, seed: int) -> KVPool:
+def reference_pool(layout: KVLayout, num_blocks: int, seed: int, normal: bool = False) -> KVPool:
     """What a sender created with (layout, num_blocks, seed) holds, rebuilt locally."""
     p = KVPool.allocate(layout, num_blocks)
-    fill_pool(p, seed)
+    fill_pool(p, seed, normal)
     return p
 
 
@@ -131,12 +137,12 @@ class SenderHost:
 
     def op_new_sender(self, layout: dict, num_blocks: int, listen: str, seed: int, ttl: float = 60.0,
                       secret: Optional[str] = None, reserve_all: bool = False,
-                      timeout: Optional[dict] = None, allocator: str = "kvbridge") -> dict:
+                      timeout: Optional[dict] = None, allocator: str = "kvbridge", normal: bool = False) -> dict:
         self._n += 1
         sid = f"s{self._n}"
         L = KVLayout.from_dict(layout)
         pool = KVPool.allocate(L, num_blocks, shared=listen.startswith("shm:"), allocator=allocator)
-        fill_pool(pool, seed)
+        fill_pool(pool, seed, normal)
         if reserve_all and allocator == "kvbridge":
             pool.alloc(num_blocks)
         ev: list[list[Any]] = []
@@ -152,8 +158,10 @@ class SenderHost:
         return self.pools[sid].alloc(n)
 
     def op_publish(self, sid: str, request_id: str, block_ids: list[int], num_tokens: int,
-                   ttl: Optional[float] = None, layers_ready: Optional[int] = None) -> str:
-        h = self.senders[sid].publish(request_id, block_ids, num_tokens, ttl=ttl, layers_ready=layers_ready)
+                   ttl: Optional[float] = None, layers_ready: Optional[int] = None,
+                   codec: Optional[str] = None) -> str:
+        h = self.senders[sid].publish(request_id, block_ids, num_tokens, ttl=ttl, layers_ready=layers_ready,
+                                      codec=codec)
         self.handles[h.id] = h
         return base64.b64encode(h.to_bytes()).decode()
 
@@ -175,6 +183,12 @@ class SenderHost:
     def op_push_state(self, push_id: str) -> dict:
         t = self.pushes[push_id]
         return {"state": t.state.value, "layers_done": t.layers_done}
+
+    def op_corrupt_frames(self, sid: str, handle_id: str) -> None:
+        """Flip a byte in the body of every codec frame a coded handle holds (after their hashes)."""
+        rec = self.senders[sid]._records[bytes.fromhex(handle_id)]
+        for off, n in rec.frames.pieces:
+            rec.frames.data[off + n - 1] ^= 0xFF
 
     def op_retire(self, sid: str, block_ids: list[int]) -> list[int]:
         return self.pools[sid].retire(block_ids)

@@ -37,10 +37,11 @@ class PeerSender:
     seed: int
 
     def publish(self, block_ids: list[int], request_id: str = "req", num_tokens: Optional[int] = None,
-                ttl: Optional[float] = None, layers_ready: Optional[int] = None) -> KVHandle:
+                ttl: Optional[float] = None, layers_ready: Optional[int] = None,
+                codec: Optional[str] = None) -> KVHandle:
         n = len(block_ids) * self.layout.block_size if num_tokens is None else num_tokens
         raw = self.peer.publish(sid=self.sid, request_id=request_id, block_ids=list(block_ids),
-                                num_tokens=n, ttl=ttl, layers_ready=layers_ready)
+                                num_tokens=n, ttl=ttl, layers_ready=layers_ready, codec=codec)
         return KVHandle.from_bytes(base64.b64decode(raw))
 
     def mark_ready(self, handle_id: str, layers: int) -> None:
@@ -90,11 +91,12 @@ def make_sender(peer: Any, scheme: str) -> Iterator[Any]:
     made: list[PeerSender] = []
 
     def make(layout: KVLayout, num_blocks: int, *, ttl: float = 60.0, secret: Optional[bytes] = None,
-             reserve_all: bool = True, timeout: Optional[dict] = None, allocator: str = "kvbridge") -> PeerSender:
+             reserve_all: bool = True, timeout: Optional[dict] = None, allocator: str = "kvbridge",
+             normal: bool = False) -> PeerSender:
         seed = next(_seeds)
         info = peer.new_sender(layout=layout.to_dict(), num_blocks=num_blocks, listen=LISTEN[scheme],
                                seed=seed, ttl=ttl, secret=secret.hex() if secret else None,
-                               reserve_all=reserve_all, timeout=timeout, allocator=allocator)
+                               reserve_all=reserve_all, timeout=timeout, allocator=allocator, normal=normal)
         s = PeerSender(peer, info["sid"], info["url"], layout, num_blocks, seed)
         made.append(s)
         return s

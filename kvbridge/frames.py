@@ -1,0 +1,117 @@
+"""Codec frames of a published handle: where a coded handle's bytes live until they are read.
+
+A handle published with a codec other than ``raw`` is encoded once -- at publish for a whole
+handle (one frame for all layers), at ``mark_ready`` for a layer-wise one (one frame per
+layer) -- into one staging buffer, in shared memory when the sender serves ``shm://``.
+Transports move frames like pool memory (:class:`~kvbridge.transports.base.Staging`); every
+frame carries its header and a hash of its body, which the receiver checks as it decodes.
+Frames vary in size, so coded handles are always read by layer range, whose reply says how
+many bytes follow.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from typing import Sequence
+
+import torch
+
+from .codecs import HEADER_NBYTES, get_codec
+from .codecs.base import _HEADER
+from .codecs.registry import decode_frame
+from .errors import ConfigError, ProtocolError
+from .pool import KVPool, SharedSegment
+from .transports.base import Spans, Staging
+
+__all__ = ["FrameStore", "FrameLoader", "check_codec"]
+
+
+def check_codec(name: str) -> None:
+    """Refuse an unknown codec, or one whose optional dependency is missing, with a clear error."""
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"codec must be a codec name, got {name!r}")
+    get_codec(name)
+
+
+class FrameStore:
+    """The frames of one handle's blocks in one staging buffer."""
+
+    def __init__(self, codec: str, pool: KVPool, block_ids: Sequence[int], layerwise: bool, shared: bool) -> None:
+        self.codec = get_codec(codec)
+        self.pool = pool
+        self.ids = list(block_ids)
+        self.layerwise = layerwise
+        L = pool.layout
+        self.per = -(-self.codec.max_encoded_nbytes(L, len(self.ids), 1 if layerwise else L.num_layers) // 16) * 16
+        cap = self.per * (L.num_layers if layerwise else 1)
+        dev = self.codec.output_device(pool)
+        self.segment = None
+        if shared and dev.type == "cpu":
+            self.segment = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", max(cap, 1), create=True)
+            data = self.segment.tensor()[:cap]
+        else:
+            data = torch.empty(cap, dtype=torch.uint8, device=dev)
+        self.data = data
+        self.staging = Staging(data, self.segment)
+        self.pieces: list[tuple[int, int]] = []          # (offset, nbytes) of each frame so far
+
+    def encode(self, layers: range) -> None:
+        """Encode ``layers`` (layer-wise: one frame each; whole handle: all layers at once)."""
+        steps = [range(i, i + 1) for i in layers] if self.layerwise else [layers]
+        for rng in steps:
+            off = len(self.pieces) * self.per
+            frame = self.codec.encode(self.pool, self.ids, rng, out=self.data[off:off + self.per])
+            self.pieces.append((off, frame.nbytes))
+
+    def spans(self, lo: int, hi: int) -> Spans:
+        """The frames of layers [lo, hi) in order (a whole handle: its one frame, from layer 0)."""
+        if not self.layerwise:
+            if lo != 0:
+                raise ProtocolError("a coded handle published whole is read from layer 0")
+            return self.staging.spans(self.pieces[:1])
+        return self.staging.spans(self.pieces[lo:hi])
+
+    def close(self) -> None:
+        self.staging.buffers = []
+        if self.segment is not None:
+            self.segment.close()
+
+
+class FrameLoader:
+    """The receiving side: a buffer for the frames a layer read brings, then their decode."""
+
+    def __init__(self, codec: str, pool: KVPool, dst: Sequence[int], layerwise: bool) -> None:
+        self.codec_name = codec
+        self.codec = get_codec(codec)
+        self.pool = pool
+        self.dst = list(dst)
+        self.layerwise = layerwise
+
+    def spans_for(self, lo: int, hi: int, nbytes: int) -> Spans:
+        L = self.pool.layout
+        most = (self.codec.max_encoded_nbytes(L, len(self.dst), 1) * (hi - lo) if self.layerwise
+                else self.codec.max_encoded_nbytes(L, len(self.dst), L.num_layers))
+        if not 0 < nbytes <= most:
+            raise ProtocolError(f"sender offers {nbytes} bytes of {self.codec_name} frames for layers "
+                                f"[{lo}, {hi}); at most {most} can be genuine")
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        return Staging(buf).spans([(0, nbytes)])
+
+    def decode(self, spans: Spans, lo: int, hi: int) -> None:
+        """Decode the frames that landed into the destination blocks (header and body hash
+        checked first: IntegrityError for corrupted bytes, ProtocolError for malformed ones)."""
+        buf = spans.pool.buffers[0]
+        pos = 0
+        steps = [range(i, i + 1) for i in range(lo, hi)] if self.layerwise else [range(lo, hi)]
+        for rng in steps:
+            if pos + HEADER_NBYTES > buf.numel():
+                raise ProtocolError("coded chunk ends inside a frame header")
+            head = bytes(buf[pos:pos + HEADER_NBYTES].numpy())
+            n = HEADER_NBYTES + _HEADER.unpack(head)[15]       # body size; decode_frame checks the rest
+            if pos + n > buf.numel():
+                raise ProtocolError("coded chunk ends inside a frame")
+            decode_frame(buf[pos:pos + n], self.pool, self.dst, rng, expect_codec=self.codec_name)
+            pos += n
+        if pos != buf.numel():
+            raise ProtocolError(f"coded chunk has {buf.numel() - pos} bytes after its frames")
