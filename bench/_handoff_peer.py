@@ -219,12 +219,18 @@ class PrefillPeer:
         self._on_layer: Optional[Callable[[int], None]] = None
 
     def cmd_setup(self, host: str, model: str, max_tokens: int, threads: int,
-                  bucket: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+                  bucket: Optional[dict[str, Any]] = None, layer_wait: Optional[float] = None) -> dict[str, Any]:
         if bucket:
             TokenBucket(**bucket).install()
         import torch
         torch.set_num_threads(threads)
+        import kvbridge.sender
         from kvbridge import KVPool, KVSender
+        default_wait = kvbridge.sender.LAYER_WAIT
+        if layer_wait:
+            # Workaround (see bench.handoff): a tcp layer read that finds no layer ready within
+            # LAYER_WAIT is answered with an empty layer range, which the tcp client rejects.
+            kvbridge.sender.LAYER_WAIT = layer_wait
         from kvbridge.workers.engine import Engine
         from kvbridge.workers.model import CausalLM
         self.model = CausalLM.from_seed(model)
@@ -242,7 +248,8 @@ class PrefillPeer:
             layer.register_forward_hook(lambda mod, args, out, i=i: self._hook(i))
         return {"url": self.sender.url, "plain_port": self.plain.port, "layout": layout.to_dict(),
                 "num_layers": self.L, "block_size": self.bs, "block_nbytes": layout.block_nbytes,
-                "kv_bytes_per_token": layout.block_nbytes // self.bs, "pid": os.getpid()}
+                "kv_bytes_per_token": layout.block_nbytes // self.bs, "pid": os.getpid(),
+                "layer_wait_default_s": default_wait, "layer_wait_s": kvbridge.sender.LAYER_WAIT}
 
     def cmd_connect(self, host: str, port: int) -> None:
         self.ctl = Ctl(socket.create_connection((host, port), timeout=60))

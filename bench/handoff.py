@@ -33,6 +33,15 @@ ceiling rotate their order each round. Leases are off (``leases=False``): this m
 the data path on the link; lease round trips are measured by ``bench/lease_fetch.py``.
 Both sides use the monotonic clock, which every process on the machine shares.
 
+Workaround, on by default: over tcp, a layer read that finds no new layer ready within
+``kvbridge.sender.LAYER_WAIT`` (0.25 s) is answered with an empty layer range, which the
+tcp client rejects as a ``ProtocolError``, failing the fetch -- so a layer-wise pull
+fails whenever one layer takes longer than that to compute (here: prompts of about
+2k tokens and more). The prefill process raises ``LAYER_WAIT`` to 10 s
+(``--sender-layer-wait``; 0 keeps the library's value and shows the failure). The wait
+ends as soon as ``mark_ready`` announces the layer, so it does not change the timing of
+layers that become ready within it; the output records the value used.
+
 Run (root, for the namespaces)::
 
     python -m bench.handoff [--quick] [--reps N] [--buckets 256,2048,4096]
@@ -63,6 +72,7 @@ MODES = ("whole", "layerwise", "push")
 SCRATCH = "/tmp/kvbridge-bench/handoff"
 LAYERWISE_TARGET = 2.0          # whole-handle pull exposed / layer-wise exposed, prompts >= 2k tokens
 LAYERWISE_MIN_TOKENS = 2048
+LAYER_WAIT_WORKAROUND = 10.0    # seconds; see the module doc
 
 
 def log(msg: str) -> None:
@@ -239,7 +249,8 @@ class Peer:
 
 class Bench:
     def __init__(self, buckets: list[int], reps: int, model: str, link: str, rate: str, burst: str,
-                 latency: str, threads: int, pings: int) -> None:
+                 latency: str, threads: int, pings: int, layer_wait: float = 0.0) -> None:
+        self.layer_wait = layer_wait
         self.buckets, self.reps, self.model = buckets, reps, model
         self.link_arg, self.rate, self.burst, self.latency = link, rate, burst, latency
         self.threads, self.pings = threads, pings
@@ -276,7 +287,7 @@ class Bench:
             peers.append(dec)
             maxtok = max(self.buckets)
             p = pre.call("setup", host=link.ip[0], model=self.model, max_tokens=maxtok, threads=self.threads,
-                         bucket=bucket)
+                         bucket=bucket, layer_wait=self.layer_wait or None)
             d = dec.call("setup", host=link.ip[1], layout=p["layout"], max_tokens=maxtok, bucket=bucket)
             dec.send("accept")
             pre.call("connect", host=link.ip[1], port=d["ctl_port"])
@@ -285,7 +296,12 @@ class Bench:
             self.L, self.bs, self.block_nbytes = p["num_layers"], p["block_size"], p["block_nbytes"]
             self.info.update(model=self.model, num_layers=self.L, block_size=self.bs,
                              kv_bytes_per_token=p["kv_bytes_per_token"], layout=p["layout"],
-                             sender_url=p["url"], receiver_url=d["url"], prefill_threads=self.threads)
+                             sender_url=p["url"], receiver_url=d["url"], prefill_threads=self.threads,
+                             sender_layer_wait_s=p["layer_wait_s"],
+                             sender_layer_wait_default_s=p["layer_wait_default_s"])
+            if self.layer_wait:
+                log(f"[workaround] kvbridge.sender.LAYER_WAIT {p['layer_wait_default_s']} s -> "
+                    f"{p['layer_wait_s']} s in the prefill process (see --sender-layer-wait)")
             log(f"[model {self.model}] {self.L} layers, KV {p['kv_bytes_per_token']} B/token "
                 f"({p['kv_bytes_per_token'] // self.L} B/token/layer)")
             # Warm-up: one trial of each mode and a ceiling per bucket, discarded.
@@ -468,12 +484,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--latency", default="50ms", help="tbf latency (queue bound)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the prefill worker")
     ap.add_argument("--pings", type=int, default=21, help="1-byte round trips per ceiling measurement")
+    ap.add_argument("--sender-layer-wait", type=float, default=LAYER_WAIT_WORKAROUND,
+                    help="set kvbridge.sender.LAYER_WAIT in the prefill process (0: leave the library's value); "
+                         f"default {LAYER_WAIT_WORKAROUND} s, a workaround: see the module doc")
     ap.add_argument("--out", default=SCRATCH, help=f"output path without extension (default {SCRATCH})")
     a = ap.parse_args(argv)
     buckets = ([int(x) for x in a.buckets.split(",")] if a.buckets
                else [256, 512] if a.quick else [256, 2048, 4096])
     reps = a.reps or (1 if a.quick else 7)
-    b = Bench(buckets, reps, a.model, a.link, a.rate, a.burst, a.latency, a.threads, a.pings)
+    b = Bench(buckets, reps, a.model, a.link, a.rate, a.burst, a.latency, a.threads, a.pings,
+              a.sender_layer_wait)
     b.run()
     emit(b, a.out)
     return 0
