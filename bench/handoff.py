@@ -3,7 +3,11 @@
 A prefill worker and a decode worker run in two processes, each in its own network
 namespace, joined by a veth pair shaped with ``tc qdisc ... tbf rate 10gbit`` on both
 ends (this benchmark creates the namespaces, the pair and the qdiscs, and removes all
-of them on exit, Ctrl-C and errors included). No delay is added: ``netem`` is not in
+of them on exit, Ctrl-C and errors included). In those namespaces TCP slow start after
+idle is off (``net.ipv4.tcp_slow_start_after_idle=0``, as for long-lived RPC connections;
+``--slow-start-after-idle`` leaves it on): otherwise every connection idle for a prefill
+restarts from a small window, which slows the whole-handle pull and the ceiling alike.
+No delay is added: ``netem`` is not in
 this kernel, and the veth's own round trip (measured, reported) is the link latency.
 Where namespaces cannot be made (not root, or no ``ip``), both processes stay in this
 namespace on 127.0.0.1 and every send of each process passes an in-process token
@@ -96,7 +100,8 @@ class NetnsLink:
 
     kind = "netns"
 
-    def __init__(self, rate: str, burst: str, latency: str) -> None:
+    def __init__(self, rate: str, burst: str, latency: str, slow_start_after_idle: bool = False) -> None:
+        self.ssai = slow_start_after_idle
         tag = f"kvbh{os.getpid() % 100000}"
         self.ns = (f"{tag}p", f"{tag}d")
         self.dev = (f"{tag}a", f"{tag}b")
@@ -121,6 +126,9 @@ class NetnsLink:
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                      "rate", rate, "burst", burst, "latency", latency)
+                # Per-namespace: whether TCP restarts slow start on a connection idle for an RTO.
+                _run("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                     f"net.ipv4.tcp_slow_start_after_idle={int(slow_start_after_idle)}")
             self.qdiscs = [subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", dev],
                                           capture_output=True, text=True, timeout=30).stdout.strip()
                            for ns, dev in zip(self.ns, self.dev)]
@@ -144,7 +152,8 @@ class NetnsLink:
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "namespaces": list(self.ns), "veth": list(self.dev), "addresses": list(self.ip),
                 "qdisc": f"tbf rate {self.rate} burst {self.burst} latency {self.latency} on both ends",
-                "tc_show": getattr(self, "qdiscs", []), "added_delay": "none (netem is not in this kernel)"}
+                "tc_show": getattr(self, "qdiscs", []), "added_delay": "none (netem is not in this kernel)",
+                "tcp_slow_start_after_idle": int(self.ssai)}
 
     def close(self) -> None:
         if self._closed:
@@ -174,7 +183,11 @@ class BucketLink:
         return []
 
     def describe(self) -> dict[str, Any]:
-        return {"kind": self.kind, "addresses": list(self.ip), "why": self.why,
+        try:
+            ssai: Any = int(Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text())
+        except OSError:
+            ssai = None
+        return {"kind": self.kind, "addresses": list(self.ip), "why": self.why, "tcp_slow_start_after_idle": ssai,
                 "shaping": f"in-process token bucket per peer process: {self.bucket['rate_bytes_s'] * 8 / 1e9:g} "
                            f"Gbit/s, burst {self.bucket['burst']} B, every send cut into 64 KiB pieces "
                            "that wait for their tokens before they are sent (loopback underneath)",
@@ -249,7 +262,9 @@ class Peer:
 
 class Bench:
     def __init__(self, buckets: list[int], reps: int, model: str, link: str, rate: str, burst: str,
-                 latency: str, threads: int, pings: int, layer_wait: float = 0.0) -> None:
+                 latency: str, threads: int, pings: int, layer_wait: float = 0.0,
+                 slow_start_after_idle: bool = False) -> None:
+        self.ssai = slow_start_after_idle
         self.layer_wait = layer_wait
         self.buckets, self.reps, self.model = buckets, reps, model
         self.link_arg, self.rate, self.burst, self.latency = link, rate, burst, latency
@@ -263,12 +278,13 @@ class Bench:
         if self.link_arg == "netns" and why:
             raise SystemExit(f"--link netns: cannot make namespaces here ({why})")
         if self.link_arg == "netns" or (self.link_arg == "auto" and why is None):
-            return NetnsLink(self.rate, self.burst, self.latency)
+            return NetnsLink(self.rate, self.burst, self.latency, self.ssai)
         return BucketLink(parse_rate(self.rate), parse_size(self.burst),
                           why or "asked for with --link bucket")
 
     def run(self) -> None:
         t_start = time.perf_counter()
+        self.info["loadavg_at_start"] = os.getloadavg()
         link = self._make_link()
         peers: list[Peer] = []
         old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
@@ -427,10 +443,14 @@ class Bench:
         link = self.info.get("link", {})
         shaping = link.get("qdisc") or link.get("shaping")
         kvb = self.info.get("kv_bytes_per_token", 0)
-        lines = [f"Link: **{link.get('kind')}** — {shaping}; added delay: {link.get('added_delay')}.",
+        lines = [f"Link: **{link.get('kind')}** — {shaping}; added delay: {link.get('added_delay')}; "
+                 f"tcp_slow_start_after_idle={link.get('tcp_slow_start_after_idle')}."
+                 + (f" Namespaces could not be made: {link['why']}." if link.get("why") else ""),
                  f"Model `{self.model}`: {self.info.get('num_layers')} layers, KV {kvb} B/token "
                  f"({kvb // max(1, self.info.get('num_layers') or 1)} B/token/layer); {self.reps} rounds; "
-                 "medians [min–max]; leases off.", "",
+                 f"medians [min–max]; leases off. Load average at start / end: "
+                 f"{self.info.get('loadavg_at_start', (0,))[0]:.1f} / {os.getloadavg()[0]:.1f} "
+                 f"on {os.cpu_count()} CPUs.", "",
                  "| prompt tokens | KV | prefill ms | link: whole KV ms | link: one layer ms | link RTT µs | "
                  "whole pull ms (× link) | layer-wise pull ms (× link) | push ms (× link) |",
                  "|---:|---:|---:|---:|---:|---:|---|---|---|"]
@@ -487,13 +507,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--sender-layer-wait", type=float, default=LAYER_WAIT_WORKAROUND,
                     help="set kvbridge.sender.LAYER_WAIT in the prefill process (0: leave the library's value); "
                          f"default {LAYER_WAIT_WORKAROUND} s, a workaround: see the module doc")
+    ap.add_argument("--slow-start-after-idle", action="store_true",
+                    help="leave TCP slow start after idle on in the namespaces (default: off, a warm link)")
     ap.add_argument("--out", default=SCRATCH, help=f"output path without extension (default {SCRATCH})")
     a = ap.parse_args(argv)
     buckets = ([int(x) for x in a.buckets.split(",")] if a.buckets
                else [256, 512] if a.quick else [256, 2048, 4096])
     reps = a.reps or (1 if a.quick else 7)
     b = Bench(buckets, reps, a.model, a.link, a.rate, a.burst, a.latency, a.threads, a.pings,
-              a.sender_layer_wait)
+              a.sender_layer_wait, a.slow_start_after_idle)
     b.run()
     emit(b, a.out)
     return 0
