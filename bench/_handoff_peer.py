@@ -105,7 +105,7 @@ class TokenBucket:
             bucket.refund(total - k)
             return k
 
-        cls.send, cls.sendall, cls.sendmsg = send, sendall, sendmsg  # type: ignore[method-assign]
+        cls.send, cls.sendall, cls.sendmsg = send, sendall, sendmsg  # type: ignore[method-assign,assignment]
 
 
 # ============================================================================== plain-socket ceiling

@@ -43,7 +43,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -66,7 +66,7 @@ def summarize(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(s), "min": s[0], "max": s[-1], "n": len(s)}
 
 
-def pctl(xs: list[float], q: float) -> float:
+def pctl(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
 
@@ -220,12 +220,14 @@ def loop_lag(loop_kind: str, sender: bt.SenderProc, blocks: int, layers: int, fe
                         "idle_p50_ms": statistics.median(idle) * 1e3, "idle_wakeups": len(idle),
                         "afetch_gbps": nbytes * fetches / busy_s / 1e9, "window_s": busy_s})
             p = per[-1]
-            log(f"  loop {loop_kind}{' gc.freeze()' if freeze else ''} rep {rep + 1}/{reps}: during afetch max {p['busy_max_ms']:.2f} ms, "
+            log(f"  loop {loop_kind}{' gc.freeze()' if freeze else ''} rep {rep + 1}/{reps}: "
+                f"during afetch max {p['busy_max_ms']:.2f} ms, "
                 f"p99 {p['busy_p99_ms']:.3f} ms; idle max {p['idle_max_ms']:.2f} ms, p99 {p['idle_p99_ms']:.3f} ms; "
                 f"afetch {p['afetch_gbps']:.2f} GB/s")
         mx = max(p["busy_max_ms"] for p in per)
         primary = loop_kind == "select" and not freeze
-        return {"loop": loop_kind + (" + gc.freeze()" if freeze else ""), "gc_frozen": freeze, "blocks": blocks, "layers": layers, "nbytes": nbytes, "fetches_per_rep": fetches,
+        return {"loop": loop_kind + (" + gc.freeze()" if freeze else ""), "gc_frozen": freeze, "blocks": blocks,
+                "layers": layers, "nbytes": nbytes, "fetches_per_rep": fetches,
                 "reps": reps, "busy_max_ms": mx,
                 "busy_p99_ms": summarize([p["busy_p99_ms"] for p in per]),
                 "idle_max_ms": max(p["idle_max_ms"] for p in per),
@@ -297,7 +299,8 @@ class Bench:
             pf = "—" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
             lines.append(f"| {r['loop']} | {r['blocks']} blocks × {r['layers']} layers, "
                          f"{r['nbytes'] / (1 << 20):.1f} MiB, {r['fetches_per_rep']} × {r['reps']} fetches | "
-                         f"{r['afetch_gbps']['median']:.2f} | {r['busy_max_ms']:.2f} / {r['busy_p99_ms']['median']:.3f} | "
+                         f"{r['afetch_gbps']['median']:.2f} | "
+                         f"{r['busy_max_ms']:.2f} / {r['busy_p99_ms']['median']:.3f} | "
                          f"{r['idle_max_ms']:.2f} / {r['idle_p99_ms']['median']:.3f} | {tgt} | {pf} |")
         return "\n".join(lines) + "\n"
 

@@ -461,7 +461,8 @@ class Bench:
                 e, x = r[m]["exposed_s"], r[m]["x_ceiling"]
                 cells.append(f"{e['median'] * 1e3:.2f} [{e['min'] * 1e3:.2f}–{e['max'] * 1e3:.2f}] "
                              f"({x['median']:.2f}×)")
-            lines.append(f"| {r['tokens']} | {r['nbytes'] / (1 << 20):.2f} MiB | {r['prefill_s']['median'] * 1e3:.0f} | "
+            lines.append(f"| {r['tokens']} | {r['nbytes'] / (1 << 20):.2f} MiB | "
+                         f"{r['prefill_s']['median'] * 1e3:.0f} | "
                          f"{r['ceiling_whole_s']['median'] * 1e3:.2f} | {r['ceiling_layer_s']['median'] * 1e3:.2f} | "
                          f"{r['rtt_s']['median'] * 1e6:.0f} | " + " | ".join(cells) + " |")
         lines += ["", "| prompt tokens | whole ÷ layer-wise (paired) | target | pass/fail | "
