@@ -46,6 +46,13 @@ fails whenever one layer takes longer than that to compute (here: prompts of abo
 ends as soon as ``mark_ready`` announces the layer, so it does not change the timing of
 layers that become ready within it; the output records the value used.
 
+Known issue, not worked around: ``Transfer.wait_layer(i)`` on a transfer that no worker
+thread has picked up yet runs the whole transfer on the calling thread and returns only
+when every layer has landed. The decode worker here calls ``wait_layer(0)`` right after
+``start_fetch``, so in some layer-wise pull trials the per-layer landing times are
+reported late (counted in the output); the bytes still move layer by layer as the
+layers become ready, so the exposed handoff is measured correctly.
+
 Run (root, for the namespaces)::
 
     python -m bench.handoff [--quick] [--reps N] [--buckets 256,2048,4096]
@@ -375,7 +382,11 @@ class Bench:
                                                          p["layer_done"])],
                "layer_landed_after_computed_s": [b - a for a, b in zip(p["layer_done"], d["layer_landed"])],
                "publish_s": (p["published"] - t0) if "published" in p else None,
-               "handle_recv_s": (d["handle_recv"] - t0) if "handle_recv" in d else None}
+               "handle_recv_s": (d["handle_recv"] - t0) if "handle_recv" in d else None,
+               # wait_layer(0) came back only after the next layer was computed, together with every other
+               # layer: progress was not reported as it happened (see the module doc).
+               "first_layer_reported_late": (len(d["layer_landed"]) > 1 and d["layer_landed"][0] > p["layer_done"][1]
+                                             and d["layer_landed"][-1] - d["layer_landed"][0] < 1e-3)}
         if rep >= 0:
             self.trials.append(out)
         return out
@@ -399,6 +410,8 @@ class Bench:
                 row[m] = {"exposed_s": summarize(ex),
                           "x_ceiling": summarize([e / cs[r]["whole_s"] for e, r in zip(ex, rounds)]),
                           "x_layer_ceiling": summarize([e / cs[r]["layer_s"] for e, r in zip(ex, rounds)])}
+            row["first_layer_reported_late"] = {m: sum(ts[(m, r)]["first_layer_reported_late"] for r in rounds)
+                                                for m in ("layerwise", "push")}
             sp = [ts[("whole", r)]["exposed_s"] / ts[("layerwise", r)]["exposed_s"] for r in rounds]
             row["whole_over_layerwise"] = summarize(sp)
             row["layerwise_target"] = LAYERWISE_TARGET if n >= LAYERWISE_MIN_TOKENS else None
@@ -478,6 +491,11 @@ class Bench:
                          f"{d['median'] * 1e6:+.0f} [{d['min'] * 1e6:+.0f}–{d['max'] * 1e6:+.0f}] | "
                          f"{dr['median']:+.2f} | {dw['median'] * 1e6:+.0f} [{dw['min'] * 1e6:+.0f}–"
                          f"{dw['max'] * 1e6:+.0f}] | {'PASS' if r['push_layerwise_pass'] else 'FAIL'} |")
+        late = sum(r["first_layer_reported_late"]["layerwise"] for r in rows)
+        if late:
+            lines += ["", f"In {late} of {sum(r['rounds'] for r in rows)} layer-wise pull trials `wait_layer(0)` "
+                      "returned only at the end, with every other layer (layer progress reported late; the bytes "
+                      "still moved layer by layer, so the exposed time is unaffected): see the module doc."]
         return "\n".join(lines) + "\n"
 
 
