@@ -3,7 +3,8 @@
 A prefill worker and a decode worker run in two processes, each in its own network
 namespace, joined by a veth pair shaped with ``tc qdisc ... tbf rate 10gbit`` on both
 ends (this benchmark creates the namespaces, the pair and the qdiscs, and removes all
-of them on exit, Ctrl-C and errors included). In those namespaces TCP slow start after
+of them on exit, Ctrl-C, SIGTERM and errors included; only a SIGKILL leaves them behind:
+``ip netns list | grep kvbh``, ``ip netns del NAME``). In those namespaces TCP slow start after
 idle is off (``net.ipv4.tcp_slow_start_after_idle=0``, as for long-lived RPC connections;
 ``--slow-start-after-idle`` leaves it on): otherwise every connection idle for a prefill
 restarts from a small window, which slows the whole-handle pull and the ceiling alike.
