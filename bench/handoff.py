@@ -449,6 +449,12 @@ class Bench:
                 "order": "each round runs the ceiling and the three modes in an order that rotates per round",
                 "leases": "off (leases=False) on both sides",
                 "prefill": "one forward pass over the prompt (no chunking), torch threads as prefill_threads",
+                "workaround": "kvbridge.sender.LAYER_WAIT set to setup.sender_layer_wait_s in the prefill process: "
+                              "a tcp layer read that finds no layer ready within the library's value is answered "
+                              "with an empty layer range, which the tcp client rejects (ProtocolError)",
+                "known_issue": "Transfer.wait_layer() on a transfer no worker has picked up runs it whole on the "
+                               "calling thread; trials where layer progress came back only at the end are flagged "
+                               "first_layer_reported_late",
             },
             "summary": self.summary(), "ceilings": self.ceilings, "trials": self.trials,
         }
