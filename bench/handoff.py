@@ -38,14 +38,9 @@ ceiling rotate their order each round. Leases are off (``leases=False``): this m
 the data path on the link; lease round trips are measured by ``bench/lease_fetch.py``.
 Both sides use the monotonic clock, which every process on the machine shares.
 
-Workaround, on by default: over tcp, a layer read that finds no new layer ready within
-``kvbridge.sender.LAYER_WAIT`` (0.25 s) is answered with an empty layer range, which the
-tcp client rejects as a ``ProtocolError``, failing the fetch -- so a layer-wise pull
-fails whenever one layer takes longer than that to compute (here: prompts of about
-2k tokens and more). The prefill process raises ``LAYER_WAIT`` to 10 s
-(``--sender-layer-wait``; 0 keeps the library's value and shows the failure). The wait
-ends as soon as ``mark_ready`` announces the layer, so it does not change the timing of
-layers that become ready within it; the output records the value used.
+``--sender-layer-wait S`` changes how long a layer read waits on the sender for a layer
+that is not ready (``kvbridge.sender.LAYER_WAIT``, 0.25 s; 0 keeps it): the wait ends as soon
+as ``mark_ready`` announces the layer, and a read that finds nothing ready asks again.
 
 Known issue, not worked around: ``Transfer.wait_layer(i)`` on a transfer that no worker
 thread has picked up yet runs the whole transfer on the calling thread and returns only
@@ -84,7 +79,7 @@ MODES = ("whole", "layerwise", "push")
 SCRATCH = "/tmp/kvbridge-bench/handoff"
 LAYERWISE_TARGET = 2.0          # whole-handle pull exposed / layer-wise exposed, prompts >= 2k tokens
 LAYERWISE_MIN_TOKENS = 2048
-LAYER_WAIT_WORKAROUND = 10.0    # seconds; see the module doc
+LAYER_WAIT_WORKAROUND = 0.0     # seconds; 0 keeps the library's value (see the module doc)
 
 
 def log(msg: str) -> None:
@@ -532,7 +527,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--pings", type=int, default=21, help="1-byte round trips per ceiling measurement")
     ap.add_argument("--sender-layer-wait", type=float, default=LAYER_WAIT_WORKAROUND,
                     help="set kvbridge.sender.LAYER_WAIT in the prefill process (0: leave the library's value); "
-                         f"default {LAYER_WAIT_WORKAROUND} s, a workaround: see the module doc")
+                         "default: the library's value")
     ap.add_argument("--slow-start-after-idle", action="store_true",
                     help="leave TCP slow start after idle on in the namespaces (default: off, a warm link)")
     ap.add_argument("--out", default=SCRATCH, help=f"output path without extension (default {SCRATCH})")
