@@ -67,30 +67,26 @@ class StreamVerifier:
 
     def __init__(self, pool: KVPool, block_ids: Sequence[int], layers: Optional[range] = None,
                  per_layer: bool = False) -> None:
+        # No per-part objects: part i of the stream is found by arithmetic (a handle of 1,000
+        # scattered blocks x 32 layers has 64,000 parts; a list of objects for each would keep
+        # the cyclic garbage collector busy, holding the GIL, for the whole transfer).
         L = pool.layout
         layers = layers if layers is not None else range(L.num_layers)
         views = pool.host_views()
-        n = self.part = L.part_nbytes
-        nb = len(block_ids)
-        self.views: list[memoryview] = []    # part i covers stream bytes [i*n, (i+1)*n)
-        self.owner: list[int] = []           # which hash part i feeds
-        for li, layer in enumerate(layers):
-            for part in range(L.num_parts):
-                view = views[L.buffer_index(layer, part)]
-                base, stride = L.part_base_stride(part, pool.num_blocks)
-                first = li * nb if per_layer else 0
-                for k, b in enumerate(block_ids):
-                    off = base + b * stride
-                    self.views.append(view[off:off + n])
-                    self.owner.append(first + k)
-        self.total = n * len(self.views)
-        self._num_hashes = nb * len(layers) if per_layer else nb
+        self.part = L.part_nbytes
+        self.ids = list(block_ids)
+        self.nb = len(self.ids)
+        self.nparts = L.num_parts
+        self.planes = [(views[L.buffer_index(layer, p)], *L.part_base_stride(p, pool.num_blocks))
+                       for layer in layers for p in range(L.num_parts)]    # plane j: parts [j*nb, (j+1)*nb)
+        self.per_layer = per_layer
+        self.total = self.part * self.nb * len(self.planes)
+        self._num_hashes = self.nb * len(layers) if per_layer else self.nb
         self.reset()
 
     def reset(self) -> None:
         """Start over (a retried transfer resends the stream from its first byte)."""
         self.hashers = [xxhash.xxh3_64() for _ in range(self._num_hashes)]
-        self._updates = [self.hashers[k].update for k in self.owner]
         self._i = 0      # first part not fully hashed
         self._done = 0   # stream bytes hashed
 
@@ -98,26 +94,34 @@ class StreamVerifier:
     def started(self) -> bool:
         return self._done > 0
 
+    def _feed(self, i: int, lo: int, hi: int) -> None:
+        """Hash bytes [lo, hi) of stream part ``i``."""
+        j, k = divmod(i, self.nb)
+        view, base, stride = self.planes[j]
+        off = base + self.ids[k] * stride
+        h = self.hashers[(j // self.nparts) * self.nb + k if self.per_layer else k]
+        h.update(view[off + lo:off + hi])
+
     def advance(self, upto: int) -> None:
         """Hash everything between the last call and byte ``upto`` of the stream."""
-        n, views, updates = self.part, self.views, self._updates
+        n = self.part
         upto = min(upto, self.total)
         i, done = self._i, self._done
         if done >= upto:
             return
         if done > i * n:                       # finish a part that landed partly last time
             stop = min((i + 1) * n, upto)
-            updates[i](views[i][done - i * n:stop - i * n])
+            self._feed(i, done - i * n, stop - i * n)
             done = stop
             if done == (i + 1) * n:
                 i += 1
         whole = upto // n
         while i < whole:                       # the common case: whole parts, one C call each
-            updates[i](views[i])
+            self._feed(i, 0, n)
             i += 1
         done = max(done, i * n)
         if done < upto:                        # the start of a part still landing
-            updates[i](views[i][done - i * n:upto - i * n])
+            self._feed(i, 0, upto - i * n)
             done = upto
         self._i, self._done = i, done
 

@@ -41,7 +41,7 @@ from .frames import FrameStore, check_codec
 from .handle import KVHandle, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
 from .logs import RateLimitedLog
-from .lease import Claim, Fence, LeaseState, LeaseStore, owner_deadline
+from .lease import Claim, LeaseState, LeaseStore, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout
 from .pool import KVPool

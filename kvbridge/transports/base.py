@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, TransferCancelled
 from ..handle import KVHandle
@@ -81,6 +81,15 @@ class Spans:
     @classmethod
     def of_blocks(cls, pool: "KVPool", block_ids: Sequence[int], layers: Optional[range] = None) -> "Spans":
         return cls(pool, list(pool.layout.segments(list(block_ids), pool.num_blocks, layers)))
+
+    def iter_views(self) -> Iterator[memoryview]:
+        """The views one by one, made as they are needed (a windowed socket loop's source)."""
+        if self._views is not None:
+            yield from self._views
+            return
+        hv = self.pool.host_views()
+        for b, o, n in self.segments:
+            yield hv[b][o:o + n]
 
     def views(self) -> list[memoryview]:
         if self._views is None:

@@ -19,7 +19,7 @@ from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, Budget, FrameReader, Kind, RateGuard, decode_error, decode_request, encode_error,
-                   encode_layers, map_os_error, pack, recv_exact, send_all, set_os_timeouts, unpack_header)
+                   encode_layers, map_os_error, pack, recv_exact, send_iter, set_os_timeouts, unpack_header)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
@@ -289,7 +289,7 @@ class SocketServer(Server):
                 prefix += encode_layers(*grant.layers, grant.sums)
                 head = pack(Kind.LDATA, req_id, prefix, length=len(prefix) + spans.nbytes)
             if spans.pool.is_host:
-                send_all(conn, [head, *spans.views()], RateGuard(MIN_RATE, RATE_GRACE))
+                send_iter(conn, head, spans.iter_views(), RateGuard(MIN_RATE, RATE_GRACE))
             else:
                 ring = self._rings.take()
                 try:

@@ -26,7 +26,7 @@ from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport
 from .sockets import SocketClient, SocketServer, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, Kind, decode_error, decode_layers, encode_request, map_os_error, pack,
-                   recv_exact, recv_scatter, send_all, unpack_header)
+                   recv_exact, recv_iter, send_iter, unpack_header)
 
 __all__ = ["TCPTransport", "parse_tcp_url"]
 
@@ -52,7 +52,7 @@ def _recv_into(sock: socket.socket, dst: Spans) -> int:
             return recv_staged(sock, dst, ring)
         finally:
             _RINGS.give(ring)
-    return recv_scatter(sock, dst.views(), dst.on_landed)
+    return recv_iter(sock, dst.iter_views(), dst.on_landed)
 
 
 def _claim_of(prefix: bytes, claim: Optional[Claim]) -> Optional[Claim]:
@@ -205,7 +205,7 @@ class TCPTransport(Transport):
                 ticket.to_bytes(), None, claim, layers, last=last, nbytes=src.nbytes, sums=sums))
             try:
                 if src.pool.is_host:
-                    send_all(sock, [head, *src.views()])
+                    send_iter(sock, head, src.iter_views())
                 else:
                     ring = _RINGS.take()
                     try:

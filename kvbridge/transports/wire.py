@@ -14,7 +14,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError,
                       TransferTimeout, error_from_code)
@@ -431,6 +431,56 @@ def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
         if landed is not None:
             landed(got)
     return got
+
+
+def _fill_window(window: list[memoryview], have: int, it: Iterator[memoryview], budget: int) -> int:
+    """Top ``window`` up from ``it`` to at most IOV_MAX buffers and about ``budget`` bytes."""
+    while len(window) < IOV_MAX and have < budget:
+        v = next(it, None)
+        if v is None:
+            break
+        if len(v):
+            window.append(v)
+            have += len(v)
+    return have
+
+
+def recv_iter(sock: socket.socket, views: Iterator[memoryview],
+              landed: Optional[Callable[[int], None]] = None) -> int:
+    """:func:`recv_scatter` over buffers produced as they are needed: a window of them at a
+    time, so a transfer of many thousand pieces never holds a memoryview for each."""
+    window: list[memoryview] = []
+    have = got = 0
+    while True:
+        have = _fill_window(window, have, views, RECV_WINDOW)
+        if not window:
+            return got
+        k = sock.recv_into(window[0]) if len(window) == 1 else sock.recvmsg_into(window)[0]
+        if k == 0:
+            raise ConnectionLost("peer closed the connection mid-transfer")
+        got += k
+        have -= k
+        del window[:_advance(window, 0, k)]
+        if landed is not None:
+            landed(got)
+
+
+def send_iter(sock: socket.socket, head: bytes, views: Iterator[memoryview],
+              guard: Optional["RateGuard"] = None) -> int:
+    """:func:`send_all` of ``head`` then buffers produced as they are needed."""
+    window: list[memoryview] = [memoryview(head)] if head else []
+    have = len(head)
+    sent = 0
+    while True:
+        have = _fill_window(window, have, views, SEND_WINDOW)
+        if not window:
+            return sent
+        k = sock.sendmsg(window)
+        sent += k
+        have -= k
+        del window[:_advance(window, 0, k)]
+        if guard is not None:
+            guard(sent)
 
 
 class RateGuard:
