@@ -207,7 +207,9 @@ template <> struct KvbVec<float> {
     o[0] = v.x; o[1] = v.y; o[2] = v.z; o[3] = v.w;
   }
   __device__ static void store(float* p, const float* o) {
-    *reinterpret_cast<float4*>(p) = make_float4(o[0], o[1], o[2], o[3]);
+    float4 v;  // aggregate stores: no make_float4, which needs headers NVRTC may not have
+    v.x = o[0]; v.y = o[1]; v.z = o[2]; v.w = o[3];
+    *reinterpret_cast<float4*>(p) = v;
   }
 };
 template <typename H, u16 (*ENC)(float), float (*DEC)(u16)> struct KvbVec16 {
@@ -222,7 +224,9 @@ template <typename H, u16 (*ENC)(float), float (*DEC)(u16)> struct KvbVec16 {
     u32 w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) w[i] = (u32)ENC(o[2 * i]) | ((u32)ENC(o[2 * i + 1]) << 16);
-    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+    uint4 v;
+    v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
+    *reinterpret_cast<uint4*>(p) = v;
   }
 };
 __device__ __forceinline__ u16 kvb_enc_bf16(float f) { return kvb_f32_to_bf16(f); }
@@ -244,7 +248,9 @@ template <> struct KvbCodes<8> {
   __device__ static void store(u8* p, const u8* c) {
     u32 a = (u32)c[0] | ((u32)c[1] << 8) | ((u32)c[2] << 16) | ((u32)c[3] << 24);
     u32 b = (u32)c[4] | ((u32)c[5] << 8) | ((u32)c[6] << 16) | ((u32)c[7] << 24);
-    *reinterpret_cast<uint2*>(p) = make_uint2(a, b);
+    uint2 v;
+    v.x = a; v.y = b;
+    *reinterpret_cast<uint2*>(p) = v;
   }
   __device__ static void load(const u8* p, u8* c) {
     uint2 w = *reinterpret_cast<const uint2*>(p);

@@ -102,8 +102,10 @@ class Int4Codec(Codec):
         body[:kp + vp].zero_()  # alignment padding included: never send stale memory
         tdim = self._token_dim(L)
         parts = [layer_parts(pool, layer) for layer in layers]
-        tmp = torch.empty((min(n, self._chunk(L)), *L.part_shape), dtype=L.torch_dtype, device=pool.device)
-        for i, p, j0, j1, coff, poff in self._plan(L, n, len(layers)):
+        cuda = pool.device.type == "cuda"
+        tmp = torch.empty((n if cuda else min(n, self._chunk(L)), *L.part_shape), dtype=L.torch_dtype,
+                          device=pool.device)
+        for i, p, j0, j1, coff, poff in self._plan(L, n, len(layers), cuda):
             x = tmp[:j1 - j0]
             torch.index_select(parts[i][p], 0, idx[j0:j1], out=x)
             qq, pp = quantize_int4(x, tdim if p == 0 else -1)
@@ -115,12 +117,12 @@ class Int4Codec(Codec):
     def _chunk(self, h: Any) -> int:
         return int(max(1, _CHUNK // (h.block_size * h.num_kv_heads * h.head_dim)))
 
-    def _plan(self, h: Any, n: int, nl: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+    def _plan(self, h: Any, n: int, nl: int, cuda: bool) -> Iterator[tuple[int, int, int, int, int, int]]:
         """(layer index, part, first block, end block, code byte offset, parameter offset in float16
         values) over chunks of blocks, in frame order."""
         pe = h.block_size * h.num_kv_heads * h.head_dim
         per_block = (h.num_kv_heads * h.head_dim * 2, h.block_size * h.num_kv_heads * 2)  # K, V parameters
-        c = self._chunk(h)
+        c = n if cuda else self._chunk(h)  # on a GPU one chunk per part
         for i in range(nl):
             for p in range(h.num_parts):
                 for j0 in range(0, n, c):
@@ -144,7 +146,7 @@ class Int4Codec(Codec):
         codes = body[kp + vp:kp + vp + nc]
         pe = hdr.rows_per_part * hdr.head_dim
         parts = [layer_parts(pool, layer) for layer in hdr.layers]
-        for i, p, j0, j1, coff, poff in self._plan(hdr, n, nl):
+        for i, p, j0, j1, coff, poff in self._plan(hdr, n, nl, pool.device.type == "cuda"):
             m = j1 - j0
             q = _unpack(codes[coff:coff + m * pe // 2]).view(m, *part)
             pshape = (m, *kshape, 2) if p == 0 else (m, *part[:-1], 2)

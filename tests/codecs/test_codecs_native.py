@@ -4,6 +4,7 @@ twin (int8 bit-exact; fp8 codes within one e4m3 step, stated below)."""
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 import subprocess
 from pathlib import Path
@@ -40,6 +41,47 @@ def test_nvcc_compiles(cu: Path, tmp_path: Path) -> None:
     assert r.returncode == 0, r.stderr
     entries = {line.split()[-1].rstrip("(") for line in ptx.read_text().splitlines() if ".entry" in line}
     assert set(gpu.KERNEL_NAMES) <= entries, sorted(set(gpu.KERNEL_NAMES) - entries)
+
+
+def _nvrtc() -> "ctypes.CDLL | None":
+    """NVRTC (what CuPy compiles with at run time): the nvidia-cuda-nvrtc wheel, or the system's."""
+    import ctypes.util
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("nvidia")
+    bases = list(spec.submodule_search_locations or []) if spec is not None else []
+    paths = [p for base in bases for p in sorted(glob.glob(f"{base}/cuda_nvrtc/lib/libnvrtc.so*"))
+             if "builtins" not in p and ".alt." not in p]
+    found = ctypes.util.find_library("nvrtc")
+    for path in paths + ([found] if found else []):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.parametrize("cu", CU_FILES, ids=lambda p: p.name)
+def test_nvrtc_compiles(cu: Path) -> None:
+    """The run-time path: NVRTC, without the CUDA headers nvcc would add, compiles every kernel."""
+    lib = _nvrtc()
+    if lib is None:
+        pytest.skip("NVRTC not found (pip install nvidia-cuda-nvrtc-cu12, or a CUDA toolkit with libnvrtc)")
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), cu.read_bytes(), cu.name.encode(), 0, None, None) == 0
+    opts = (ctypes.c_char_p * 2)(b"--std=c++17", b"-arch=compute_80")
+    rc = lib.nvrtcCompileProgram(prog, 2, opts)
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode(errors="replace")
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    assert all(f".entry {name}(" in ptx.value.decode() for name in gpu.KERNEL_NAMES)
 
 
 @needs_nvcc
