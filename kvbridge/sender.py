@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch,
                      LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle, TransferCancelled,
                      TransferTimeout)
+from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
 from .handle import KVHandle, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
@@ -122,9 +123,16 @@ class KVSender:
                  on_free: Optional[Callable[[KVHandle, FreeReason], None]] = None,
                  checksums: bool = True, leases: LeasesArg = None, owner: Optional[str] = None,
                  lease_namespace: str = "kvb", clock_margin: float = 1.0, retry: Retry = Retry(),
-                 claim_ttl: float = 30.0, codec: str = "raw") -> None:
-        check_codec(codec)
+                 claim_ttl: float = 30.0, codec: str = "raw", link_gbps: Optional[float] = None,
+                 allow_lossy: bool = False) -> None:
+        if codec != "auto":
+            check_codec(codec)
+        elif link_gbps is None:
+            raise ConfigError("codec='auto' needs the link's bandwidth: KVSender(..., link_gbps=...)")
         self.codec = codec
+        self.link_gbps = link_gbps
+        self.allow_lossy = allow_lossy
+        self.codec_choice: Optional[CodecChoice] = None   # what "auto" picked, and why
         self.pool = pool
         self.servers: list[Server] = []
         self._closed = False
@@ -193,8 +201,23 @@ class KVSender:
         are final; :meth:`mark_ready` announces the rest. ``codec`` (default: the sender's)
         encodes the blocks (``lz4``, ``zstd``, ``int8``, ``fp8``, ...; see
         :mod:`kvbridge.codecs`); the signed handle names it and receivers decode it."""
-        return self._publish(request_id, block_ids, num_tokens, ttl, layers_ready, leased=True,
-                             codec=self.codec if codec is None else codec)
+        codec = self.codec if codec is None else codec
+        if codec == "auto":
+            codec = self._auto_codec(block_ids)
+        return self._publish(request_id, block_ids, num_tokens, ttl, layers_ready, leased=True, codec=codec)
+
+    def _auto_codec(self, block_ids: Sequence[int]) -> str:
+        """Pick the codec that makes the transfer fastest end to end over ``link_gbps``, from
+        encode/decode speeds and ratios measured once on this pool's real KV; ``raw`` unless one
+        beats it, and a lossy one only with ``allow_lossy``. ``codec_choice.reason`` says why."""
+        if self.link_gbps is None:
+            raise ConfigError("codec='auto' needs the link's bandwidth: KVSender(..., link_gbps=...)")
+        if self.codec_choice is None:
+            names = [n for n in available_codecs() if self.allow_lossy or is_lossless(n)]
+            speeds = measure_codec_speeds(self.pool, list(block_ids)[:64], names)
+            self.codec_choice = choose_codec(self.link_gbps, speeds, allow_lossy=self.allow_lossy)
+            log.info("codec auto: %s (%s)", self.codec_choice.codec, self.codec_choice.reason)
+        return self.codec_choice.codec
 
     def _publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl: Optional[float],
                  layers_ready: Optional[int], leased: bool, codec: str = "raw") -> KVHandle:

@@ -50,6 +50,11 @@ class FetchResult:
         return self.handle.request_id
 
     @property
+    def codec(self) -> str:
+        """The codec the bytes crossed in (named by the signed handle)."""
+        return self.handle.codec
+
+    @property
     def action(self) -> Optional[Action]:
         return None if self.ok or self.error is None else self.error.action
 

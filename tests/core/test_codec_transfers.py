@@ -85,3 +85,24 @@ def test_coded_handles_are_fetched_whole(make_sender, make_receiver):
     with pytest.raises(ConfigError, match="whole"):
         recv.fetch(h, [3], indices=[1])
     assert isinstance(h, KVHandle)
+
+
+def test_auto_picks_by_link_speed_and_says_why(scheme):
+    from kvbridge import KVPool, KVReceiver, KVSender
+    pool = KVPool.allocate(L3, 16, shared=scheme == "shm", allocator="engine")
+    for b in pool.buffers:
+        b.copy_(torch.randn(b.shape).half())
+    with pytest.raises(ConfigError, match="link_gbps"):
+        KVSender(pool, "inproc://", codec="auto")
+    listen = {"inproc": "inproc://", "tcp": "tcp://127.0.0.1:0", "shm": "shm://"}[scheme]
+    dst = KVPool.allocate(L3, 16)
+    with KVSender(pool, listen, codec="auto", link_gbps=1e-4, leases=False) as slow, \
+            KVReceiver(dst, leases=False) as rcv:
+        h = slow.publish("r", [1, 2, 3], 12)        # a very slow link: anything that shrinks wins
+        assert slow.codec_choice is not None and slow.codec_choice.codec == h.codec != "raw"
+        assert is_lossless(h.codec) and slow.codec_choice.reason
+        res = rcv.fetch(h, [4, 5, 6])
+        assert res.ok and res.codec == h.codec
+    with KVSender(pool, listen, codec="auto", link_gbps=1e4, leases=False) as fast:
+        assert fast.publish("r", [7], 4).codec == "raw"      # a link faster than any codec: raw
+        assert "raw" in fast.codec_choice.reason or fast.codec_choice.codec == "raw"
