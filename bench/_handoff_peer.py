@@ -277,17 +277,19 @@ class PrefillPeer:
         t: dict[str, Any] = {"layer_done": []}
         sender, ctl = self.sender, self.ctl
         pt = None
+        mode, _, codec = mode.partition(":")       # "whole:int8": the same mode with a codec
+        codec = codec or None
 
         if mode == "whole":
             def on_layer(i: int) -> None:
                 t["layer_done"].append(now())
                 if i == L - 1:                        # the KV is complete: publish it, send the handle
                     t["kv_done"] = t["layer_done"][-1]
-                    h = sender.publish(rid, ids, n)
+                    h = sender.publish(rid, ids, n, codec=codec)
                     t["published"] = now()
                     ctl.send({"handle": h.to_dict()})
         elif mode == "layerwise":
-            h = sender.publish(rid, ids, n, layers_ready=0)
+            h = sender.publish(rid, ids, n, layers_ready=0, codec=codec)
             ctl.send({"handle": h.to_dict()})
             ctl.recv()                                # the decode side has started its fetch
 
@@ -384,6 +386,7 @@ class DecodePeer:
         dst = self.dst[:_blocks(tokens, self.bs)]
         t: dict[str, Any] = {"layer_landed": []}
         rx, ctl = self.receiver, self.ctl
+        mode = mode.partition(":")[0]
         if mode == "whole":
             h = ctl.recv()["handle"]
             t["handle_recv"] = now()
