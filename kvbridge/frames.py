@@ -89,6 +89,10 @@ class FrameLoader:
         self.layerwise = layerwise
 
     def spans_for(self, lo: int, hi: int, nbytes: int) -> Spans:
+        if hi == lo:                    # nothing ready yet: the sender said so with an empty range
+            if nbytes:
+                raise ProtocolError(f"sender offers {nbytes} bytes for an empty layer range")
+            return Staging(torch.empty(0, dtype=torch.uint8)).spans([])
         L = self.pool.layout
         most = (self.codec.max_encoded_nbytes(L, len(self.dst), 1) * (hi - lo) if self.layerwise
                 else self.codec.max_encoded_nbytes(L, len(self.dst), L.num_layers))

@@ -106,3 +106,16 @@ def test_auto_picks_by_link_speed_and_says_why(scheme):
     with KVSender(pool, listen, codec="auto", link_gbps=1e4, leases=False) as fast:
         assert fast.publish("r", [7], 4).codec == "raw"      # a link faster than any codec: raw
         assert "raw" in fast.codec_choice.reason or fast.codec_choice.codec == "raw"
+
+
+def test_coded_layerwise_waits_for_slow_layers(make_sender, make_receiver):
+    """A layer that takes longer than the sender's wait: the read comes back empty, asks again."""
+    import time
+    snd = make_sender(L3, 8, normal=True)
+    recv, pool = make_receiver(L3, 8)
+    h = snd.publish([1, 2], codec="int8", layers_ready=0)
+    t = recv.start_fetch(h, [3, 4])
+    time.sleep(0.6)                                   # > the sender's 0.25 s wait, twice
+    for n in (1, 2, 3):
+        snd.mark_ready(h.id, n)
+    assert t.result(10).ok
