@@ -191,8 +191,9 @@ class PromMetrics:
 
     def __init__(self, mode: str, ttft_slo: Optional[float] = None, tpot_slo: Optional[float] = None,
                  buckets: Optional[dict[str, Sequence[int]]] = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+        disable_created_metrics()  # no *_created series: one family per metric, as scrapers expect
         self.mode = mode
         self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
         self.edges = {"prompt": DEFAULT_PROMPT_BUCKETS, "output": DEFAULT_OUTPUT_BUCKETS, **(buckets or {})}

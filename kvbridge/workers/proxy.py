@@ -136,7 +136,7 @@ class Proxy:
         self.prom = PromMetrics(cfg.mode, cfg.ttft_slo, cfg.tpot_slo)
         self._inflight: dict[str, int] = {u: 0 for u in cfg.decode + cfg.prefill}
         self._down_until: dict[str, float] = {}
-        self._rr = itertools.count()
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
         self._max_len = cfg.max_model_len
         self.client: Optional[WorkerClient] = None
         self._stopping: Optional[asyncio.Event] = None
@@ -196,13 +196,14 @@ class Proxy:
         self.http = None
 
     # -- routing ---------------------------------------------------------------------------
-    def _pick(self, urls: list[str], exclude: set[str]) -> Optional[str]:
+    def _pick(self, role: str, exclude: set[str]) -> Optional[str]:
+        urls = self.cfg.prefill if role == "prefill" else self.cfg.decode
         now = time.monotonic()
         cands = [u for u in urls if u not in exclude]
         up = [u for u in cands if self._down_until.get(u, 0.0) <= now] or cands
         if not up:
             return None
-        start = next(self._rr)
+        start = next(self._rr[role])
         if self.cfg.routing == "round-robin":
             return up[start % len(up)]
         order = [up[(start + i) % len(up)] for i in range(len(up))]
@@ -240,7 +241,7 @@ class Proxy:
         last: Optional[KVBridgeError] = None
         tried: set[str] = set()
         for attempt in range(2):  # a dead prefill worker is retried once (on another one, if any)
-            url = self._pick(self.cfg.prefill, tried) or self.cfg.prefill[0]
+            url = self._pick("prefill", tried) or self.cfg.prefill[0]
             tried.add(url)
             try:
                 with self._busy(url):
@@ -288,7 +289,7 @@ class Proxy:
                 handle = pr["handle"]
             if len(out) >= params.max_tokens:
                 raise _Done("length")
-            url = self._pick(self.cfg.decode, failed)
+            url = self._pick("decode", failed)
             if url is None:
                 raise PeerUnavailable(f"no decode worker left to try ({len(failed)} failed for this request)")
             attempts += 1

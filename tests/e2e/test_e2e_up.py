@@ -91,7 +91,7 @@ def test_up_health_metrics_stream(pd: UpProcess) -> None:
         lines = [ln.strip() for ln in r if ln.startswith(b"data: ")]
     assert lines[-1] == b"data: [DONE]" and len(lines) >= 3
     status, prom = get(pd.url + "/metrics")
-    assert status == 200 and b"kvbridge_ttft_seconds{" in prom and b"kvbridge_goodput_fraction" in prom
+    assert status == 200 and b"kvbridge_ttft_seconds_bucket{" in prom and b"kvbridge_good_requests_total" in prom
     s = json.loads(get(pd.url + "/metrics.json")[1])
     assert s["ok"] >= 1 and s["kv_bytes"] > 0 and s["kv_transfer"]["p50"] > 0
 
@@ -108,7 +108,7 @@ def test_up_shm_then_prefill_killed(lease_url: str) -> None:
         t0 = time.monotonic()
         status, out = post(up.url + "/v1/completions", {"prompt": "anyone there?", "max_tokens": 8}, timeout=30)
         assert time.monotonic() - t0 < 15
-        assert status == 502 and out["error"]["action"] == "retry" and "prefill" in out["error"]["message"]
+        assert status == 503 and out["error"]["action"] == "retry" and "prefill" in out["error"]["message"]
         assert get(up.url + "/health")[0] == 503
     finally:
         assert_stopped_cleanly(up)
