@@ -75,11 +75,12 @@ def get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
 class UpProcess:
     """``python -m kvbridge up ...`` as a child process of the test."""
 
-    def __init__(self, *args: str, startup: float = 90.0) -> None:
+    def __init__(self, *args: str, startup: float = 90.0, cwd: Optional[str] = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "up", "--port", str(self.port),
-                                      "--no-progress", *args], stdin=subprocess.DEVNULL,
+        # -P: like the console script, the parent does not import from the current folder
+        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvbridge", "up", "--port", str(self.port),
+                                      "--no-progress", *args], stdin=subprocess.DEVNULL, cwd=cwd,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + startup
         while True:
