@@ -893,8 +893,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None,
                     help="results JSON (default: a scratch file under the temp directory; the committed "
                          "results are bench/results/e2e.json)")
-    ap.add_argument("--md", default=None, help="Markdown report (default: next to --out, .md)")
-    ap.add_argument("--png", default=None, help="CDF plots (default: next to --out, .png)")
+    ap.add_argument("--md", default=None, help="Markdown report (default: next to --out, .md; '' for none)")
+    ap.add_argument("--png", default=None, help="CDF plots (default: next to --out, .png; '' for none)")
     ap.add_argument("--from-json", default=None, metavar="PATH",
                     help="no run: re-render the Markdown and PNG from a results JSON written earlier")
     return ap
@@ -904,7 +904,7 @@ def output_paths(a: argparse.Namespace) -> tuple[str, str, str]:
     """(json, md, png): ``--out`` or a scratch file; the others next to it unless named."""
     out = a.out or os.path.join(tempfile.gettempdir(), f"kvbridge-bench-{os.getuid()}", "e2e.json")
     stem = out[:-5] if out.endswith(".json") else out
-    return out, a.md or stem + ".md", a.png or stem + ".png"
+    return (out, stem + ".md" if a.md is None else a.md, stem + ".png" if a.png is None else a.png)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -70,8 +70,8 @@ class HTTPServer:
         self.port = int(port)
         fmt_host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{fmt_host}:{self.port}"
-        cfg = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="on",
-                             timeout_graceful_shutdown=graceful, timeout_keep_alive=30)
+        cfg = uvicorn.Config(self._wrap(app), log_config=None, log_level="warning", access_log=False,
+                             lifespan="on", timeout_graceful_shutdown=graceful, timeout_keep_alive=30)
         self.server = uvicorn.Server(cfg)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._error: Optional[BaseException] = None
@@ -85,16 +85,19 @@ class HTTPServer:
                 raise ConfigError(f"HTTP server on {self.url} did not start within {start_timeout:.0f}s")
             time.sleep(0.005)
 
+    def _wrap(self, app: Any) -> Any:
+        async def asgi(scope: Any, receive: Any, send: Any) -> None:
+            if self.loop is None:  # the lifespan startup comes first
+                self.loop = asyncio.get_running_loop()
+            await app(scope, receive, send)
+        return asgi
+
     def _run(self) -> None:
-        try:
-            asyncio.run(self._serve())
+        try:  # uvicorn picks uvloop and httptools when they are installed (uvicorn[standard])
+            self.server.run(sockets=[self.sock])
         except BaseException as exc:  # reported by the constructor or close()
             self._error = exc
             log.exception("HTTP server on %s failed", self.url)
-
-    async def _serve(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        await self.server.serve(sockets=[self.sock])
 
     def call_soon(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the server's event loop (from any thread)."""

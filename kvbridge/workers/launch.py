@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..lease import EmbeddedRedis
 from .proxy import Proxy, ProxyConfig
 from .http import bind_socket, get_json
+from .model import PRESETS
 from .server import die_with_parent
 from .tokenizer import load_tokenizer
 
@@ -142,7 +143,7 @@ class Cluster:
     def _engine_args(self, role: str) -> list[str]:
         c = self.cfg
         threads = c.threads or 1
-        model = os.path.abspath(c.model) if os.path.isdir(c.model) else c.model
+        model = c.model if c.model in PRESETS or not os.path.isdir(c.model) else os.path.abspath(c.model)
         args = ["--model", model, "--seed", str(c.seed), "--chunk-size", str(c.chunk_size),
                 "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--threads", str(threads),
                 "--max-num-seqs", str(c.max_num_seqs), "--request-timeout", str(c.request_timeout),
@@ -221,7 +222,7 @@ class Cluster:
                 on_decode_failure=c.on_decode_failure, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo,
                 worker_timeout=c.worker_timeout, request_timeout=c.request_timeout, model_name=c.model,
                 max_body_bytes=c.max_body_bytes, max_model_len=max_len),
-                tokenizer=load_tokenizer(c.model if os.path.isdir(c.model) else None))
+                tokenizer=load_tokenizer(None if c.model in PRESETS or not os.path.isdir(c.model) else c.model))
             self.url = self.proxy.serve(c.host, c.port, sock=self._sock).url
             self._write_state()
         except BaseException:

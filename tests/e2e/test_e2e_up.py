@@ -214,6 +214,7 @@ def test_up_from_a_folder_with_a_kvbridge_dir_and_sigint_mid_request(tmp_path: A
     fake.mkdir()
     (fake / "__init__.py").write_text("raise ImportError('the kvbridge folder of the current directory')\n")
     (tmp_path / "kvbridge" / "kvbridge").mkdir()
+    (tmp_path / "tiny").mkdir()  # a folder named like the preset: the preset still wins
     up = UpProcess("--model", "tiny", "--step-delay", "0.02", cwd=str(tmp_path))
     got: dict[str, Any] = {}
     body = {"prompt": "a long story", "max_tokens": 400, "ignore_eos": True}
