@@ -4,10 +4,18 @@ The public names are imported on first use (PEP 562), so ``kvbridge --help`` and
 tools that only need the errors or the version do not pay for importing torch.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
+
+if TYPE_CHECKING:  # what type checkers and IDEs see; at run time they come from __getattr__
+    from .handle import KVHandle
+    from .layout import KVLayout, KVOrder, TokenOrder
+    from .policy import Backoff, Retry, Timeout
+    from .pool import KVPool
+    from .receiver import FetchResult, KVReceiver
+    from .sender import KVSender
 
 __version__ = "0.1.0"
 

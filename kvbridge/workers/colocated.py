@@ -67,5 +67,4 @@ class ColocatedWorker(EngineWorker):
         req = Request(list(prompt), params, request_id=body.get("request_id") or uuid.uuid4().hex)
         watch = AsyncWatch()
         self.loop.submit(req, watch)
-        resp = self.respond(req, watch, 0, bool(body.get("stream", True)), lambda: self._timings(req, watch))
-        return resp if isinstance(resp, Response) else await resp
+        return await self.respond(req, watch, 0, bool(body.get("stream", True)), lambda: self._timings(req, watch))

@@ -151,9 +151,8 @@ class DecodeWorker(EngineWorker):
             outs = [body["first_token"]]
         params = SamplingParams.from_dict(body.get("sampling") or {})
         req, watch, res = await self.astart(body["handle"], prompt, outs or [], params, body.get("request_id"))
-        resp = self.respond(req, watch, len(outs or []), bool(body.get("stream", True)),
-                            lambda: self._timings(req, res))
-        return resp if isinstance(resp, Response) else await resp
+        return await self.respond(req, watch, len(outs or []), bool(body.get("stream", True)),
+                                  lambda: self._timings(req, res))
 
     def health(self) -> dict[str, Any]:
         h = super().health()

@@ -426,7 +426,8 @@ class Proxy:
         except KVBridgeError as exc:
             return self._refuse(error_from_kvbridge(exc))
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
-        job = _Job(rid, kind, ids, params, bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        job = _Job(rid, kind, ids, params, bool(req.stream), usage,
                    RequestMetrics(rid, self.cfg.mode, prompt_tokens=len(ids), arrival=arrival), int(arrival))
         self.metrics.in_flight += 1
         self.prom.in_flight.labels(self.cfg.mode).inc()

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import torch
 from starlette.applications import Starlette
@@ -377,16 +377,12 @@ class EngineWorker:
         if watch.error is not None:
             raise watch.error
 
-    def respond(self, req: Request, watch: AsyncWatch, sent: int, stream: bool,
-                timings: Callable[[], dict[str, Any]]) -> Union[Response, Awaitable[Response]]:
-        """Answer with ``req``'s tokens after the first ``sent`` ones: SSE events, or one JSON."""
+    async def respond(self, req: Request, watch: AsyncWatch, sent: int, stream: bool,
+                      timings: Callable[[], dict[str, Any]]) -> Response:
+        """Answer with ``req``'s tokens after the first ``sent`` ones: SSE events, or one JSON at the end."""
         if stream:
             return StreamingResponse(self._events(req, watch, sent, timings), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return self._whole(req, watch, sent, timings)
-
-    async def _whole(self, req: Request, watch: AsyncWatch, sent: int,
-                     timings: Callable[[], dict[str, Any]]) -> Response:
         await self.await_done(req, watch, self.cfg.request_timeout)
         out = req.output_ids[:]
         return JSONResponse({"request_id": req.request_id, "token_ids": out[sent:],

@@ -8,6 +8,7 @@ import urllib.request
 from typing import Any, Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.pool import KVPool
 from kvbridge.workers.decode import DecodeWorker
@@ -85,6 +86,14 @@ def test_completions_stream_and_metrics(workers: tuple[str, str], tiny_model: Ca
         text = prom.decode()
         assert status == 200 and 'kvbridge_requests_total{mode="disaggregated",outcome="ok"} 3.0' in text
         assert "kvbridge_ttft_seconds_bucket{" in text and "kvbridge_kv_transfer_seconds_count{" in text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}  # the official parser accepts it
+        for name in ("ttft", "tpot", "e2e", "queue", "prefill", "kv_transfer"):
+            f = fams[f"kvbridge_{name}_seconds"]
+            assert f.type == "histogram"
+            n = sum(x.value for x in f.samples if x.name.endswith("_count"))
+            assert n == 3 if name != "tpot" else 1 <= n <= 3, (name, n)
+        rejected = [x for x in fams["kvbridge_rejected_requests"].samples if x.name.endswith("_total")]
+        assert [(x.labels["status"], x.value) for x in rejected] == [("422", 1.0)]
         status, js = get(url + "/metrics.json?records=1")
         s = json.loads(js)
         assert s["ok"] == 3 and s["failed"] == 0 and len(s["records"]) == 3  # a 400 is not a served request
