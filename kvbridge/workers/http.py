@@ -71,7 +71,7 @@ class HTTPServer:
         fmt_host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{fmt_host}:{self.port}"
         cfg = uvicorn.Config(self._wrap(app), log_config=None, log_level="warning", access_log=False,
-                             lifespan="on", timeout_graceful_shutdown=graceful, timeout_keep_alive=30)
+                             lifespan="on", timeout_graceful_shutdown=max(1, round(graceful)), timeout_keep_alive=30)
         self.server = uvicorn.Server(cfg)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._error: Optional[BaseException] = None

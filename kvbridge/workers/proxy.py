@@ -28,7 +28,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -261,7 +261,7 @@ class Proxy:
 
     # -- generation ------------------------------------------------------------------------
     async def _generate(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
-                        deadline: float) -> AsyncIterator[list[int]]:
+                        deadline: float) -> AsyncGenerator[list[int], None]:
         """Yield new output tokens as they arrive; raise ``_Done(reason)`` at the end."""
         if self.cfg.colocated:
             async for new in self._generate_colocated(ids, params, rid, m, deadline):
@@ -491,8 +491,9 @@ class Proxy:
                                       "token_ids": ids}
         else:
             choice = {"index": 0, "text": text or "", "token_ids": ids, "finish_reason": reason, "logprobs": None}
-        c = {"id": job.rid, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-             "created": job.created, "model": self.cfg.model_name, "choices": [choice]}
+        kind = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        c: dict[str, Any] = {"id": job.rid, "object": kind, "created": job.created, "model": self.cfg.model_name,
+                             "choices": [choice]}
         if job.usage:
             c["usage"] = None
         return c
