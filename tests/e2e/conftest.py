@@ -4,6 +4,7 @@ SIGINT, checked for leftover processes)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -76,28 +77,40 @@ class UpProcess:
     """``python -m kvbridge up ...`` as a child process of the test."""
 
     def __init__(self, *args: str, startup: float = 90.0, cwd: Optional[str] = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # -P: like the console script, the parent does not import from the current folder
-        self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvbridge", "up", "--port", str(self.port),
-                                      "--no-progress", *args], stdin=subprocess.DEVNULL, cwd=cwd,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for _ in range(3):  # a free port can be taken by another process before `up` binds it
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            # -P: like the console script, the parent does not import from the current folder
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvbridge", "up", "--port", str(self.port),
+                                          "--no-progress", *args], stdin=subprocess.DEVNULL, cwd=cwd,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            if self._wait_healthy(startup):
+                break
+        else:
+            raise RuntimeError("kvbridge up found no free port in 3 tries")
+        self.worker_pids = [int(w["pid"]) for w in self.health["workers"]]
+
+    def _wait_healthy(self, startup: float) -> bool:
+        """True once healthy; False if `up` lost its port to another process; raises otherwise."""
         deadline = time.monotonic() + startup
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvbridge up exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                if "already in use" in err:
+                    return False
+                raise RuntimeError(f"kvbridge up exited: {err}")
             try:
                 status, body = get(self.url + "/health", timeout=2.0)
-                if status == 200:
-                    self.health = json.loads(body)
-                    break
-            except OSError:
+                health = json.loads(body)
+                if status == 200 and health.get("mode"):
+                    self.health = health
+                    return True
+            except (OSError, ValueError, http.client.HTTPException):
                 pass
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError("kvbridge up did not become healthy")
             time.sleep(0.2)
-        self.worker_pids = [int(w["pid"]) for w in self.health["workers"]]
 
     def workers(self, role: Optional[str] = None) -> list[dict[str, Any]]:
         _, body = get(self.url + "/health", timeout=10.0)

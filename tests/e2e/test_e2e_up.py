@@ -22,7 +22,7 @@ from kvbridge.workers.model import CausalLM
 from kvbridge.workers.sampling import SamplingParams
 from kvbridge.workers.tokenizer import ByteTokenizer
 
-from .conftest import UpProcess, assert_stopped_cleanly, free_port, get, pid_alive, post
+from .conftest import UpProcess, assert_stopped_cleanly, get, pid_alive, post
 
 TOK = ByteTokenizer()
 
@@ -294,12 +294,11 @@ def test_separate_commands_multi_host_recipe(lease_url: str) -> None:
     try:
         pre = [start("prefill", "--model", "tiny", "--leases", lease_url, "--host", "127.0.0.1") for _ in range(2)]
         dec = start("decode", "--model", "tiny", "--leases", lease_url)
-        port = free_port()
-        args = ["proxy", "--port", str(port), "--model", "tiny", "--decode", dec]
+        args = ["proxy", "--port", "0", "--model", "tiny", "--decode", dec]
         for u in pre:
             args += ["--prefill", u]
-        start(*args)
-        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=60.0)
+        front = start(*args)
+        c = openai.OpenAI(base_url=front + "/v1", api_key="none", max_retries=0, timeout=60.0)
         prompt = TOK.encode("several hosts")
         outs = [c.completions.create(model="tiny", prompt=prompt, max_tokens=12) for _ in range(4)]
         c.close()
