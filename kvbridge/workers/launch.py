@@ -155,9 +155,11 @@ class Cluster:
     def _spawn(self, role: str, args: list[str], n: int) -> _Child:
         log_path = os.path.join(self.log_dir, f"{role}-{n}.log")
         with open(log_path, "w") as log:
+            # own session: a Ctrl-C in the terminal reaches only this process, which stops the
+            # workers after the proxy has answered the requests in flight
             proc = subprocess.Popen([*worker_command(), role, *args], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=die_with_parent,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         child = _Child(role, proc, log_path)
         threading.Thread(target=self._read_ready, args=(child,), daemon=True).start()
         self.children.append(child)

@@ -83,7 +83,8 @@ class UpProcess:
             # -P: like the console script, the parent does not import from the current folder
             self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvbridge", "up", "--port", str(self.port),
                                           "--no-progress", *args], stdin=subprocess.DEVNULL, cwd=cwd,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                         start_new_session=True)  # its own process group, as in a terminal
             if self._wait_healthy(startup):
                 break
         else:
@@ -117,9 +118,9 @@ class UpProcess:
         return [w for w in json.loads(body)["workers"] if role is None or w.get("role") == role]
 
     def stop(self, timeout: float = 30.0) -> tuple[int, str]:
-        """SIGINT, wait, and return (exit code, stderr)."""
+        """SIGINT to its process group (a Ctrl-C in its terminal), wait, and return (exit code, stderr)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            os.killpg(self.proc.pid, signal.SIGINT)
         try:
             _, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
