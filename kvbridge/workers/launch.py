@@ -269,7 +269,7 @@ class Cluster:
         clear error (prefill, colocated), and ``/health`` says ``degraded``.
         """
         stop = threading.Event()
-        prev = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+        prev = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         last = ""
         reported: set[int] = set()
         next_progress = time.monotonic() + interval
