@@ -15,6 +15,7 @@ so the same request gives the same text in every mode), not OpenAI's 1.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -224,7 +225,7 @@ def render_chat(req: ChatRequest, tok: Tokenizer) -> list[int]:
     if isinstance(tok, HFTokenizer) and getattr(tok.tok, "chat_template", None):
         ids = tok.tok.apply_chat_template([{"role": r, "content": c} for r, c in msgs], add_generation_prompt=True,
                                           tokenize=True)
-        return [int(t) for t in (ids["input_ids"] if isinstance(ids, dict) else ids)]
+        return [int(t) for t in (ids["input_ids"] if isinstance(ids, Mapping) else ids)]  # a BatchEncoding
     return tok.encode(plain_chat_text(msgs))
 
 

@@ -226,3 +226,30 @@ def test_shutdown_answers_requests_in_flight(tiny_model: CausalLM) -> None:
     r = got["whole"]
     assert r.status_code == 503 and r.json()["error"]["action"] == "retry"
     assert freed, "the engine still holds the aborted requests"
+
+
+def test_chat_uses_the_checkpoint_template_else_the_plain_one(tmp_path: Any) -> None:
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvbridge.workers.openai_api import ChatRequest, parse_request, render_chat
+    from kvbridge.workers.tokenizer import HFTokenizer, load_tokenizer
+
+    chars = {chr(i): i for i in range(32, 127)}
+    t = Tokenizer(models.WordLevel(vocab={**chars, "<unk>": 0}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    fast = PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+    plain_dir, templ_dir = tmp_path / "plain", tmp_path / "templ"
+    fast.save_pretrained(plain_dir)
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    fast.save_pretrained(templ_dir)
+    req = parse_request(ChatRequest, {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert isinstance(req, ChatRequest)
+    templ = load_tokenizer(templ_dir)
+    assert isinstance(templ, HFTokenizer)
+    assert render_chat(req, templ) == [ord(c) for c in "<user>hi<assistant>"]
+    plain = load_tokenizer(plain_dir)
+    assert render_chat(req, plain) == plain.encode(plain_chat_text([("user", "hi")]))
+    assert render_chat(req, TOK) == TOK.encode("user: hi\nassistant:")
