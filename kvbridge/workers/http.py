@@ -226,13 +226,17 @@ class WorkerClient:
             async with self.client.stream("POST", url, json=body, headers={"Accept": "text/event-stream"}) as r:
                 if r.status_code >= 300:
                     _raise_for(r.status_code, await r.aread(), url)
-                async for line in r.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
-                    yield json.loads(data)
+                buf = b""
+                async for chunk in r.aiter_raw():  # the workers send bare "data: ...\n\n" events
+                    buf += chunk
+                    while (end := buf.find(b"\n\n")) >= 0:
+                        event, buf = buf[:end], buf[end + 2:]
+                        for line in event.split(b"\n"):
+                            if line.startswith(b"data:"):
+                                data = line[5:].strip()
+                                if data == b"[DONE]":
+                                    return
+                                yield json.loads(data)
                 raise ConnectionLost(f"stream from {url} ended before [DONE]")
         except httpx.ConnectError as exc:
             raise PeerUnavailable(f"POST {url} failed: {type(exc).__name__}: {exc}") from None

@@ -140,6 +140,8 @@ class Proxy:
         self._max_len = cfg.max_model_len
         self.client: Optional[WorkerClient] = None
         self._stopping: Optional[asyncio.Event] = None
+        self._waiting: set[asyncio.Task[Any]] = set()
+        self._stop_cancelled: set[asyncio.Task[Any]] = set()
         self.http: Optional[HTTPServer] = None
         self.started = time.time()
 
@@ -188,7 +190,7 @@ class Proxy:
         if self.http is None:
             return
         if self._stopping is not None:
-            self.http.call_soon(self._stopping.set)
+            self.http.call_soon(self._begin_stop)
             deadline = time.monotonic() + self.cfg.shutdown_grace
             while self.metrics.in_flight > 0 and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -363,27 +365,37 @@ class Proxy:
                 await asyncio.sleep(0.2)
 
     async def _tokens(self, job: _Job) -> AsyncIterator[list[int]]:
-        """``_generate``, stopped with :class:`ShuttingDown` as soon as the proxy is closing."""
+        """``_generate``, stopped with :class:`ShuttingDown` as soon as the proxy is closing.
+
+        While it waits for the next tokens a request is in ``_waiting``; closing cancels
+        those waits (and only those: a request busy writing to its client checks the flag
+        before it waits again), so every client gets the error answer.
+        """
         assert self._stopping is not None
         deadline = time.monotonic() + self.cfg.request_timeout
         gen = self._generate(job.ids, job.params, job.rid, job.m, deadline)
-        stop = asyncio.ensure_future(self._stopping.wait())
+        task = asyncio.current_task()
+        assert task is not None
         try:
             while True:
-                nxt = asyncio.ensure_future(gen.__anext__())
-                await asyncio.wait((nxt, stop), return_when=asyncio.FIRST_COMPLETED)
-                if not nxt.done():
-                    nxt.cancel()
-                    with contextlib.suppress(BaseException):
-                        await nxt
+                if self._stopping.is_set():
                     raise ShuttingDown("the server is shutting down; send the request again")
+                self._waiting.add(task)
                 try:
-                    new = nxt.result()
+                    new = await gen.__anext__()
                 except StopAsyncIteration:
                     return
                 except _Done as d:
                     job.reason = str(d.args[0]) if d.args else None
                     return
+                except asyncio.CancelledError:
+                    if task not in self._stop_cancelled:
+                        raise
+                    if hasattr(task, "uncancel"):
+                        task.uncancel()
+                    raise ShuttingDown("the server is shutting down; send the request again") from None
+                finally:
+                    self._waiting.discard(task)
                 now = time.time()
                 job.out.extend(new)
                 if job.m.first_token_at is None:
@@ -391,9 +403,16 @@ class Proxy:
                 job.m.token_times.extend([now] * len(new))
                 yield new
         finally:
-            stop.cancel()
             with contextlib.suppress(BaseException):
                 await gen.aclose()
+
+    def _begin_stop(self) -> None:
+        """On the event loop: refuse new work and interrupt every request waiting for tokens."""
+        assert self._stopping is not None
+        self._stopping.set()
+        for task in list(self._waiting):
+            self._stop_cancelled.add(task)
+            task.cancel()
 
     # -- HTTP: completions and chat ----------------------------------------------------------
     async def _completions(self, request: HTTPRequest) -> Response:
