@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Optional
 
 import httpx
 import uvicorn
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from ..errors import Action, ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, TransferTimeout, \
@@ -157,11 +158,14 @@ async def read_json(request: HTTPRequest, limit: int) -> Any:
                             "request_too_large")
     parts: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyError(413, f"the request body is over the {limit}-byte limit", "request_too_large")
-        parts.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyError(413, f"the request body is over the {limit}-byte limit", "request_too_large")
+            parts.append(chunk)
+    except ClientDisconnect:  # the answer goes nowhere; this only ends the request quietly
+        raise BodyError(400, "the client disconnected before sending the whole body", "client_disconnected") from None
     raw = b"".join(parts)
     if not raw:
         raise BodyError(400, "the request body is empty; send a JSON object")

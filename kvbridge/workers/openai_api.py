@@ -15,6 +15,7 @@ so the same request gives the same text in every mode), not OpenAI's 1.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, Optional, Sequence, Union
 
@@ -52,9 +53,13 @@ def _snake(name: str) -> str:
     return "".join("_" + c.lower() if c.isupper() else c for c in name).lstrip("_")
 
 
+_ADDRESS = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s,;)]+")
+
+
 def error_from_kvbridge(exc: KVBridgeError) -> APIError:
     """A kvbridge error at the front door: 503 when trying again may work, 504 on a timeout,
-    the worker's 4xx for input a worker refused, else 500."""
+    the worker's 4xx for input a worker refused, else 500. Internal addresses (worker and
+    transport URLs) are left out of the message; the proxy's log has them."""
     st = int(getattr(exc, "status", 0) or 0)
     if isinstance(exc, TransferTimeout):
         status = 504
@@ -62,7 +67,8 @@ def error_from_kvbridge(exc: KVBridgeError) -> APIError:
         status = st if 400 <= st < 500 else 500
     else:
         status = 503
-    return APIError(status, str(exc), None, _snake(type(exc).__name__), exc.action.value)
+    return APIError(status, _ADDRESS.sub("<internal>", str(exc)), None, _snake(type(exc).__name__),
+                    exc.action.value)
 
 
 # -- request models ----------------------------------------------------------------------------

@@ -130,6 +130,7 @@ def test_dead_prefill_worker_is_a_clear_error(workers: tuple[str, str]) -> None:
         assert time.monotonic() - t0 < 10
         assert status == 503
         assert "prefill failed" in out["error"]["message"] and out["error"]["action"] == "retry"
+        assert dead.split("//")[1] not in out["error"]["message"]  # no internal address for the client
         events = _sse(url + "/v1/completions", {"prompt": "hello", "max_tokens": 4, "stream": True})
         assert events[-1] == "[DONE]" and events[0]["error"]["action"] == "retry"
     finally:
