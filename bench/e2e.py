@@ -33,9 +33,11 @@ Run::
 
     python -m bench.e2e [--quick] [--model bench] [--mix short|long|both] [--requests N]
                         [--rate R] [--seed S] [--transport tcp|shm] [--ttft-slo S] [--tpot-slo S]
-                        [--out bench/results/e2e.json] [--md bench/results/e2e.md]
-                        [--png bench/results/e2e.png]
+                        [--out PATH.json] [--md PATH.md] [--png PATH.png]
 
+Results go to a scratch file under the temp directory unless ``--out`` names one
+(``--out bench/results/e2e.json`` regenerates the committed results; ``--md`` and
+``--png`` default to the same path with their suffix).
 Progress goes to stderr; the Markdown report to stdout and ``--md``; every per-request
 record (client times, server timings, tokens) and the summaries to ``--out``; CDFs of
 TTFT and TPOT of both modes for each mix to ``--png``.
@@ -888,16 +890,26 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override the mix's prompt length range (tests)")
     ap.add_argument("--output-range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                     help="override the mix's output length range (tests)")
-    ap.add_argument("--out", default="bench/results/e2e.json")
-    ap.add_argument("--md", default="bench/results/e2e.md")
-    ap.add_argument("--png", default="bench/results/e2e.png")
+    ap.add_argument("--out", default=None,
+                    help="results JSON (default: a scratch file under the temp directory; the committed "
+                         "results are bench/results/e2e.json)")
+    ap.add_argument("--md", default=None, help="Markdown report (default: next to --out, .md; '' for none)")
+    ap.add_argument("--png", default=None, help="CDF plots (default: next to --out, .png; '' for none)")
     ap.add_argument("--from-json", default=None, metavar="PATH",
                     help="no run: re-render the Markdown and PNG from a results JSON written earlier")
     return ap
 
 
+def output_paths(a: argparse.Namespace) -> tuple[str, str, str]:
+    """(json, md, png): ``--out`` or a scratch file; the others next to it unless named."""
+    out = a.out or os.path.join(tempfile.gettempdir(), f"kvbridge-bench-{os.getuid()}", "e2e.json")
+    stem = out[:-5] if out.endswith(".json") else out
+    return (out, stem + ".md" if a.md is None else a.md, stem + ".png" if a.png is None else a.png)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     a = build_parser().parse_args(argv)
+    a.out, a.md, a.png = output_paths(a)
     if a.from_json:
         with open(a.from_json) as f:
             results = json.load(f)

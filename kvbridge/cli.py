@@ -21,33 +21,60 @@ from .errors import KVBridgeError
 __all__ = ["main", "build_parser"]
 
 _MODEL_HELP = "preset (tiny, small, bench) with seeded weights, or a local HF checkpoint directory"
+_FMT = argparse.ArgumentDefaultsHelpFormatter
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a TCP port (0-65535; 0 picks a free one)")
+    return port
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return v
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def _engine_args(p: argparse.ArgumentParser, threads: int) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=0, help="HTTP port (0: any free port)")
-    g.add_argument("--model", default="small", help=_MODEL_HELP + " (default small)")
-    g.add_argument("--seed", type=int, default=0, help="weight seed of a preset model (default 0)")
-    g.add_argument("--chunk-size", type=int, default=256, help="prefill chunk in tokens (default 256)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--num-blocks", type=int, default=2048, help="KV blocks in the pool (default 2048)")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests batched at once")
-    g.add_argument("--threads", type=int, default=threads, help=f"torch threads (default {threads})")
-    g.add_argument("--request-timeout", type=float, default=300.0, help="abort a request after this many s")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=_port, default=0, help="HTTP port (0: any free port)")
+    g.add_argument("--model", default="small", help=_MODEL_HELP)
+    g.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+    g.add_argument("--chunk-size", type=_positive(int), default=256, help="prefill chunk in tokens")
+    g.add_argument("--block-size", type=_positive(int), default=16, help="tokens per KV block")
+    g.add_argument("--num-blocks", type=_positive(int), default=2048, help="KV blocks in the pool")
+    g.add_argument("--max-num-seqs", type=_positive(int), default=64, help="most requests batched at once")
+    g.add_argument("--threads", type=_positive(int), default=threads, help="torch threads")
+    g.add_argument("--request-timeout", type=_positive(float), default=300.0,
+                   help="abort a request after this many seconds")
     g.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # fault drills
     g.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)   # set by `up`
 
 
-def _slo_args(p: argparse.ArgumentParser) -> None:
+def _proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routing", choices=["least-loaded", "round-robin"], default="least-loaded",
-                   help="how to pick a decode worker (default least-loaded)")
+                   help="how to pick a prefill and a decode worker")
     p.add_argument("--on-decode-failure", choices=["retry", "reprefill"], default="retry",
-                   help="a failed decode worker: retry the handle on another one, or re-prefill (default retry)")
-    p.add_argument("--ttft-slo", type=float, default=2.0, help="TTFT target in seconds for goodput (default 2)")
-    p.add_argument("--tpot-slo", type=float, default=0.1, help="TPOT target in seconds for goodput (default 0.1)")
-    p.add_argument("--worker-timeout", type=float, default=30.0,
-                   help="seconds of silence from a worker before it counts as failed (default 30)")
+                   help="a failed decode worker: retry the handle on another one, or re-prefill")
+    p.add_argument("--ttft-slo", type=_positive(float), default=2.0, help="TTFT target in seconds, for goodput")
+    p.add_argument("--tpot-slo", type=_positive(float), default=0.1, help="TPOT target in seconds, for goodput")
+    p.add_argument("--worker-timeout", type=_positive(float), default=30.0,
+                   help="seconds of silence from a worker before it counts as failed")
+    p.add_argument("--max-body-bytes", type=_positive(int), default=8 << 20,
+                   help="larger request bodies are refused with HTTP 413 before they are read")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,56 +84,64 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND")
 
-    up = sub.add_parser("up", help="run lease server, workers and proxy on this machine",
-                        description="Start the embedded lease server, worker processes and the HTTP proxy; "
-                                    "Ctrl-C stops everything.")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    up = sub.add_parser("up", help="run lease server, workers and proxy on this machine", formatter_class=_FMT,
+                        description="Start the embedded lease server, worker processes and the OpenAI-compatible "
+                                    "HTTP proxy; Ctrl-C stops everything.")
+    up.add_argument("--host", default="127.0.0.1", help="address the proxy and workers listen on")
+    up.add_argument("--port", type=_port, default=8000, help="proxy port")
     up.add_argument("--colocated", action="store_true", help="one engine does prefill and decode (baseline)")
-    up.add_argument("--transport", choices=["tcp", "shm"], default="tcp", help="KV transport (default tcp)")
-    up.add_argument("--decode-workers", type=int, default=1, help="decode worker processes (default 1)")
-    up.add_argument("--prefill-workers", type=int, default=1, help="prefill worker processes (default 1)")
-    up.add_argument("--model", default="small", help=_MODEL_HELP + " (default small)")
-    up.add_argument("--seed", type=int, default=0)
-    up.add_argument("--chunk-size", type=int, default=256, help="prefill chunk, same in both modes (default 256)")
-    up.add_argument("--block-size", type=int, default=16)
-    up.add_argument("--num-blocks", type=int, default=2048)
-    up.add_argument("--threads", type=int, default=None,
-                    help="torch threads per worker (default 1 everywhere, so both modes compute the "
+    up.add_argument("--transport", choices=["tcp", "shm"], default="tcp", help="KV transport")
+    up.add_argument("--prefill-workers", type=_positive(int), default=1, help="prefill worker processes")
+    up.add_argument("--decode-workers", type=_positive(int), default=1, help="decode worker processes")
+    up.add_argument("--model", default="small", help=_MODEL_HELP)
+    up.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+    up.add_argument("--chunk-size", type=_positive(int), default=256, help="prefill chunk, same in both modes")
+    up.add_argument("--block-size", type=_positive(int), default=16, help="tokens per KV block")
+    up.add_argument("--num-blocks", type=_positive(int), default=2048, help="KV blocks per worker pool")
+    up.add_argument("--threads", type=_positive(int), default=None,
+                    help="torch threads per worker (None: 1 everywhere, so both modes compute the "
                          "same bits; use 2 with --colocated for an equal-cores comparison)")
-    up.add_argument("--leases", default=None, help="redis:// URL of a lease server (default: embedded)")
-    up.add_argument("--ttl", type=float, default=30.0, help="seconds an unfetched handle lives (default 30)")
-    up.add_argument("--max-num-seqs", type=int, default=64, help="most requests batched at once per engine")
-    up.add_argument("--request-timeout", type=float, default=300.0, help="abort a request after this many s")
+    up.add_argument("--leases", default=None, help="redis:// URL of a lease server (None: start an embedded one)")
+    up.add_argument("--ttl", type=_positive(float), default=30.0, help="seconds an unfetched handle lives")
+    up.add_argument("--max-num-seqs", type=_positive(int), default=64, help="most requests batched at once per engine")
+    up.add_argument("--request-timeout", type=_positive(float), default=300.0,
+                    help="abort a request after this many seconds")
+    up.add_argument("--log-dir", default=None,
+                    help="folder for the worker logs, kept after exit (None: $TMPDIR/kvbridge-<uid>/up-<pid>, "
+                         "removed on a clean exit)")
+    up.add_argument("--keep-logs", action="store_true", help="keep the default log folder after a clean exit")
     up.add_argument("--no-progress", action="store_true", help="no periodic status lines")
     up.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)
-    _slo_args(up)
+    _proxy_args(up)
 
-    pf = sub.add_parser("prefill", help="run a prefill worker (publishes KV handles)")
+    pf = sub.add_parser("prefill", help="run a prefill worker (publishes KV handles)", formatter_class=_FMT)
     _engine_args(pf, threads=1)
-    pf.add_argument("--leases", default=None, help="redis:// lease server URL (default: embedded in this process)")
+    pf.add_argument("--leases", default=None, help="redis:// lease server URL (None: embedded in this process)")
     pf.add_argument("--transport", choices=["tcp", "shm", "inproc"], default="tcp",
                     help="how decode workers read the KV (shm also listens on tcp)")
-    pf.add_argument("--ttl", type=float, default=30.0, help="seconds an unfetched handle lives")
+    pf.add_argument("--ttl", type=_positive(float), default=30.0, help="seconds an unfetched handle lives")
 
-    dc = sub.add_parser("decode", help="run a decode worker (fetches KV, generates)")
+    dc = sub.add_parser("decode", help="run a decode worker (fetches KV, generates)", formatter_class=_FMT)
     _engine_args(dc, threads=1)
-    dc.add_argument("--leases", default=None, help="redis:// lease server URL (default: the one in each handle)")
+    dc.add_argument("--leases", default=None, help="redis:// lease server URL (None: the one in each handle)")
 
-    co = sub.add_parser("colocated", help="run one engine that does prefill and decode")
+    co = sub.add_parser("colocated", help="run one engine that does prefill and decode", formatter_class=_FMT)
     _engine_args(co, threads=1)
 
-    px = sub.add_parser("proxy", help="run the HTTP front door (OpenAI-style /v1/completions)")
-    px.add_argument("--host", default="127.0.0.1")
-    px.add_argument("--port", type=int, default=8000)
+    px = sub.add_parser("proxy", help="run the HTTP front door (OpenAI-compatible API)", formatter_class=_FMT)
+    px.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    px.add_argument("--port", type=_port, default=8000, help="HTTP port")
     px.add_argument("--prefill", action="append", default=[], metavar="URL", help="prefill worker URL (repeat)")
     px.add_argument("--decode", action="append", default=[], metavar="URL", help="decode worker URL (repeat)")
     px.add_argument("--colocated", default=None, metavar="URL", help="colocated worker URL")
-    px.add_argument("--model", default="small", help="for the tokenizer: a preset (bytes) or checkpoint dir")
-    _slo_args(px)
+    px.add_argument("--model", default="small",
+                    help="the served model name; a checkpoint directory also gives the tokenizer")
+    px.add_argument("--request-timeout", type=_positive(float), default=300.0,
+                    help="abort a request after this many seconds")
+    _proxy_args(px)
 
-    ls = sub.add_parser("leases", help="list live leases (for operators)")
-    ls.add_argument("--url", default=None, help="lease server URL (default: the running `kvbridge up`'s)")
+    ls = sub.add_parser("leases", help="list the leases of a lease server (for operators)", formatter_class=_FMT)
+    ls.add_argument("--url", default=None, help="lease server URL (None: the running `kvbridge up`'s)")
     ls.add_argument("--owner", default=None, help="only leases of this owner")
     ls.add_argument("--json", action="store_true", help="JSON lines instead of a table")
     return ap
@@ -148,7 +183,8 @@ def _run_proxy(a: argparse.Namespace) -> int:
 
     proxy = Proxy(ProxyConfig(prefill=a.prefill, decode=a.decode, colocated=a.colocated, routing=a.routing,
                               on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
-                              worker_timeout=a.worker_timeout, model_name=a.model),
+                              worker_timeout=a.worker_timeout, request_timeout=a.request_timeout,
+                              model_name=a.model, max_body_bytes=a.max_body_bytes),
                   tokenizer=load_tokenizer(a.model if os.path.isdir(a.model) else None))
     server = proxy.serve(a.host, a.port)
     print(json.dumps({"event": "ready", "role": "proxy", "url": server.url, "pid": os.getpid()}), flush=True)
@@ -169,7 +205,8 @@ def _run_up(a: argparse.Namespace) -> int:
                    threads=a.threads, leases=a.leases, ttl=a.ttl, routing=a.routing,
                    on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
                    worker_timeout=a.worker_timeout, step_delay=a.step_delay,
-                   max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout)
+                   max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes,
+                   log_dir=a.log_dir, keep_logs=a.keep_logs)
     cluster = Cluster(cfg)
     try:
         cluster.start()
@@ -202,16 +239,31 @@ def _run_leases(a: argparse.Namespace) -> int:
     if a.json:
         for ls in leases:
             print(json.dumps({"lease_id": ls.lease_id, "owner": ls.owner, "state": ls.state.value,
-                              "fence": str(ls.fence), "claimer": ls.claimer, "ttl_ms_left": ls.ttl_ms_left,
-                              "num_blocks": ls.num_blocks, "meta": ls.meta}))
+                              "live": _is_live(ls), "fence": str(ls.fence), "claimer": ls.claimer,
+                              "ttl_ms_left": ls.ttl_ms_left, "num_blocks": ls.num_blocks, "meta": ls.meta}))
         return 0
-    print(f"{len(leases)} live lease(s) at {url}")
-    if leases:
-        print(f"{'lease':34} {'state':10} {'blocks':>6} {'ttl ms':>7}  {'owner':40} request")
+    live = [ls for ls in leases if _is_live(ls)]
+    ended = [ls for ls in leases if not _is_live(ls)]
+    print(f"{len(live)} live lease(s) at {url} (published or claimed: their blocks are held)")
+    _lease_table(live)
+    if ended:
+        print(f"\n{len(ended)} ended lease(s) (released or aborted; the owner frees the blocks, the record "
+              f"expires with its TTL)")
+        _lease_table(ended)
+    return 0
+
+
+def _is_live(ls: Any) -> bool:
+    return str(ls.state.value) in ("published", "claimed")
+
+
+def _lease_table(leases: Sequence[Any]) -> None:
+    if not leases:
+        return
+    print(f"{'lease':34} {'state':10} {'blocks':>6} {'ttl ms':>7}  {'owner':40} request")
     for ls in leases:
         print(f"{ls.lease_id:34} {ls.state.value:10} {ls.num_blocks:>6} {ls.ttl_ms_left:>7}  "
               f"{ls.owner[:40]:40} {ls.meta.get('request_id', '')}")
-    return 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -13,11 +13,14 @@ import time
 import uuid
 from typing import Any, Optional, Sequence
 
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
+
 from ..errors import ConfigError
 from .engine import Request
 from .model import CausalLM
 from .sampling import SamplingParams
-from .server import Ctx, EngineWorker, RequestWatch, WorkerConfig
+from .server import AsyncWatch, EngineWorker, RequestWatch, WorkerConfig
 
 __all__ = ["ColocatedWorker"]
 
@@ -46,7 +49,7 @@ class ColocatedWorker(EngineWorker):
         return list(req.output_ids), self._timings(req, watch)
 
     @staticmethod
-    def _timings(req: Request, watch: RequestWatch) -> dict[str, Any]:
+    def _timings(req: Request, watch: Any) -> dict[str, Any]:
         arrival = req.arrival_time or 0.0
         admitted = watch.admitted_at if watch.admitted_at is not None else arrival
         first = req.first_token_time
@@ -55,11 +58,13 @@ class ColocatedWorker(EngineWorker):
                 "decode_s": (req.finish_time or time.perf_counter()) - (first or arrival),
                 "finish_reason": req.finish_reason.value if req.finish_reason else None}
 
-    def _http_generate(self, ctx: Ctx) -> None:
-        body = ctx.json()
+    async def _http_generate(self, request: HTTPRequest) -> Response:
+        body = await self.body(request)
         prompt = body.get("prompt_ids")
-        if not isinstance(prompt, list) or not prompt:
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
             raise ConfigError("prompt_ids must be a non-empty list of token ids")
         params = SamplingParams.from_dict(body.get("sampling") or {})
-        req, watch = self.start(prompt, params, body.get("request_id"))
-        self.stream(ctx, req, watch, 0, bool(body.get("stream", True)), lambda: self._timings(req, watch))
+        req = Request(list(prompt), params, request_id=body.get("request_id") or uuid.uuid4().hex)
+        watch = AsyncWatch()
+        self.loop.submit(req, watch)
+        return await self.respond(req, watch, 0, bool(body.get("stream", True)), lambda: self._timings(req, watch))

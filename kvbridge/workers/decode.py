@@ -12,9 +12,13 @@ code and ``action`` (``reprefill`` when the KV is gone: HTTP 410).
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any, Optional, Sequence, Union
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import Response
 
 from ..errors import ConfigError, KVBridgeError, PoolError
 from ..handle import KVHandle
@@ -24,7 +28,7 @@ from ..receiver import FetchResult, KVReceiver
 from .engine import Request
 from .model import CausalLM
 from .sampling import SamplingParams
-from .server import Ctx, EngineWorker, RequestWatch, WorkerConfig
+from .server import AsyncWatch, EngineWorker, RequestWatch, WorkerConfig
 
 __all__ = ["DecodeWorker"]
 
@@ -42,24 +46,8 @@ class DecodeWorker(EngineWorker):
         self.routes[("POST", "/generate")] = self._http_generate
         self.fetches = {"ok": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
 
-    def _alloc(self, n: int, timeout: float) -> list[int]:
-        """``n`` free blocks, waiting up to ``timeout`` seconds for running requests to free some."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                return self.pool.alloc(n)
-            except PoolError:
-                if time.monotonic() >= deadline:
-                    raise PoolError(f"decode pool has no {n} free blocks after {timeout:.0f}s",
-                                    hint="add decode workers or --num-blocks") from None
-                time.sleep(0.01)
-
-    def start(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int], output_ids: Sequence[int],
-              sampling: SamplingParams, request_id: Optional[str] = None) -> tuple[Request, RequestWatch, FetchResult]:
-        """Fetch the KV of ``handle`` and queue the request's remaining decode steps.
-
-        Raises the fetch's error (with its ``action``) if the KV could not be fetched.
-        """
+    def _check(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int], output_ids: Sequence[int],
+               sampling: SamplingParams) -> tuple[KVHandle, list[int], int]:
         h = handle if isinstance(handle, KVHandle) else KVHandle.from_dict(handle)
         outs = [int(t) for t in output_ids]
         if not outs:
@@ -73,24 +61,69 @@ class DecodeWorker(EngineWorker):
         if need > self.pool.num_blocks:
             raise PoolError(f"request needs {need} blocks, the decode pool has {self.pool.num_blocks}",
                             hint="lower max_tokens or start decode workers with more --num-blocks")
-        blocks = self._alloc(h.num_blocks, timeout=min(30.0, self.cfg.request_timeout))
+        return h, outs, num_cached
+
+    def _try_alloc(self, n: int, deadline: float, timeout: float) -> Optional[list[int]]:
+        try:
+            return self.pool.alloc(n)
+        except PoolError:
+            if time.monotonic() >= deadline:
+                raise PoolError(f"decode pool has no {n} free blocks after {timeout:.0f}s",
+                                hint="add decode workers or --num-blocks") from None
+            return None
+
+    def _fetched(self, res: FetchResult, blocks: list[int]) -> None:
+        if not res.ok:
+            self.pool.free(blocks)
+            self.fetches["failed"] += 1
+            raise res.error or KVBridgeError("fetch failed")
+        self.fetches["ok"] += 1
+        self.fetches["bytes"] += res.nbytes
+        self.fetches["seconds"] += res.seconds
+
+    def _queue(self, prompt_ids: Sequence[int], outs: list[int], num_cached: int, blocks: list[int],
+               sampling: SamplingParams, request_id: Optional[str], watch: Any) -> Request:
+        req = Request(list(prompt_ids) + outs[:-1], sampling, request_id=request_id or uuid.uuid4().hex)
+        self.loop.submit_prefilled(req, blocks, num_cached, outs, watch)
+        return req
+
+    def start(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int], output_ids: Sequence[int],
+              sampling: SamplingParams, request_id: Optional[str] = None) -> tuple[Request, RequestWatch, FetchResult]:
+        """Fetch the KV of ``handle`` and queue the request's remaining decode steps.
+
+        Raises the fetch's error (with its ``action``) if the KV could not be fetched.
+        """
+        h, outs, num_cached = self._check(handle, prompt_ids, output_ids, sampling)
+        timeout = min(30.0, self.cfg.request_timeout)
+        deadline = time.monotonic() + timeout
+        while (blocks := self._try_alloc(h.num_blocks, deadline, timeout)) is None:
+            time.sleep(0.01)
         try:
             res = self.receiver.fetch(h, blocks)
         except BaseException:
             self.pool.free(blocks)
             raise
-        if not res.ok:
-            self.pool.free(blocks)
-            self.fetches["failed"] += 1
-            err = res.error or KVBridgeError("fetch failed")
-            raise err
-        self.fetches["ok"] += 1
-        self.fetches["bytes"] += res.nbytes
-        self.fetches["seconds"] += res.seconds
-        req = Request(list(prompt_ids) + outs[:-1], sampling, request_id=request_id or uuid.uuid4().hex)
+        self._fetched(res, blocks)
         watch = RequestWatch()
-        self.loop.submit_prefilled(req, blocks, num_cached, outs, watch)
-        return req, watch, res
+        return self._queue(prompt_ids, outs, num_cached, blocks, sampling, request_id, watch), watch, res
+
+    async def astart(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int],
+                     output_ids: Sequence[int], sampling: SamplingParams,
+                     request_id: Optional[str] = None) -> tuple[Request, AsyncWatch, FetchResult]:
+        """Awaitable :meth:`start`: waits for blocks and fetches (``receiver.afetch``) on the event loop."""
+        h, outs, num_cached = self._check(handle, prompt_ids, output_ids, sampling)
+        timeout = min(30.0, self.cfg.request_timeout)
+        deadline = time.monotonic() + timeout
+        while (blocks := self._try_alloc(h.num_blocks, deadline, timeout)) is None:
+            await asyncio.sleep(0.01)
+        try:
+            res = await self.receiver.afetch(h, blocks)
+        except BaseException:
+            self.pool.free(blocks)
+            raise
+        self._fetched(res, blocks)
+        watch = AsyncWatch()
+        return self._queue(prompt_ids, outs, num_cached, blocks, sampling, request_id, watch), watch, res
 
     def generate(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int],
                  output_ids: Sequence[int], sampling: SamplingParams,
@@ -106,8 +139,8 @@ class DecodeWorker(EngineWorker):
                 "decode_s": (req.finish_time or time.perf_counter()) - (req.arrival_time or 0.0),
                 "finish_reason": req.finish_reason.value if req.finish_reason else None}
 
-    def _http_generate(self, ctx: Ctx) -> None:
-        body = ctx.json()
+    async def _http_generate(self, request: HTTPRequest) -> Response:
+        body = await self.body(request)
         if not isinstance(body.get("handle"), dict):
             raise ConfigError("handle (the prefill worker's handle dict) is required")
         prompt = body.get("prompt_ids")
@@ -117,9 +150,9 @@ class DecodeWorker(EngineWorker):
         if outs is None and "first_token" in body:
             outs = [body["first_token"]]
         params = SamplingParams.from_dict(body.get("sampling") or {})
-        req, watch, res = self.start(body["handle"], prompt, outs or [], params, body.get("request_id"))
-        self.stream(ctx, req, watch, len(outs or []), bool(body.get("stream", True)),
-                    lambda: self._timings(req, res))
+        req, watch, res = await self.astart(body["handle"], prompt, outs or [], params, body.get("request_id"))
+        return await self.respond(req, watch, len(outs or []), bool(body.get("stream", True)),
+                                  lambda: self._timings(req, res))
 
     def health(self) -> dict[str, Any]:
         h = super().health()

@@ -1,18 +1,27 @@
 """``kvbridge up``: the embedded lease server, worker processes and the proxy, on this machine.
 
-The parent starts the lease server (:class:`EmbeddedRedis`) and hands its URL to every
-worker process; each worker prints one JSON ready line with its URL; the proxy runs in
-the parent. Children get ``PR_SET_PDEATHSIG`` and a ``--parent-pid`` watchdog, so they
-exit if the parent dies; SIGINT/SIGTERM stop everything in order (proxy, workers, lease
-server) with a bounded wait and SIGKILL as the last resort.
+The parent first binds the proxy's port (a busy or invalid ``--port`` is reported before
+anything starts), then starts the lease server (:class:`EmbeddedRedis`) and hands its URL
+to every worker process; each worker prints one JSON ready line with its URL; the proxy
+runs in the parent. Workers run the installed package whatever the current folder holds
+(``python -P``: the current folder is not put on ``sys.path``). Their logs go to
+``<log dir>/<role>-<n>.log``: by default ``$TMPDIR/kvbridge-<uid>/up-<pid>``, removed on a
+clean exit unless ``keep_logs``; a ``log_dir`` you name is kept. Children get
+``PR_SET_PDEATHSIG`` and a ``--parent-pid`` watchdog, so they exit if the parent dies;
+SIGINT/SIGTERM stop everything in order (the proxy, which first answers requests in
+flight with an error, then workers, then the lease server) with a bounded wait and
+SIGKILL as the last resort.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,13 +30,29 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, TextIO
 
-from ..errors import ConfigError, KVBridgeError
+from ..errors import ConfigError
 from ..lease import EmbeddedRedis
 from .proxy import Proxy, ProxyConfig
-from .server import die_with_parent, http_json
+from .http import bind_socket, get_json
+from .model import PRESETS
+from .server import die_with_parent
 from .tokenizer import load_tokenizer
 
-__all__ = ["UpConfig", "Cluster", "state_path", "running_states"]
+__all__ = ["UpConfig", "Cluster", "state_path", "running_states", "default_log_dir", "worker_command"]
+
+
+def default_log_dir(pid: Optional[int] = None) -> str:
+    """Where ``kvbridge up`` of process ``pid`` writes worker logs unless told otherwise."""
+    return os.path.join(tempfile.gettempdir(), f"kvbridge-{os.getuid()}", f"up-{pid or os.getpid()}")
+
+
+def worker_command() -> list[str]:
+    """How to run ``kvbridge`` in a child: this interpreter, the installed package, never a
+    ``kvbridge/`` folder that happens to be in the current directory."""
+    if sys.version_info >= (3, 11):
+        return [sys.executable, "-P", "-m", "kvbridge"]
+    return [sys.executable, "-c", "import sys\nif sys.path and sys.path[0] in ('', '.'): del sys.path[0]\n"
+            "from kvbridge.cli import main\nsys.exit(main())"]
 
 
 def state_path(pid: Optional[int] = None) -> str:
@@ -76,6 +101,9 @@ class UpConfig:
     max_num_seqs: int = 64
     step_delay: float = 0.0
     startup_timeout: float = 120.0
+    max_body_bytes: int = 8 << 20
+    log_dir: Optional[str] = None      # None: default_log_dir(), removed on a clean exit unless keep_logs
+    keep_logs: bool = False
     extra_worker_args: list[str] = field(default_factory=list)
 
 
@@ -103,7 +131,10 @@ class Cluster:
         self.lease_url: Optional[str] = cfg.leases
         self.proxy: Optional[Proxy] = None
         self.url = ""
-        self.log_dir = tempfile.mkdtemp(prefix="kvbridge-up-")
+        self.log_dir = os.path.abspath(cfg.log_dir) if cfg.log_dir else default_log_dir()
+        self.keep_logs = cfg.keep_logs or cfg.log_dir is not None
+        self.clean = True                   # False once something failed: the logs are kept
+        self._sock: Optional[socket.socket] = None
         self._stopped = False
 
     def _say(self, msg: str) -> None:
@@ -112,7 +143,8 @@ class Cluster:
     def _engine_args(self, role: str) -> list[str]:
         c = self.cfg
         threads = c.threads or 1
-        args = ["--model", c.model, "--seed", str(c.seed), "--chunk-size", str(c.chunk_size),
+        model = c.model if c.model in PRESETS or not os.path.isdir(c.model) else os.path.abspath(c.model)
+        args = ["--model", model, "--seed", str(c.seed), "--chunk-size", str(c.chunk_size),
                 "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks), "--threads", str(threads),
                 "--max-num-seqs", str(c.max_num_seqs), "--request-timeout", str(c.request_timeout),
                 "--host", c.host, "--port", "0", "--parent-pid", str(os.getpid())]
@@ -123,9 +155,11 @@ class Cluster:
     def _spawn(self, role: str, args: list[str], n: int) -> _Child:
         log_path = os.path.join(self.log_dir, f"{role}-{n}.log")
         with open(log_path, "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "kvbridge", role, *args], stdin=subprocess.DEVNULL,
+            # own session: a Ctrl-C in the terminal reaches only this process, which stops the
+            # workers after the proxy has answered the requests in flight
+            proc = subprocess.Popen([*worker_command(), role, *args], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=die_with_parent,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         child = _Child(role, proc, log_path)
         threading.Thread(target=self._read_ready, args=(child,), daemon=True).start()
         self.children.append(child)
@@ -155,7 +189,11 @@ class Cluster:
         """Start everything; return the proxy's URL once every worker answers ``/health``."""
         c = self.cfg
         t0 = time.monotonic()
+        self._sock = bind_socket(c.host, c.port)  # before anything starts: a busy --port fails here
         try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            self._say(f"logs in {self.log_dir}" + ("" if self.keep_logs else " (removed on a clean exit; "
+                                                                            "--keep-logs keeps them)"))
             if self.lease_url is None:
                 self.redis = EmbeddedRedis().start()
                 self.lease_url = self.redis.url
@@ -172,30 +210,25 @@ class Cluster:
             for ch in self.children:
                 while not ch.ready.wait(0.1):
                     if ch.proc.poll() is not None:
-                        raise ConfigError(f"{ch.role} worker exited at start (code {ch.proc.returncode}):\n"
-                                          f"{self._log_tail(ch)}")
+                        raise ConfigError(f"{ch.role} worker exited at start (code {ch.proc.returncode}; "
+                                          f"log {ch.log_path}):\n{self._log_tail(ch)}")
                     if time.monotonic() > deadline:
                         raise ConfigError(f"{ch.role} worker not ready within {c.startup_timeout:.0f}s")
                 self._say(f"{ch.role} worker pid {ch.proc.pid} at {ch.url} ({time.monotonic() - t0:.1f}s)")
             urls = {r: [ch.url for ch in self.children if ch.role == r and ch.url] for r in
                     ("prefill", "decode", "colocated")}
+            max_len = min(int(get_json(f"{ch.url}/health")["max_model_len"]) for ch in self.children)
             self.proxy = Proxy(ProxyConfig(
                 prefill=urls["prefill"], decode=urls["decode"],
                 colocated=urls["colocated"][0] if c.colocated else None, routing=c.routing,
                 on_decode_failure=c.on_decode_failure, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo,
-                worker_timeout=c.worker_timeout, request_timeout=c.request_timeout, model_name=c.model),
-                tokenizer=load_tokenizer(c.model if os.path.isdir(c.model) else None))
-            self.url = self.proxy.serve(c.host, c.port).url
-            while True:
-                try:
-                    http_json("GET", self.url + "/health", timeout=5.0)
-                    break
-                except KVBridgeError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+                worker_timeout=c.worker_timeout, request_timeout=c.request_timeout, model_name=c.model,
+                max_body_bytes=c.max_body_bytes, max_model_len=max_len),
+                tokenizer=load_tokenizer(None if c.model in PRESETS or not os.path.isdir(c.model) else c.model))
+            self.url = self.proxy.serve(c.host, c.port, sock=self._sock).url
             self._write_state()
         except BaseException:
+            self.clean = False
             self.stop()
             raise
         mode = "colocated" if c.colocated else (f"disaggregated: {c.prefill_workers} prefill, "
@@ -236,7 +269,7 @@ class Cluster:
         clear error (prefill, colocated), and ``/health`` says ``degraded``.
         """
         stop = threading.Event()
-        prev = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+        prev = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         last = ""
         reported: set[int] = set()
         next_progress = time.monotonic() + interval
@@ -245,6 +278,7 @@ class Cluster:
                 for ch in self.children:
                     if ch.proc.poll() is not None and ch.proc.pid not in reported:
                         reported.add(ch.proc.pid)
+                        self.clean = False
                         self._say(f"{ch.role} worker pid {ch.proc.pid} exited with code {ch.proc.returncode} "
                                   f"(log: {ch.log_path})")
                 if progress and self.proxy is not None and time.monotonic() >= next_progress:
@@ -264,6 +298,8 @@ class Cluster:
         self._stopped = True
         if self.proxy is not None:
             self.proxy.close()
+        elif self._sock is not None:
+            self._sock.close()
         for ch in self.children:
             if ch.proc.poll() is None:
                 ch.proc.send_signal(signal.SIGTERM)
@@ -280,7 +316,13 @@ class Cluster:
             os.unlink(state_path())
         except OSError:
             pass
-        self._say("stopped")
+        if self.clean and not self.keep_logs:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(self.log_dir))  # only if no other deployment uses it
+            self._say("stopped")
+        else:
+            self._say(f"stopped; logs kept in {self.log_dir}")
 
     def __enter__(self) -> "Cluster":
         self.start()

@@ -4,8 +4,9 @@ A :class:`RequestMetrics` is one request as a client saw it (times in seconds on
 clock, ``time.time()`` by convention). :func:`summarize` turns a list of them into a
 JSON-safe dict (P50/P95/P99 of TTFT, TPOT, end-to-end latency, queueing and KV
 transfer time; throughput; goodput under TTFT/TPOT targets; the same per prompt- and
-output-length bucket); :func:`to_prometheus` renders that dict as Prometheus text.
-:class:`MetricsLog` is a bounded, thread-safe collection for a long-running proxy.
+output-length bucket) for ``/metrics.json``, the progress line and the benchmarks.
+:class:`PromMetrics` keeps the same facts as Prometheus histograms and counters for
+``/metrics``; :class:`MetricsLog` is a bounded, thread-safe collection of records.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Optional, Sequence
 
-__all__ = ["RequestMetrics", "summarize", "to_prometheus", "percentile", "MetricsLog",
-           "DEFAULT_PROMPT_BUCKETS", "DEFAULT_OUTPUT_BUCKETS"]
+__all__ = ["RequestMetrics", "summarize", "percentile", "MetricsLog", "PromMetrics",
+           "DEFAULT_PROMPT_BUCKETS", "DEFAULT_OUTPUT_BUCKETS", "LATENCY_BUCKETS"]
 
 DEFAULT_PROMPT_BUCKETS: tuple[int, ...] = (128, 512, 1024, 2048)   # upper edges; the last bucket is open
 DEFAULT_OUTPUT_BUCKETS: tuple[int, ...] = (32, 128, 512)
@@ -173,59 +174,86 @@ def _bucket_key(item: tuple[str, Any]) -> int:
     return int(item[0].split("-")[0].rstrip("+"))
 
 
-def _prom_num(v: Optional[float]) -> str:
-    return "NaN" if v is None else repr(float(v))
+# Latency histogram edges in seconds: from a fast decode step to a long prefill under load.
+LATENCY_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                                      0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
 
 
-def to_prometheus(summary: dict[str, Any], prefix: str = "kvbridge_", labels: Optional[dict[str, str]] = None) -> str:
-    """Render a :func:`summarize` dict as Prometheus text exposition format (0.0.4)."""
-    base = dict(labels or {})
-    lines: list[str] = []
+class PromMetrics:
+    """The proxy's Prometheus metrics (``prometheus_client``, one registry per proxy).
 
-    def lab(extra: dict[str, str]) -> str:
-        m = {**base, **extra}
-        if not m:
-            return ""
-        return "{" + ",".join(f'{k}="{str(v)}"' for k, v in m.items()) + "}"
+    Every latency is a histogram, so it aggregates across proxies (``histogram_quantile``
+    over ``sum by (le)``); each carries ``mode`` and the request's ``prompt_len`` and
+    ``output_len`` bucket (see :func:`summarize`) as labels. Goodput is the counter
+    ``kvbridge_good_requests_total`` (requests within both SLOs) over
+    ``kvbridge_requests_total``.
+    """
 
-    def emit(name: str, kind: str, help_: str, samples: list[tuple[dict[str, str], Optional[float]]]) -> None:
-        lines.append(f"# HELP {prefix}{name} {help_}")
-        lines.append(f"# TYPE {prefix}{name} {kind}")
-        for ls, v in samples:
-            lines.append(f"{prefix}{name}{lab(ls)} {_prom_num(v)}")
+    def __init__(self, mode: str, ttft_slo: Optional[float] = None, tpot_slo: Optional[float] = None,
+                 buckets: Optional[dict[str, Sequence[int]]] = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-    emit("requests_total", "counter", "Requests finished (ok or failed).",
-         [({"outcome": "ok"}, summary["ok"]), ({"outcome": "failed"}, summary["failed"])])
-    emit("output_tokens_total", "counter", "Output tokens delivered.", [({}, summary["output_tokens"])])
-    emit("prompt_tokens_total", "counter", "Prompt tokens of successful requests.", [({}, summary["prompt_tokens"])])
-    emit("kv_transfer_bytes_total", "counter", "KV bytes moved prefill to decode.", [({}, summary["kv_bytes"])])
-    emit("retries_total", "counter", "Worker attempts after the first.", [({}, summary["retries"])])
-    emit("reprefills_total", "counter", "Requests whose KV was recomputed.", [({}, summary["reprefills"])])
-    emit("throughput_tokens_per_second", "gauge", "Output tokens per second over the window.",
-         [({}, summary["throughput_tok_s"])])
-    emit("goodput_requests_per_second", "gauge", "Requests meeting both SLOs per second.",
-         [({}, summary["goodput_req_s"])])
-    emit("goodput_fraction", "gauge", "Fraction of requests meeting both SLOs.", [({}, summary["goodput_fraction"])])
-    for name, help_ in (("ttft", "Time to first token"), ("tpot", "Time per output token after the first"),
-                        ("e2e", "End-to-end latency"), ("queue", "Queueing time before an engine slot"),
-                        ("prefill", "Prefill compute time"), ("kv_transfer", "KV transfer time")):
-        st = summary[name]
-        samples: list[tuple[dict[str, str], Optional[float]]] = [
-            ({"quantile": q}, st[k]) for q, k in (("0.5", "p50"), ("0.95", "p95"), ("0.99", "p99"))]
-        lines.append(f"# HELP {prefix}{name}_seconds {help_} (seconds).")
-        lines.append(f"# TYPE {prefix}{name}_seconds summary")
-        for ls, v in samples:
-            lines.append(f"{prefix}{name}_seconds{lab(ls)} {_prom_num(v)}")
-        total = (st["mean"] or 0.0) * st["count"]
-        lines.append(f"{prefix}{name}_seconds_sum{lab({})} {_prom_num(total)}")
-        lines.append(f"{prefix}{name}_seconds_count{lab({})} {_prom_num(st['count'])}")
-    for kind in ("prompt", "output"):
-        lines.append(f"# HELP {prefix}bucket_ttft_p99_seconds TTFT P99 by {kind}-length bucket.")
-        lines.append(f"# TYPE {prefix}bucket_ttft_p99_seconds gauge")
-        for b, agg in summary["buckets"][kind].items():
-            lines.append(f"{prefix}bucket_ttft_p99_seconds{lab({'by': kind, 'bucket': b})} "
-                         f"{_prom_num(agg['ttft']['p99'])}")
-    return "\n".join(lines) + "\n"
+        disable_created_metrics()  # no *_created series: one family per metric, as scrapers expect
+        self.mode = mode
+        self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
+        self.edges = {"prompt": DEFAULT_PROMPT_BUCKETS, "output": DEFAULT_OUTPUT_BUCKETS, **(buckets or {})}
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        lab = ["mode", "prompt_len", "output_len"]
+        self.hist = {name: Histogram(f"kvbridge_{name}_seconds", help_, lab, registry=r, buckets=LATENCY_BUCKETS)
+                     for name, help_ in (
+                         ("ttft", "Time to first token, seconds."),
+                         ("tpot", "Mean time per output token after the first, seconds."),
+                         ("e2e", "End-to-end request latency, seconds."),
+                         ("queue", "Queueing before an engine slot (prefill side, or colocated), seconds."),
+                         ("prefill", "Prompt compute on the prefill side (chunked), seconds."),
+                         ("kv_transfer", "KV transfer prefill to decode (claim, read, verify, release), seconds."))}
+        self.requests = Counter("kvbridge_requests", "Requests finished, by outcome (ok, failed).",
+                                ["mode", "outcome"], registry=r)
+        self.good = Counter("kvbridge_good_requests", "Requests that met both SLOs (goodput).", ["mode"], registry=r)
+        self.prompt_tokens = Counter("kvbridge_prompt_tokens", "Prompt tokens of successful requests.", ["mode"],
+                                     registry=r)
+        self.output_tokens = Counter("kvbridge_output_tokens", "Output tokens delivered.", ["mode"], registry=r)
+        self.kv_bytes = Counter("kvbridge_kv_transfer_bytes", "KV bytes moved prefill to decode.", ["mode"],
+                                registry=r)
+        self.retries = Counter("kvbridge_retries", "Worker attempts after the first.", ["mode"], registry=r)
+        self.reprefills = Counter("kvbridge_reprefills", "Requests whose KV was recomputed.", ["mode"], registry=r)
+        self.rejected = Counter("kvbridge_rejected_requests", "Requests refused before any work (4xx), by status.",
+                                ["mode", "status"], registry=r)
+        self.in_flight = Gauge("kvbridge_in_flight", "Requests in progress.", ["mode"], registry=r)
+        self.in_flight.labels(mode).set(0)
+        self.requests.labels(mode, "ok")
+        self.requests.labels(mode, "failed")
+        slo = Gauge("kvbridge_slo_seconds", "The SLO targets goodput is counted against.", ["mode", "target"],
+                    registry=r)
+        for name, v in (("ttft", ttft_slo), ("tpot", tpot_slo)):
+            if v is not None:
+                slo.labels(mode, name).set(v)
+
+    def observe(self, r: RequestMetrics) -> None:
+        m = self.mode
+        self.requests.labels(m, "ok" if r.ok else "failed").inc()
+        self.retries.labels(m).inc(r.retries)
+        self.reprefills.labels(m).inc(r.reprefills)
+        if not r.ok:
+            return
+        if _meets(r, self.ttft_slo, self.tpot_slo):
+            self.good.labels(m).inc()
+        self.prompt_tokens.labels(m).inc(r.prompt_tokens)
+        self.output_tokens.labels(m).inc(r.output_tokens)
+        self.kv_bytes.labels(m).inc(r.kv_bytes)
+        pl = _bucket_label(r.prompt_tokens, self.edges["prompt"])
+        ol = _bucket_label(r.output_tokens, self.edges["output"])
+        for name, h in self.hist.items():
+            v = _value(r, name)
+            if v is not None:
+                h.labels(m, pl, ol).observe(max(0.0, v))
+
+    def exposition(self) -> bytes:
+        """The text exposition format (``text/plain; version=0.0.4``)."""
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
 
 
 class MetricsLog:

@@ -11,11 +11,15 @@ No handle is published when the first token already ends the request (stop token
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 import uuid
 from dataclasses import replace
 from typing import Any, Optional, Sequence, Union
+
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response
 
 from ..errors import ConfigError
 from ..lease import LeaseStore
@@ -23,7 +27,7 @@ from ..sender import KVSender
 from .engine import FinishReason, Request
 from .model import CausalLM
 from .sampling import SamplingParams
-from .server import Ctx, EngineWorker, RequestWatch, WorkerConfig
+from .server import AsyncWatch, EngineWorker, RequestWatch, WorkerConfig
 
 __all__ = ["PrefillWorker", "listen_urls"]
 
@@ -53,23 +57,16 @@ class PrefillWorker(EngineWorker):
         self.sender = KVSender(self.pool, urls, ttl=ttl, leases=leases, secret=secret)
         self.routes[("POST", "/prefill")] = self._http_prefill
 
-    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
-                request_id: Optional[str] = None, publish: bool = True, force: bool = False,
-                timeout: Optional[float] = None) -> dict[str, Any]:
-        """Run one prompt to its first token; publish its KV unless the request is already done.
-
-        ``force`` publishes even then (a re-prefill, whose first token the caller already has).
-        """
-        t_in = time.perf_counter()
+    def _submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: Optional[str],
+                watch: Any) -> Request:
         req = Request(list(prompt_ids), replace(sampling, max_tokens=1), keep_blocks=True,
                       request_id=request_id or uuid.uuid4().hex)
-        watch = RequestWatch()
         self.loop.submit(req, watch)
-        try:
-            self.wait_done(req, watch, timeout or self.cfg.request_timeout)
-        except BaseException:
-            self._reclaim(req)
-            raise
+        return req
+
+    def _publish(self, req: Request, sampling: SamplingParams, admitted_at: Optional[float], publish: bool,
+                 force: bool, t_in: float) -> dict[str, Any]:
+        """After the prompt ran: publish its blocks (or free them) and describe the result."""
         if req.finish_reason is FinishReason.ABORTED:
             self._reclaim(req)
             raise ConfigError(f"prefill of {req.request_id} was aborted")
@@ -86,7 +83,7 @@ class PrefillWorker(EngineWorker):
                 self.pool.free(req.block_ids)
                 raise
         req.block_ids = []
-        admitted = watch.admitted_at if watch.admitted_at is not None else req.arrival_time
+        admitted = admitted_at if admitted_at is not None else req.arrival_time
         arrival = req.arrival_time or t_in
         return {
             "request_id": req.request_id,
@@ -100,6 +97,37 @@ class PrefillWorker(EngineWorker):
                         "total_s": time.perf_counter() - t_in},
         }
 
+    def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                request_id: Optional[str] = None, publish: bool = True, force: bool = False,
+                timeout: Optional[float] = None) -> dict[str, Any]:
+        """Run one prompt to its first token; publish its KV unless the request is already done.
+
+        ``force`` publishes even then (a re-prefill, whose first token the caller already has).
+        """
+        t_in = time.perf_counter()
+        watch = RequestWatch()
+        req = self._submit(prompt_ids, sampling, request_id, watch)
+        try:
+            self.wait_done(req, watch, timeout or self.cfg.request_timeout)
+        except BaseException:
+            self._reclaim(req)
+            raise
+        return self._publish(req, sampling, watch.admitted_at, publish, force, t_in)
+
+    async def aprefill(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
+                       request_id: Optional[str] = None, publish: bool = True, force: bool = False,
+                       timeout: Optional[float] = None) -> dict[str, Any]:
+        """Awaitable :meth:`prefill`: waits on the event loop; the publish runs on a thread."""
+        t_in = time.perf_counter()
+        watch = AsyncWatch()
+        req = self._submit(prompt_ids, sampling, request_id, watch)
+        try:
+            await self.await_done(req, watch, timeout or self.cfg.request_timeout)
+        except BaseException:
+            asyncio.get_running_loop().run_in_executor(None, self._reclaim, req)  # not awaited: may be cancelled
+            raise
+        return await asyncio.to_thread(self._publish, req, sampling, watch.admitted_at, publish, force, t_in)
+
     def _reclaim(self, req: Request) -> None:
         """Free the blocks of a prefill that failed or was aborted (``keep_blocks`` keeps them)."""
         deadline = time.monotonic() + 5.0
@@ -109,15 +137,16 @@ class PrefillWorker(EngineWorker):
             self.pool.free(req.block_ids)
             req.block_ids = []
 
-    def _http_prefill(self, ctx: Ctx) -> None:
-        body = ctx.json()
+    async def _http_prefill(self, request: HTTPRequest) -> Response:
+        body = await self.body(request)
         ids = body.get("prompt_ids")
-        if not isinstance(ids, list) or not ids:
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise ConfigError("prompt_ids must be a non-empty list of token ids")
         params = SamplingParams.from_dict(body.get("sampling") or {})
-        out = self.prefill(ids, params, request_id=body.get("request_id"), publish=bool(body.get("publish", True)),
-                           force=bool(body.get("force", False)), timeout=body.get("timeout"))
-        ctx.send_json(200, out)
+        out = await self.aprefill(ids, params, request_id=body.get("request_id"),
+                                  publish=bool(body.get("publish", True)), force=bool(body.get("force", False)),
+                                  timeout=body.get("timeout"))
+        return JSONResponse(out)
 
     def health(self) -> dict[str, Any]:
         h = super().health()

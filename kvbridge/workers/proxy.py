@@ -1,36 +1,48 @@
-"""The HTTP front door: OpenAI-style completions routed prefill -> decode (or to a colocated engine).
+"""The HTTP front door: an OpenAI-compatible API routed prefill -> decode (or to a colocated engine).
 
-``POST /v1/completions`` takes ``prompt`` (text or token ids), ``max_tokens``,
-``temperature``, ``top_p``, ``top_k``, ``seed``, ``ignore_eos``, ``stream``. Disaggregated,
-the proxy asks a prefill worker for the prompt's KV handle and first token, picks a
-decode worker (least-loaded or round-robin) and passes it the handle; tokens stream
-back as SSE ``data: {...}`` chunks and ``data: [DONE]``. ``GET /health``, ``GET /metrics``
-(Prometheus text) and ``GET /metrics.json`` (``?records=1`` adds per-request records).
+``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming with
+``stream_options.include_usage`` too), ``GET /v1/models``; ``GET /health``, ``GET /metrics``
+(Prometheus histograms) and ``GET /metrics.json`` (``?records=1`` adds per-request
+records). Request validation and the error shape are in :mod:`kvbridge.workers.openai_api`;
+every refusal (bad JSON, body over ``max_body_bytes``, unknown argument, prompt past the
+context length) is answered before any worker is asked.
 
-Failures: a decode worker that dies or times out is retried on another one with the
-same handle (``on_decode_failure="retry"``) while the handle may still be live, else
-the request is re-prefilled (prompt plus the tokens already delivered) and continues
-where it stopped; ``"reprefill"`` always re-prefills. A dead prefill worker is retried
-once, then the client gets HTTP 502 with the error and its ``action``. Every wait is
-bounded, so a client gets a complete answer or a clear error.
+Disaggregated, the proxy asks a prefill worker (least-loaded, or round-robin) for the
+prompt's KV handle and first token, picks a decode worker the same way and passes it the
+handle; tokens stream back over ``httpx`` (pooled connections, a timeout on every wait).
+A decode worker that dies or times out is retried on another one with the same handle
+(``on_decode_failure="retry"``) while the handle may still be live, else the request is
+re-prefilled (prompt plus the tokens already delivered) and continues where it stopped;
+``"reprefill"`` always re-prefills. A dead prefill worker is retried once (on the next
+one), then the client gets HTTP 503 with ``action: "retry"``. On shutdown, requests in
+flight get a JSON error (503, or a last ``error`` event on a stream), never an empty reply.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import json
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Generator, Iterator, Optional, Sequence
-from urllib.parse import parse_qs
+from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 
-from ..errors import (Action, ConfigError, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code)
-from .metrics import MetricsLog, RequestMetrics, summarize, to_prometheus
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..errors import Action, ConfigError, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code
+from .http import BodyError, HTTPServer, WorkerClient, bind_socket, read_json
+from .metrics import MetricsLog, PromMetrics, RequestMetrics, summarize
+from .openai_api import (APIError, ChatRequest, CompletionRequest, error_from_kvbridge, error_json, parse_request,
+                         prompt_ids, render_chat, sampling_params)
 from .sampling import SamplingParams
-from .server import ClientGone, Ctx, JSONServer, error_body, http_json, http_stream
+from .server import sse
 from .tokenizer import ByteTokenizer, Tokenizer
 
 __all__ = ["Proxy", "ProxyConfig"]
@@ -53,14 +65,25 @@ class ProxyConfig:
     request_timeout: float = 300.0
     max_attempts: int = 4                  # decode attempts per request
     model_name: str = "kvbridge"
+    max_body_bytes: int = 8 << 20          # larger request bodies get 413 before they are read
+    max_model_len: Optional[int] = None    # None: ask the workers (their model's context, capped by the pool)
+    shutdown_grace: float = 5.0            # seconds for in-flight requests to get their error on close
 
     def __post_init__(self) -> None:
+        self.prefill = [u.rstrip("/") for u in self.prefill]
+        self.decode = [u.rstrip("/") for u in self.decode]
+        self.colocated = self.colocated.rstrip("/") if self.colocated else None
         if self.colocated is None and (not self.prefill or not self.decode):
             raise ConfigError("the proxy needs --prefill and --decode URLs, or --colocated URL")
+        for u in self.prefill + self.decode + ([self.colocated] if self.colocated else []):
+            if not u.startswith(("http://", "https://")):
+                raise ConfigError(f"worker URL must be http://host:port, got {u!r}")
         if self.routing not in ("least-loaded", "round-robin"):
             raise ConfigError(f"routing must be least-loaded or round-robin, not {self.routing!r}")
         if self.on_decode_failure not in ("retry", "reprefill"):
             raise ConfigError(f"on_decode_failure must be retry or reprefill, not {self.on_decode_failure!r}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError("max_body_bytes must be at least 1024")
 
     @property
     def mode(self) -> str:
@@ -69,7 +92,9 @@ class ProxyConfig:
 
 def _rebuild(ev: dict[str, Any]) -> KVBridgeError:
     err = ev.get("error") or {}
-    return error_from_code(int(err.get("code", 1)), str(err.get("message", "worker error")))
+    exc = error_from_code(int(err.get("code", 1)), str(err.get("message", "worker error")))
+    exc.status = int(err.get("status") or 0)  # type: ignore[attr-defined]
+    return exc
 
 
 def _with_context(exc: KVBridgeError, context: str) -> KVBridgeError:
@@ -83,6 +108,24 @@ class _Done(Exception):
     """Internal: the generator finished with this finish reason."""
 
 
+class ShuttingDown(PeerUnavailable):
+    """The front door is stopping; the request may be sent again (to another instance)."""
+
+
+@dataclass
+class _Job:
+    rid: str
+    kind: str                  # "completion" or "chat"
+    ids: list[int]
+    params: SamplingParams
+    stream: bool
+    usage: bool                # stream_options.include_usage
+    m: RequestMetrics
+    created: int
+    out: list[int] = field(default_factory=list)
+    reason: Optional[str] = None
+
+
 class Proxy:
     """Routes completions to workers and keeps per-request metrics."""
 
@@ -90,65 +133,143 @@ class Proxy:
         self.cfg = cfg
         self.tok: Tokenizer = tokenizer or ByteTokenizer()
         self.metrics = MetricsLog()
-        self._lock = threading.Lock()
-        self._inflight: dict[str, int] = {u: 0 for u in cfg.decode}
+        self.prom = PromMetrics(cfg.mode, cfg.ttft_slo, cfg.tpot_slo)
+        self._inflight: dict[str, int] = {u: 0 for u in cfg.decode + cfg.prefill}
         self._down_until: dict[str, float] = {}
-        self._rr = itertools.count()
-        self._prr = itertools.count()
-        self.http: Optional[JSONServer] = None
+        self._rr = {"prefill": itertools.count(), "decode": itertools.count()}
+        self._max_len = cfg.max_model_len
+        self.client: Optional[WorkerClient] = None
+        self._stopping: Optional[asyncio.Event] = None
+        self._waiting: set[asyncio.Task[Any]] = set()
+        self._stop_cancelled: set[asyncio.Task[Any]] = set()
+        self.http: Optional[HTTPServer] = None
         self.started = time.time()
 
+    # -- app -------------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        routes = [Route("/v1/completions", self._completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                  Route("/v1/models", self._models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+                  Route("/health", self._health, methods=["GET"]),
+                  Route("/metrics", self._metrics_prom, methods=["GET"]),
+                  Route("/metrics.json", self._metrics_json, methods=["GET"])]
+
+        async def http_error(request: HTTPRequest, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)
+            st = exc.status_code
+            msg = (f"Invalid URL ({request.method} {request.url.path})" if st == 404 else
+                   f"method {request.method} is not allowed on {request.url.path}" if st == 405 else str(exc.detail))
+            self.prom.rejected.labels(self.cfg.mode, str(st)).inc()
+            return JSONResponse(error_json(st, msg, code="not_found" if st == 404 else
+                                           "method_not_allowed" if st == 405 else None),
+                                status_code=st, headers=exc.headers)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            self.client = WorkerClient(timeout=self.cfg.worker_timeout)
+            self._stopping = asyncio.Event()
+            try:
+                yield
+            finally:
+                await self.client.aclose()
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error}, lifespan=lifespan)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, sock: Any = None) -> HTTPServer:
+        """Serve on ``sock`` (already bound, as ``kvbridge up`` does) or on ``host:port``."""
+        self.http = HTTPServer(self.app(), sock or bind_socket(host, port), name="proxy",
+                               graceful=self.cfg.shutdown_grace)
+        return self.http
+
+    @property
+    def in_flight(self) -> int:
+        return self.metrics.in_flight
+
+    def close(self) -> None:
+        """Give every request in flight its error answer, then stop serving."""
+        if self.http is None:
+            return
+        if self._stopping is not None:
+            self.http.call_soon(self._begin_stop)
+            deadline = time.monotonic() + self.cfg.shutdown_grace
+            while self.metrics.in_flight > 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        self.http.close(timeout=self.cfg.shutdown_grace + 5)
+        self.http = None
+
     # -- routing ---------------------------------------------------------------------------
-    def _pick_decode(self, exclude: set[str]) -> Optional[str]:
+    def _pick(self, role: str, exclude: set[str]) -> Optional[str]:
+        urls = self.cfg.prefill if role == "prefill" else self.cfg.decode
         now = time.monotonic()
-        with self._lock:
-            cands = [u for u in self.cfg.decode if u not in exclude]
-            up = [u for u in cands if self._down_until.get(u, 0.0) <= now] or cands
-            if not up:
-                return None
-            if self.cfg.routing == "round-robin":
-                return up[next(self._rr) % len(up)]
-            start = next(self._rr)
-            order = [up[(start + i) % len(up)] for i in range(len(up))]
-            return min(order, key=lambda u: self._inflight.get(u, 0))
+        cands = [u for u in urls if u not in exclude]
+        up = [u for u in cands if self._down_until.get(u, 0.0) <= now] or cands
+        if not up:
+            return None
+        start = next(self._rr[role])
+        if self.cfg.routing == "round-robin":
+            return up[start % len(up)]
+        order = [up[(start + i) % len(up)] for i in range(len(up))]
+        return min(order, key=lambda u: self._inflight.get(u, 0))
 
     def _mark_down(self, url: str, seconds: float = 5.0) -> None:
-        with self._lock:
-            self._down_until[url] = time.monotonic() + seconds
+        self._down_until[url] = time.monotonic() + seconds
+
+    @contextlib.contextmanager
+    def _busy(self, url: str) -> Any:
+        self._inflight[url] = self._inflight.get(url, 0) + 1
+        try:
+            yield
+        finally:
+            self._inflight[url] -= 1
+
+    async def _limits(self) -> int:
+        """The context length: from the config, or the first worker that answers ``/health``."""
+        if self._max_len is None:
+            assert self.client is not None
+            lens = []
+            for url in ([self.cfg.colocated] if self.cfg.colocated else self.cfg.prefill + self.cfg.decode):
+                assert url is not None
+                with contextlib.suppress(KVBridgeError):
+                    lens.append(int((await self.client.get_json(url + "/health"))["max_model_len"]))
+            if not lens:
+                raise PeerUnavailable("no worker answers /health, so the model's context length is unknown")
+            self._max_len = min(lens)
+        return self._max_len
 
     # -- prefill ---------------------------------------------------------------------------
-    def _prefill(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
-                 force: bool) -> dict[str, Any]:
-        urls = self.cfg.prefill
-        first = next(self._prr)
+    async def _prefill(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
+                       force: bool) -> dict[str, Any]:
+        assert self.client is not None
         last: Optional[KVBridgeError] = None
-        for attempt in range(2):  # a dead prefill worker is retried once (on the next one, if any)
-            url = urls[(first + attempt) % len(urls)]
+        tried: set[str] = set()
+        for attempt in range(2):  # a dead prefill worker is retried once (on another one, if any)
+            url = self._pick("prefill", tried) or self.cfg.prefill[0]
+            tried.add(url)
             try:
-                return dict(http_json("POST", url + "/prefill",
-                                      {"prompt_ids": ids, "sampling": params.to_dict(), "force": force,
-                                       "request_id": f"{rid}-p{m.retries + m.reprefills}-{attempt}"},
-                                      timeout=self.cfg.worker_timeout))
+                with self._busy(url):
+                    return dict(await self.client.post_json(url + "/prefill", {
+                        "prompt_ids": ids, "sampling": params.to_dict(), "force": force,
+                        "request_id": f"{rid}-p{m.retries + m.reprefills}-{attempt}"}))
             except KVBridgeError as exc:
                 last = exc
                 if exc.action is not Action.RETRY:
                     break
+                self._mark_down(url)
                 m.retries += 1
                 log.warning("prefill on %s failed (%s); %s", url, exc, "retrying" if attempt == 0 else "giving up")
-                time.sleep(0.2)
+                await asyncio.sleep(0.2)
         assert last is not None
-        err = _with_context(last, "prefill failed")
-        if last.action is Action.RETRY:
-            err.status = 502  # type: ignore[attr-defined]
-        raise err
+        raise _with_context(last, "prefill failed")
 
     # -- generation ------------------------------------------------------------------------
-    def _generate(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
-                  deadline: float) -> Generator[list[int], None, None]:
+    async def _generate(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
+                        deadline: float) -> AsyncGenerator[list[int], None]:
         """Yield new output tokens as they arrive; raise ``_Done(reason)`` at the end."""
         if self.cfg.colocated:
-            yield from self._generate_colocated(ids, params, rid, m, deadline)
+            async for new in self._generate_colocated(ids, params, rid, m, deadline):
+                yield new
             return
+        assert self.client is not None
         out: list[int] = []
         handle: Optional[dict[str, Any]] = None
         failed: set[str] = set()
@@ -158,7 +279,7 @@ class Proxy:
                 raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
             if handle is None:
                 ctx_ids = ids + out[:-1] if out else ids
-                pr = self._prefill(ctx_ids, params, rid, m, force=bool(out))
+                pr = await self._prefill(ctx_ids, params, rid, m, force=bool(out))
                 if m.queue_s is None:
                     m.queue_s = pr["timings"]["queue_s"]
                     m.prefill_s = pr["timings"]["prefill_s"]
@@ -170,31 +291,30 @@ class Proxy:
                 handle = pr["handle"]
             if len(out) >= params.max_tokens:
                 raise _Done("length")
-            url = self._pick_decode(failed)
+            url = self._pick("decode", failed)
             if url is None:
                 raise PeerUnavailable(f"no decode worker left to try ({len(failed)} failed for this request)")
             attempts += 1
             got = 0
-            with self._lock:
-                self._inflight[url] = self._inflight.get(url, 0) + 1
             try:
-                body = {"handle": handle, "prompt_ids": ids, "output_ids": out, "sampling": params.to_dict(),
-                        "request_id": f"{rid}-d{attempts}", "stream": True}
-                for ev in http_stream(url + "/generate", body, timeout=self.cfg.worker_timeout):
-                    if "error" in ev:
-                        raise _rebuild(ev)
-                    new = [int(t) for t in ev.get("token_ids", ())]
-                    if new:
-                        got += len(new)
-                        out.extend(new)
-                        yield new
-                    if ev.get("done"):
-                        t = ev.get("timings") or {}
-                        m.kv_transfer_s = (m.kv_transfer_s or 0.0) + float(t.get("kv_transfer_s") or 0.0)
-                        m.kv_bytes += int(t.get("kv_bytes") or 0)
-                        raise _Done(ev.get("finish_reason") or "length")
-                    if time.monotonic() > deadline:
-                        raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
+                with self._busy(url):
+                    body = {"handle": handle, "prompt_ids": ids, "output_ids": out, "sampling": params.to_dict(),
+                            "request_id": f"{rid}-d{attempts}", "stream": True}
+                    async for ev in self.client.stream(url + "/generate", body):
+                        if "error" in ev:
+                            raise _rebuild(ev)
+                        new = [int(t) for t in ev.get("token_ids", ())]
+                        if new:
+                            got += len(new)
+                            out.extend(new)
+                            yield new
+                        if ev.get("done"):
+                            t = ev.get("timings") or {}
+                            m.kv_transfer_s = (m.kv_transfer_s or 0.0) + float(t.get("kv_transfer_s") or 0.0)
+                            m.kv_bytes += int(t.get("kv_bytes") or 0)
+                            raise _Done(ev.get("finish_reason") or "length")
+                        if time.monotonic() > deadline:
+                            raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
             except KVBridgeError as exc:
                 if attempts >= self.cfg.max_attempts or exc.action is Action.FIX:
                     raise _with_context(exc, f"decode on {url} failed (attempt {attempts})")
@@ -215,20 +335,17 @@ class Proxy:
                     log.info("decode on %s: %s; re-prefilling", url, exc)
                     handle = None
                     m.reprefills += 1
-            finally:
-                with self._lock:
-                    self._inflight[url] -= 1
 
-    def _generate_colocated(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
-                            deadline: float) -> Iterator[list[int]]:
+    async def _generate_colocated(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
+                                  deadline: float) -> AsyncIterator[list[int]]:
         url = self.cfg.colocated
-        assert url is not None
+        assert url is not None and self.client is not None
         out: list[int] = []
         for attempt in range(2):  # retried once, only while no token was delivered
             try:
                 body = {"prompt_ids": ids, "sampling": params.to_dict(), "request_id": f"{rid}-c{attempt}",
                         "stream": True}
-                for ev in http_stream(url + "/generate", body, timeout=self.cfg.worker_timeout):
+                async for ev in self.client.stream(url + "/generate", body):
                     if "error" in ev:
                         raise _rebuild(ev)
                     new = [int(t) for t in ev.get("token_ids", ())]
@@ -243,179 +360,239 @@ class Proxy:
                         raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
             except KVBridgeError as exc:
                 if out or attempt == 1 or exc.action is not Action.RETRY:
-                    err = _with_context(exc, f"colocated worker {url} failed")
-                    if exc.action is Action.RETRY:
-                        err.status = 502  # type: ignore[attr-defined]
-                    raise err
+                    raise _with_context(exc, f"colocated worker {url} failed")
                 m.retries += 1
-                time.sleep(0.2)
+                await asyncio.sleep(0.2)
 
-    # -- HTTP ------------------------------------------------------------------------------
-    def __call__(self, ctx: Ctx) -> None:
-        route = {("POST", "/v1/completions"): self._completions, ("GET", "/health"): self._health,
-                 ("GET", "/metrics"): self._metrics_prom, ("GET", "/metrics.json"): self._metrics_json,
-                 ("GET", "/v1/models"): self._models}.get((ctx.method, ctx.path))
-        if route is None:
-            ctx.send_json(404, {"error": {"message": f"no route {ctx.method} {ctx.path}", "type": "NotFound",
-                                          "code": 1, "action": "fix", "status": 404}})
-            return
-        route(ctx)
+    async def _tokens(self, job: _Job) -> AsyncIterator[list[int]]:
+        """``_generate``, stopped with :class:`ShuttingDown` as soon as the proxy is closing.
 
-    def _parse(self, body: dict[str, Any]) -> tuple[list[int], SamplingParams, bool]:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # OpenAI allows a batch of one
-        if isinstance(prompt, str):
-            ids = self.tok.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            ids = [int(t) for t in prompt]
-            if any(not 0 <= t < self.tok.vocab_size for t in ids):
-                raise ConfigError(f"token ids must be in [0, {self.tok.vocab_size})")
-        else:
-            raise ConfigError("prompt must be a string or a non-empty list of token ids")
-        if not ids:
-            raise ConfigError("the prompt is empty")
+        While it waits for the next tokens a request is in ``_waiting``; closing cancels
+        those waits (and only those: a request busy writing to its client checks the flag
+        before it waits again), so every client gets the error answer.
+        """
+        assert self._stopping is not None
+        deadline = time.monotonic() + self.cfg.request_timeout
+        gen = self._generate(job.ids, job.params, job.rid, job.m, deadline)
+        task = asyncio.current_task()
+        assert task is not None
         try:
-            params = SamplingParams(
-                max_tokens=int(body.get("max_tokens", 16)), temperature=float(body.get("temperature", 0.0)),
-                top_k=int(body.get("top_k", 0)), top_p=float(body.get("top_p", 1.0)),
-                seed=None if body.get("seed") is None else int(body["seed"]),
-                ignore_eos=bool(body.get("ignore_eos", False)),
-                stop_token_ids=tuple(int(t) for t in body.get("stop_token_ids", ()) or ()))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"bad sampling parameters: {exc}") from None
-        return ids, params, bool(body.get("stream", False))
+            while True:
+                if self._stopping.is_set():
+                    raise ShuttingDown("the server is shutting down; send the request again")
+                self._waiting.add(task)
+                try:
+                    new = await gen.__anext__()
+                except StopAsyncIteration:
+                    return
+                except _Done as d:
+                    job.reason = str(d.args[0]) if d.args else None
+                    return
+                except asyncio.CancelledError:
+                    if task not in self._stop_cancelled:
+                        raise
+                    if hasattr(task, "uncancel"):
+                        task.uncancel()
+                    raise ShuttingDown("the server is shutting down; send the request again") from None
+                finally:
+                    self._waiting.discard(task)
+                now = time.time()
+                job.out.extend(new)
+                if job.m.first_token_at is None:
+                    job.m.first_token_at = now
+                job.m.token_times.extend([now] * len(new))
+                yield new
+        finally:
+            with contextlib.suppress(BaseException):
+                await gen.aclose()
 
-    def _completions(self, ctx: Ctx) -> None:
+    def _begin_stop(self) -> None:
+        """On the event loop: refuse new work and interrupt every request waiting for tokens."""
+        assert self._stopping is not None
+        self._stopping.set()
+        for task in list(self._waiting):
+            self._stop_cancelled.add(task)
+            task.cancel()
+
+    # -- HTTP: completions and chat ----------------------------------------------------------
+    async def _completions(self, request: HTTPRequest) -> Response:
+        return await self._serve_request(request, "completion")
+
+    async def _chat(self, request: HTTPRequest) -> Response:
+        return await self._serve_request(request, "chat")
+
+    def _refuse(self, exc: APIError) -> Response:
+        self.prom.rejected.labels(self.cfg.mode, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def _serve_request(self, request: HTTPRequest, kind: str) -> Response:
         arrival = time.time()
         try:
-            body = ctx.json()
-            if not isinstance(body, dict):
-                raise ConfigError("the request body must be a JSON object")
-            ids, params, stream = self._parse(body)
+            try:
+                body = await read_json(request, self.cfg.max_body_bytes)
+            except BodyError as exc:
+                raise APIError(exc.status, exc.message, None, exc.code) from None
+            req: Union[CompletionRequest, ChatRequest] = parse_request(
+                CompletionRequest if kind == "completion" else ChatRequest, body)
+            if req.model is not None and req.model != self.cfg.model_name:
+                raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                                    f"`{self.cfg.model_name}` (GET /v1/models)", "model", "model_not_found")
+            ids = prompt_ids(req, self.tok) if isinstance(req, CompletionRequest) else render_chat(req, self.tok)
+            max_len = await self._limits()
+            params = sampling_params(req, len(ids), max_len, 16 if kind == "completion" else None)
+        except APIError as exc:
+            return self._refuse(exc)
         except KVBridgeError as exc:
-            ctx.send_error(exc, 400)
-            return
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        m = RequestMetrics(rid, self.cfg.mode, prompt_tokens=len(ids), arrival=arrival)
-        deadline = time.monotonic() + self.cfg.request_timeout
-        with self._lock:
-            self.metrics.in_flight += 1
-        gen = self._generate(ids, params, rid, m, deadline)
-        out: list[int] = []
-        emitted = ""
-        reason: Optional[str] = None
-        created = int(arrival)
+            return self._refuse(error_from_kvbridge(exc))
+        rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
+        usage = bool(req.stream_options and req.stream_options.include_usage)
+        job = _Job(rid, kind, ids, params, bool(req.stream), usage,
+                   RequestMetrics(rid, self.cfg.mode, prompt_tokens=len(ids), arrival=arrival), int(arrival))
+        self.metrics.in_flight += 1
+        self.prom.in_flight.labels(self.cfg.mode).inc()
+        if job.stream:
+            return StreamingResponse(self._stream(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         try:
-            if stream:
-                ctx.start_stream()
-            try:
-                for new in gen:
-                    now = time.time()
-                    out.extend(new)
-                    if stream:
-                        text = self.tok.decode(out)
-                        delta = ""
-                        if not text.endswith("\ufffd") and text.startswith(emitted):
-                            delta, emitted = text[len(emitted):], text
-                        ctx.event(self._chunk(rid, created, delta, new, None))
-                    if m.first_token_at is None:
-                        m.first_token_at = time.time() if stream else now
-                    m.token_times.extend([now] * len(new))
-            except _Done as d:
-                reason = str(d.args[0]) if d.args else None
-            m.finished_at = time.time()
-            m.output_tokens, m.finish_reason = len(out), reason
-            if stream:
-                text = self.tok.decode(out)
-                ctx.event(self._chunk(rid, created, text[len(emitted):] if text.startswith(emitted) else "",
-                                      [], reason))
-                ctx.event(b"[DONE]")
-                ctx.end_stream()
-            else:
-                ctx.send_json(200, {
-                    "id": rid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                    "choices": [{"index": 0, "text": self.tok.decode(out), "token_ids": out,
-                                 "finish_reason": reason, "logprobs": None}],
-                    "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
-                              "total_tokens": len(ids) + len(out)},
-                    "metrics": {k: v for k, v in m.to_dict().items()
-                                if k in ("ttft", "tpot", "e2e", "queue_s", "prefill_s", "kv_transfer_s", "kv_bytes",
-                                         "retries", "reprefills")}})
-        except ClientGone:
-            m.ok, m.error, m.finished_at = False, "ClientGone: the client disconnected", time.time()
-        except KVBridgeError as exc:
-            status = int(getattr(exc, "status", 0) or (502 if exc.action is not Action.FIX else 500))
-            m.ok, m.error, m.finished_at = False, f"{type(exc).__name__}: {exc}", time.time()
-            m.output_tokens = len(out)
-            log.warning("request %s failed: %s", rid, exc)
-            try:
-                if ctx.responded:  # mid-stream: the error is the last event
-                    ctx.event(error_body(exc, status))
-                    ctx.event(b"[DONE]")
-                    ctx.end_stream()
-                else:
-                    ctx.send_error(exc, status)
-            except ClientGone:
+            async for _ in self._tokens(job):
                 pass
-        finally:
-            gen.close()
-            with self._lock:
-                self.metrics.in_flight -= 1
-            self.metrics.add(m)
+            self._finish(job, None)
+        except KVBridgeError as exc:
+            err = self._finish(job, exc)
+            return JSONResponse(err.body(), status_code=err.status)
+        except BaseException as exc:
+            self._finish(job, exc)
+            raise
+        return JSONResponse(self._whole(job), headers={"X-Request-Id": rid})
 
-    def _chunk(self, rid: str, created: int, text: str, ids: Sequence[int], reason: Optional[str]) -> dict[str, Any]:
-        return {"id": rid, "object": "text_completion", "created": created, "model": self.cfg.model_name,
-                "choices": [{"index": 0, "text": text, "token_ids": list(ids), "finish_reason": reason,
-                             "logprobs": None}]}
+    def _finish(self, job: _Job, exc: Optional[BaseException]) -> APIError:
+        """Record the request's outcome once; the error answer for ``exc``."""
+        m = job.m
+        m.finished_at = time.time()
+        m.output_tokens, m.finish_reason = len(job.out), job.reason
+        err = APIError(500, "ok")
+        if isinstance(exc, KVBridgeError):
+            err = error_from_kvbridge(exc)
+            m.ok, m.error = False, f"{type(exc).__name__}: {exc}"
+            log.warning("request %s failed: %s", job.rid, exc)
+        elif exc is not None:
+            m.ok, m.error = False, ("ClientGone: the client disconnected" if isinstance(exc, asyncio.CancelledError)
+                                    else f"{type(exc).__name__}: {exc}")
+        self.metrics.in_flight -= 1
+        self.prom.in_flight.labels(self.cfg.mode).dec()
+        self.metrics.add(m)
+        self.prom.observe(m)
+        return err
 
-    def workers(self) -> list[dict[str, Any]]:
+    def _usage(self, job: _Job) -> dict[str, int]:
+        return {"prompt_tokens": len(job.ids), "completion_tokens": len(job.out),
+                "total_tokens": len(job.ids) + len(job.out)}
+
+    def _whole(self, job: _Job) -> dict[str, Any]:
+        text = self.tok.decode(job.out)
+        if job.kind == "chat":
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": job.reason, "token_ids": job.out}
+        else:
+            choice = {"index": 0, "text": text, "token_ids": job.out, "finish_reason": job.reason, "logprobs": None}
+        m = job.m.to_dict()
+        return {"id": job.rid, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+                "created": job.created, "model": self.cfg.model_name, "choices": [choice], "usage": self._usage(job),
+                "metrics": {k: m[k] for k in ("ttft", "tpot", "e2e", "queue_s", "prefill_s", "kv_transfer_s",
+                                              "kv_bytes", "retries", "reprefills")}}
+
+    def _chunk(self, job: _Job, text: Optional[str], ids: list[int], reason: Optional[str],
+               first: bool = False) -> dict[str, Any]:
+        if job.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
+                {"content": text} if text else {})
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
+                                      "token_ids": ids}
+        else:
+            choice = {"index": 0, "text": text or "", "token_ids": ids, "finish_reason": reason, "logprobs": None}
+        kind = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+        c: dict[str, Any] = {"id": job.rid, "object": kind, "created": job.created, "model": self.cfg.model_name,
+                             "choices": [choice]}
+        if job.usage:
+            c["usage"] = None
+        return c
+
+    async def _stream(self, job: _Job) -> AsyncIterator[bytes]:
+        emitted = ""
+        first = True
+        try:
+            async for new in self._tokens(job):
+                text = self.tok.decode(job.out)
+                delta = ""
+                if not text.endswith("\ufffd") and text.startswith(emitted):
+                    delta, emitted = text[len(emitted):], text
+                yield sse(self._chunk(job, delta, new, None, first))
+                first = False
+            text = self.tok.decode(job.out)
+            tail = sse(self._chunk(job, text[len(emitted):] if text.startswith(emitted) else "", [], job.reason,
+                                   first))
+            if job.usage:
+                tail += sse({**self._chunk(job, None, [], None), "choices": [], "usage": self._usage(job)})
+            self._finish(job, None)
+            yield tail + sse(b"[DONE]")
+        except KVBridgeError as exc:  # mid-stream: the error is the last event
+            err = self._finish(job, exc)
+            yield sse(err.body()) + sse(b"[DONE]")
+        except BaseException as exc:  # the client went away (cancelled) or a bug
+            if job.m.finished_at is None:
+                self._finish(job, exc)
+            raise
+
+    # -- HTTP: the rest --------------------------------------------------------------------
+    async def workers(self) -> list[dict[str, Any]]:
         """Each worker's ``/health`` (``ok: False`` with the error for one that does not answer)."""
-        out = []
+        assert self.client is not None
         roles = [("colocated", self.cfg.colocated)] if self.cfg.colocated else \
             [("prefill", u) for u in self.cfg.prefill] + [("decode", u) for u in self.cfg.decode]
-        for role, url in roles:
-            assert url is not None
+
+        async def one(role: str, url: str) -> dict[str, Any]:
             try:
-                h = dict(http_json("GET", url + "/health", timeout=2.0))
+                h = dict(await self.client.get_json(url + "/health", timeout=2.0))  # type: ignore[union-attr]
                 h.update(url=url, ok=True)
             except KVBridgeError as exc:
                 h = {"url": url, "role": role, "ok": False, "error": str(exc)}
             h["proxy_inflight"] = self._inflight.get(url, 0)
-            out.append(h)
-        return out
+            return h
+        return list(await asyncio.gather(*(one(r, u) for r, u in roles if u)))
 
-    def _health(self, ctx: Ctx) -> None:
-        ws = self.workers()
+    async def _health(self, request: HTTPRequest) -> Response:
+        ws = await self.workers()
         ok = all(w["ok"] for w in ws)
-        ctx.send_json(200 if ok else 503, {"status": "ok" if ok else "degraded", "mode": self.cfg.mode,
-                                           "in_flight": self.metrics.in_flight, "workers": ws})
+        return JSONResponse({"status": "ok" if ok else "degraded", "mode": self.cfg.mode, "model": self.cfg.model_name,
+                             "in_flight": self.metrics.in_flight, "workers": ws}, status_code=200 if ok else 503)
 
-    def _models(self, ctx: Ctx) -> None:
-        ctx.send_json(200, {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model"}]})
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.cfg.model_name, "object": "model", "created": int(self.started), "owned_by": "kvbridge",
+                "max_model_len": self._max_len}
+
+    async def _models(self, request: HTTPRequest) -> Response:
+        with contextlib.suppress(KVBridgeError):
+            await self._limits()
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def _model(self, request: HTTPRequest) -> Response:
+        name = request.path_params["model"]
+        if name != self.cfg.model_name:
+            return self._refuse(APIError(404, f"The model `{name}` does not exist", "model", "model_not_found"))
+        return JSONResponse(self._model_card())
 
     def summary(self) -> dict[str, Any]:
         s = summarize(self.metrics.records(), self.cfg.ttft_slo, self.cfg.tpot_slo)
         s.update(mode=self.cfg.mode, in_flight=self.metrics.in_flight, uptime_s=time.time() - self.started)
         return s
 
-    def _metrics_prom(self, ctx: Ctx) -> None:
-        s = self.summary()
-        text = to_prometheus(s, labels={"mode": self.cfg.mode})
-        text += (f"# HELP kvbridge_in_flight Requests in progress.\n# TYPE kvbridge_in_flight gauge\n"
-                 f"kvbridge_in_flight{{mode=\"{self.cfg.mode}\"}} {s['in_flight']}\n")
-        ctx.send(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+    async def _metrics_prom(self, request: HTTPRequest) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
 
-    def _metrics_json(self, ctx: Ctx) -> None:
+        return Response(self.prom.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _metrics_json(self, request: HTTPRequest) -> Response:
         s = self.summary()
-        if "1" in parse_qs(ctx.query).get("records", []):
+        if request.query_params.get("records") == "1":
             s["records"] = [r.to_dict() for r in self.metrics.records()]
-        ctx.send(200, json.dumps(s).encode(), "application/json")
-
-    def serve(self, host: str = "127.0.0.1", port: int = 8000) -> JSONServer:
-        self.http = JSONServer(self, host, port)
-        return self.http
-
-    def close(self) -> None:
-        if self.http is not None:
-            self.http.close()
+        return Response(json.dumps(s), media_type="application/json")

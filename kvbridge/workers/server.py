@@ -1,258 +1,48 @@
-"""Shared plumbing of the worker processes: a small JSON/SSE HTTP server and client
-(stdlib only), and :class:`EngineLoop`, the thread that steps a :class:`Scheduler`.
+"""Shared plumbing of the worker processes: :class:`EngineLoop` (the thread that steps a
+:class:`Scheduler`), the watches that carry a request's progress to a waiting thread or
+event loop, and :class:`EngineWorker` (a model, its pool and a Starlette app).
 
-HTTP carries control messages only (prompts, handles, tokens); KV bytes move through
-kvbridge transports. Every client call has a socket timeout, so no wait is unbounded.
-Errors travel as ``{"error": {"message", "type", "code", "action"}}`` and are rebuilt
-on the client side as the matching :mod:`kvbridge.errors` class.
+Worker routes are ``async``: a request waits on the event loop for its tokens (the engine
+thread wakes it with ``call_soon_threadsafe``), never on a thread of its own. Errors
+travel as ``{"error": {"message", "type", "code", "action", "status"}}`` (see
+:mod:`kvbridge.workers.http`).
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator, Optional
-from urllib.parse import urlsplit
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import torch
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
-from ..errors import (Action, ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, TransferTimeout,
-                      error_from_code)
+from ..errors import Action, ConfigError, KVBridgeError, TransferTimeout
 from ..pool import KVPool
 from .engine import Engine, Request, RequestState, Scheduler
+from .http import MAX_WORKER_BODY, BodyError, HTTPServer, bind_socket, error_body, read_json
 from .model import PRESETS, CausalLM, load_hf_checkpoint
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
-__all__ = ["Ctx", "JSONServer", "ClientGone", "error_body", "http_json", "http_stream", "EngineLoop",
-           "RequestWatch", "WorkerConfig", "EngineWorker", "load_model", "status_for", "run_until_signal",
-           "die_with_parent"]
+__all__ = ["EngineLoop", "RequestWatch", "AsyncWatch", "WorkerConfig", "EngineWorker", "load_model", "status_for",
+           "run_until_signal", "die_with_parent", "sse"]
 
 log = logging.getLogger("kvbridge.workers")
-MAX_BODY = 64 << 20
 
 
-class ClientGone(Exception):
-    """The HTTP client closed the connection while we were writing to it."""
-
-
-def error_body(exc: BaseException, status: int = 500) -> dict[str, Any]:
-    """The JSON error object for ``exc`` (kvbridge errors keep their code and action)."""
-    if isinstance(exc, KVBridgeError):
-        return {"error": {"message": str(exc), "type": type(exc).__name__, "code": exc.code,
-                          "action": exc.action.value, "status": status}}
-    return {"error": {"message": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__, "code": 1,
-                      "action": Action.FIX.value, "status": status}}
-
-
-class Ctx:
-    """One HTTP request: parsed JSON body, and ways to answer (JSON, or a chunked SSE stream)."""
-
-    def __init__(self, h: BaseHTTPRequestHandler, method: str) -> None:
-        self._h = h
-        self.method = method
-        u = urlsplit(h.path)
-        self.path = u.path.rstrip("/") or "/"
-        self.query = u.query
-        self._streaming = False
-        self.responded = False
-
-    def json(self) -> Any:
-        n = int(self._h.headers.get("Content-Length") or 0)
-        if n > MAX_BODY:
-            raise ConfigError(f"request body of {n} bytes is over the {MAX_BODY}-byte limit")
-        raw = self._h.rfile.read(n) if n else b""
-        try:
-            return json.loads(raw or b"{}")
-        except ValueError as exc:
-            raise ConfigError(f"request body is not JSON: {exc}") from None
-
-    def send(self, status: int, body: bytes, ctype: str) -> None:
-        h = self._h
-        try:
-            h.send_response(status)
-            h.send_header("Content-Type", ctype)
-            h.send_header("Content-Length", str(len(body)))
-            h.end_headers()
-            h.wfile.write(body)
-            h.wfile.flush()
-        except OSError as exc:
-            raise ClientGone(str(exc)) from None
-        finally:
-            self.responded = True
-
-    def send_json(self, status: int, obj: Any) -> None:
-        self.send(status, json.dumps(obj).encode(), "application/json")
-
-    def send_error(self, exc: BaseException, status: int = 500) -> None:
-        self.send_json(status, error_body(exc, status))
-
-    def start_stream(self, status: int = 200) -> None:
-        """Begin a chunked ``text/event-stream`` response."""
-        h = self._h
-        try:
-            h.send_response(status)
-            h.send_header("Content-Type", "text/event-stream")
-            h.send_header("Cache-Control", "no-cache")
-            h.send_header("Transfer-Encoding", "chunked")
-            h.end_headers()
-            h.wfile.flush()
-        except OSError as exc:
-            raise ClientGone(str(exc)) from None
-        self._streaming = True
-        self.responded = True
-
-    def _chunk(self, data: bytes) -> None:
-        try:
-            self._h.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-            self._h.wfile.flush()
-        except OSError as exc:
-            raise ClientGone(str(exc)) from None
-
-    def event(self, obj: Any) -> None:
-        """One SSE event ``data: <json>``."""
-        self._chunk(b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n")
-
-    def end_stream(self) -> None:
-        if self._streaming:
-            self._chunk(b"")
-            self._streaming = False
-
-
-class JSONServer:
-    """A ``ThreadingHTTPServer`` on a background thread that hands every request to ``app(ctx)``."""
-
-    def __init__(self, app: Callable[[Ctx], None], host: str = "127.0.0.1", port: int = 0) -> None:
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, fmt: str, *args: Any) -> None:
-                log.debug("%s " + fmt, self.address_string(), *args)
-
-            def _dispatch(self, method: str) -> None:
-                ctx = Ctx(self, method)
-                try:
-                    app(ctx)
-                except ClientGone:
-                    self.close_connection = True
-                except Exception as exc:  # an answer, never a dropped connection
-                    status = 400 if isinstance(exc, ConfigError) else 500
-                    if not isinstance(exc, KVBridgeError):
-                        log.exception("handler error on %s %s", method, ctx.path)
-                    if not ctx.responded:
-                        try:
-                            ctx.send_error(exc, status)
-                        except ClientGone:
-                            pass
-                    self.close_connection = True
-
-            def do_GET(self) -> None:
-                self._dispatch("GET")
-
-            def do_POST(self) -> None:
-                self._dispatch("POST")
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
-        self.host = host
-        self.port = int(self.httpd.server_address[1])
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name=f"http-{self.port}", daemon=True)
-        self._thread.start()
-        outer.url = f"http://{host}:{self.port}"
-
-    url: str
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self._thread.join(timeout=5)
-
-
-# -- client ----------------------------------------------------------------------------------
-
-def _conn(url: str, timeout: float) -> tuple[http.client.HTTPConnection, str]:
-    u = urlsplit(url)
-    if u.scheme != "http" or not u.hostname:
-        raise ConfigError(f"worker URL must be http://host:port, got {url!r}")
-    return http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout), (u.path or "/")
-
-
-def _raise_for(status: int, data: bytes, url: str) -> None:
-    try:
-        err = json.loads(data)["error"]
-        exc = error_from_code(int(err.get("code", 1)), str(err.get("message", "")))
-    except (ValueError, KeyError, TypeError, AttributeError):
-        exc = PeerUnavailable(f"{url} answered HTTP {status}: {data[:200]!r}")
-    exc.status = status  # type: ignore[attr-defined]
-    raise exc
-
-
-def http_json(method: str, url: str, body: Any = None, timeout: float = 30.0) -> Any:
-    """One JSON request; a non-2xx answer raises its kvbridge error, a dead peer ``PeerUnavailable``."""
-    conn, _ = _conn(url, timeout)
-    try:
-        payload = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        conn.request(method, urlsplit(url).path or "/", body=payload, headers=headers)
-        resp = conn.getresponse()
-        data = resp.read()
-    except socket.timeout:
-        raise TransferTimeout(f"{method} {url} took longer than {timeout}s") from None
-    except (OSError, http.client.HTTPException) as exc:
-        raise PeerUnavailable(f"{method} {url} failed: {type(exc).__name__}: {exc}") from None
-    finally:
-        conn.close()
-    if resp.status >= 300:
-        _raise_for(resp.status, data, url)
-    return json.loads(data) if data else None
-
-
-def http_stream(url: str, body: Any, timeout: float = 30.0) -> Iterator[Any]:
-    """POST ``body`` and yield each SSE ``data:`` event as parsed JSON (``"[DONE]"`` ends it).
-
-    ``timeout`` bounds every wait for the next bytes. A connection that breaks or ends
-    before ``[DONE]`` raises ``ConnectionLost``; an error answer raises its kvbridge error.
-    """
-    conn, _ = _conn(url, timeout)
-    try:
-        try:
-            conn.request("POST", urlsplit(url).path or "/", body=json.dumps(body).encode(),
-                         headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
-            resp = conn.getresponse()
-        except socket.timeout:
-            raise TransferTimeout(f"POST {url} got no answer within {timeout}s") from None
-        except (OSError, http.client.HTTPException) as exc:
-            raise PeerUnavailable(f"POST {url} failed: {type(exc).__name__}: {exc}") from None
-        if resp.status >= 300:
-            _raise_for(resp.status, resp.read(), url)
-        while True:
-            try:
-                line = resp.readline()
-            except socket.timeout:
-                raise TransferTimeout(f"stream from {url} was silent for {timeout}s") from None
-            except (OSError, http.client.HTTPException) as exc:
-                raise ConnectionLost(f"stream from {url} broke: {type(exc).__name__}: {exc}") from None
-            if not line:
-                raise ConnectionLost(f"stream from {url} ended before [DONE]")
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return
-            yield json.loads(data)
-    finally:
-        conn.close()
+def sse(obj: Any) -> bytes:
+    """One server-sent event ``data: <json>`` (``obj`` may be pre-encoded bytes)."""
+    return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
 
 # -- the engine thread -------------------------------------------------------------------------
@@ -286,6 +76,45 @@ class RequestWatch:
         """Wait until ``req`` has more than ``have`` tokens or ended; False on timeout."""
         with self.cond:
             return self.cond.wait_for(lambda: self.done or len(req.output_ids) > have, timeout=timeout)
+
+
+class AsyncWatch:
+    """A listener that wakes an asyncio task when its request gets new tokens or ends.
+
+    The engine thread calls it; it only records the outcome and schedules ``Event.set``
+    on the task's loop, so waiting costs no thread.
+    """
+
+    def __init__(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        self.loop = loop or asyncio.get_running_loop()
+        self.event = asyncio.Event()
+        self.error: Optional[BaseException] = None
+        self.done = False
+        self.admitted_at: Optional[float] = None
+
+    def __call__(self, req: Request, error: Optional[BaseException] = None) -> None:
+        self.error = self.error or error
+        self.done = self.done or req.finished or error is not None
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    async def wait(self, req: Request, have: int, timeout: float) -> bool:
+        """Wait until ``req`` has more than ``have`` tokens or ended; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while not (self.done or len(req.output_ids) > have):
+            self.event.clear()
+            if self.done or len(req.output_ids) > have:
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.event.wait(), left)
+            except asyncio.TimeoutError:
+                return self.done or len(req.output_ids) > have
+        return True
 
 
 class EngineLoop:
@@ -389,8 +218,8 @@ class EngineLoop:
                          if w.admitted_at is None and w.req.state is not RequestState.WAITING]
             for w in fresh:
                 w.admitted_at = max(t0, w.req.arrival_time or t0)
-                if isinstance(w.listener, RequestWatch):
-                    w.listener.admitted_at = w.admitted_at
+                if hasattr(w.listener, "admitted_at"):
+                    w.listener.admitted_at = w.admitted_at  # type: ignore[attr-defined]
             for r in touched:
                 tw = self._watch.get(r.request_id)
                 if tw is None:
@@ -442,8 +271,18 @@ class WorkerConfig:
     step_delay: float = 0.0          # seconds slept after each engine step (fault drills)
 
 
+Handler = Callable[[HTTPRequest], Awaitable[Response]]
+
+
+def _error_response(exc: BaseException, status: int) -> JSONResponse:
+    return JSONResponse(error_body(exc, status), status_code=status)
+
+
 class EngineWorker:
-    """A model, its pool, a :class:`Scheduler` stepped by an :class:`EngineLoop`, and HTTP routes."""
+    """A model, its pool, a :class:`Scheduler` stepped by an :class:`EngineLoop`, and HTTP routes.
+
+    Subclasses add routes to ``self.routes`` (``(method, path) -> async handler``).
+    """
 
     role = "worker"
 
@@ -454,33 +293,65 @@ class EngineWorker:
         self.engine = Engine(self.model, self.pool)
         self.scheduler = Scheduler(self.engine, chunk_size=cfg.chunk_size, max_num_seqs=cfg.max_num_seqs)
         self.loop = EngineLoop(self.scheduler, name=f"{self.role}-engine", step_delay=cfg.step_delay)
-        self.http: Optional[JSONServer] = None
-        self.routes: dict[tuple[str, str], Callable[[Ctx], None]] = {
-            ("GET", "/health"): lambda ctx: ctx.send_json(200, self.health())}
+        self.http: Optional[HTTPServer] = None
+        self.requests = 0
+        self.routes: dict[tuple[str, str], Handler] = {("GET", "/health"): self._http_health}
+
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + output) one request may hold: the model's positions, capped by the pool."""
+        return min(int(self.model.config.max_position_embeddings), self.pool.num_blocks * self.cfg.block_size)
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "role": self.role, "pid": os.getpid(), "model": self.cfg.model,
-                "chunk_size": self.cfg.chunk_size, "threads": torch.get_num_threads(),
+                "max_model_len": self.max_model_len, "vocab_size": int(self.model.config.vocab_size),
+                "chunk_size": self.cfg.chunk_size, "threads": torch.get_num_threads(), "requests": self.requests,
                 "load": self.loop.load, "pool": {"num_blocks": self.pool.num_blocks, "free": self.pool.num_free}}
 
-    def __call__(self, ctx: Ctx) -> None:
-        route = self.routes.get((ctx.method, ctx.path))
-        if route is None:
-            ctx.send_json(404, {"error": {"message": f"no route {ctx.method} {ctx.path}", "code": 1,
-                                          "action": "fix", "type": "NotFound", "status": 404}})
-            return
-        try:
-            route(ctx)
-        except (KVBridgeError, ValueError, TypeError, KeyError) as exc:
-            if ctx.responded:
-                raise
-            err = exc if isinstance(exc, KVBridgeError) else ConfigError(f"bad request: {exc}")
-            ctx.send_error(err, status_for(err))
+    async def _http_health(self, request: HTTPRequest) -> Response:
+        return JSONResponse(self.health())
 
-    def serve(self, host: str = "127.0.0.1", port: int = 0) -> JSONServer:
-        self.http = JSONServer(self, host, port)
+    # -- HTTP ------------------------------------------------------------------------------
+    def app(self) -> Starlette:
+        """The worker's ASGI app: every route answers JSON, errors included."""
+        by_path: dict[str, dict[str, Handler]] = {}
+        for (method, path), fn in self.routes.items():
+            by_path.setdefault(path, {})[method] = fn
+        routes = [Route(path, self._guard(fns), methods=list(fns)) for path, fns in by_path.items()]
+
+        async def http_error(request: HTTPRequest, exc: Exception) -> Response:
+            assert isinstance(exc, HTTPException)
+            return JSONResponse({"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
+                                           "type": "HTTPError", "code": 1, "action": "fix",
+                                           "status": exc.status_code}}, status_code=exc.status_code)
+        return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+
+    def _guard(self, fns: dict[str, Handler]) -> Handler:
+        async def endpoint(request: HTTPRequest) -> Response:
+            if request.method == "POST":
+                self.requests += 1
+            try:
+                return await fns[request.method](request)
+            except BodyError as exc:
+                return _error_response(ConfigError(exc.message), exc.status)
+            except KVBridgeError as exc:
+                return _error_response(exc, status_for(exc))
+            except (ValueError, TypeError, KeyError) as exc:
+                return _error_response(ConfigError(f"bad request: {exc}"), 400)
+        return endpoint
+
+    @staticmethod
+    async def body(request: HTTPRequest) -> dict[str, Any]:
+        body = await read_json(request, MAX_WORKER_BODY)
+        if not isinstance(body, dict):
+            raise ConfigError("the request body must be a JSON object")
+        return body
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
+        self.http = HTTPServer(self.app(), bind_socket(host, port), name=self.role)
         return self.http
 
+    # -- waiting ---------------------------------------------------------------------------
     def wait_done(self, req: Request, watch: RequestWatch, timeout: float) -> None:
         """Block until ``req`` finished; abort it and raise ``TransferTimeout`` after ``timeout``."""
         with watch.cond:
@@ -491,12 +362,36 @@ class EngineWorker:
         if watch.error is not None:
             raise watch.error
 
-    def stream(self, ctx: Ctx, req: Request, watch: RequestWatch, sent: int, stream: bool,
-               timings: Callable[[], dict[str, Any]]) -> None:
-        """Answer with ``req``'s tokens after the first ``sent`` ones, as SSE events or one JSON."""
-        deadline = time.monotonic() + self.cfg.request_timeout
+    async def await_done(self, req: Request, watch: AsyncWatch, timeout: float) -> None:
+        """Awaitable :meth:`wait_done`; a cancelled wait aborts the request too."""
+        deadline = time.monotonic() + timeout
+        try:
+            while not watch.done:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await watch.wait(req, len(req.output_ids), left):
+                    self.loop.abort(req.request_id)
+                    raise TransferTimeout(f"request {req.request_id} did not finish within {timeout:.0f}s")
+        except asyncio.CancelledError:
+            self.loop.abort(req.request_id)
+            raise
+        if watch.error is not None:
+            raise watch.error
+
+    async def respond(self, req: Request, watch: AsyncWatch, sent: int, stream: bool,
+                      timings: Callable[[], dict[str, Any]]) -> Response:
+        """Answer with ``req``'s tokens after the first ``sent`` ones: SSE events, or one JSON at the end."""
         if stream:
-            ctx.start_stream()
+            return StreamingResponse(self._events(req, watch, sent, timings), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        await self.await_done(req, watch, self.cfg.request_timeout)
+        out = req.output_ids[:]
+        return JSONResponse({"request_id": req.request_id, "token_ids": out[sent:],
+                             "finish_reason": req.finish_reason.value if req.finish_reason else None,
+                             "num_output": len(out), "timings": timings()})
+
+    async def _events(self, req: Request, watch: AsyncWatch, sent: int,
+                      timings: Callable[[], dict[str, Any]]) -> AsyncIterator[bytes]:
+        deadline = time.monotonic() + self.cfg.request_timeout
         try:
             while True:
                 left = deadline - time.monotonic()
@@ -504,38 +399,27 @@ class EngineWorker:
                     self.loop.abort(req.request_id)
                     err = TransferTimeout(f"request {req.request_id} did not finish within "
                                           f"{self.cfg.request_timeout:.0f}s")
-                    if not stream:
-                        raise err
-                    ctx.event(error_body(err, 504))
-                    ctx.event(b"[DONE]")
-                    ctx.end_stream()
+                    yield sse(error_body(err, 504)) + sse(b"[DONE]")
                     return
-                watch.wait(req, sent, min(left, 1.0))
+                await watch.wait(req, sent, min(left, 1.0))
                 out = req.output_ids[:]
-                if stream and len(out) > sent:
-                    ctx.event({"token_ids": out[sent:], "index": sent})
+                chunk = b""
+                if len(out) > sent:
+                    chunk = sse({"token_ids": out[sent:], "index": sent})
                     sent = len(out)
                 if watch.error is not None:
-                    if not stream:
-                        raise watch.error
-                    ctx.event(error_body(watch.error, status_for(watch.error)))
-                    ctx.event(b"[DONE]")
-                    ctx.end_stream()
-                    return
-                if req.finished and not stream:
-                    ctx.send_json(200, {"request_id": req.request_id, "token_ids": out[sent:],
-                                        "finish_reason": req.finish_reason.value if req.finish_reason else None,
-                                        "num_output": len(out), "timings": timings()})
+                    yield chunk + sse(error_body(watch.error, status_for(watch.error))) + sse(b"[DONE]")
                     return
                 if req.finished and len(out) == len(req.output_ids):
-                    ctx.event({"done": True, "finish_reason": req.finish_reason.value if req.finish_reason else None,
-                               "num_output": len(out), "timings": timings()})
-                    ctx.event(b"[DONE]")
-                    ctx.end_stream()
+                    yield chunk + sse({"done": True,
+                                       "finish_reason": req.finish_reason.value if req.finish_reason else None,
+                                       "num_output": len(out), "timings": timings()}) + sse(b"[DONE]")
                     return
-        except ClientGone:
-            self.loop.abort(req.request_id)
-            raise
+                if chunk:
+                    yield chunk
+        finally:
+            if not req.finished:  # the client went away (or the server stops): free the slot
+                self.loop.abort(req.request_id)
 
     def close(self) -> None:
         if self.http is not None:
@@ -548,7 +432,11 @@ def run_until_signal(worker: Any, host: str, port: int, parent_pid: Optional[int
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    server = worker.serve(host, port)
+    try:
+        server = worker.serve(host, port)
+    except BaseException:
+        worker.close()
+        raise
     print(json.dumps({"event": "ready", "role": worker.role, "url": server.url, "pid": os.getpid()}), flush=True)
     while not stop.wait(0.5):
         if parent_pid is not None and os.getppid() != parent_pid:

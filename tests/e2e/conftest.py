@@ -4,6 +4,7 @@ SIGINT, checked for leftover processes)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import signal
@@ -75,37 +76,51 @@ def get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
 class UpProcess:
     """``python -m kvbridge up ...`` as a child process of the test."""
 
-    def __init__(self, *args: str, startup: float = 90.0) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "up", "--port", str(self.port),
-                                      "--no-progress", *args], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    def __init__(self, *args: str, startup: float = 90.0, cwd: Optional[str] = None) -> None:
+        for _ in range(3):  # a free port can be taken by another process before `up` binds it
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            # -P: like the console script, the parent does not import from the current folder
+            self.proc = subprocess.Popen([sys.executable, "-P", "-m", "kvbridge", "up", "--port", str(self.port),
+                                          "--no-progress", *args], stdin=subprocess.DEVNULL, cwd=cwd,
+                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                         start_new_session=True)  # its own process group, as in a terminal
+            if self._wait_healthy(startup):
+                break
+        else:
+            raise RuntimeError("kvbridge up found no free port in 3 tries")
+        self.worker_pids = [int(w["pid"]) for w in self.health["workers"]]
+
+    def _wait_healthy(self, startup: float) -> bool:
+        """True once healthy; False if `up` lost its port to another process; raises otherwise."""
         deadline = time.monotonic() + startup
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvbridge up exited: {self.proc.stderr.read() if self.proc.stderr else ''}")
+                err = self.proc.stderr.read() if self.proc.stderr else ""
+                if "already in use" in err:
+                    return False
+                raise RuntimeError(f"kvbridge up exited: {err}")
             try:
                 status, body = get(self.url + "/health", timeout=2.0)
-                if status == 200:
-                    self.health = json.loads(body)
-                    break
-            except OSError:
+                health = json.loads(body)
+                if status == 200 and health.get("mode"):
+                    self.health = health
+                    return True
+            except (OSError, ValueError, http.client.HTTPException):
                 pass
             if time.monotonic() > deadline:
                 self.proc.kill()
                 raise RuntimeError("kvbridge up did not become healthy")
             time.sleep(0.2)
-        self.worker_pids = [int(w["pid"]) for w in self.health["workers"]]
 
     def workers(self, role: Optional[str] = None) -> list[dict[str, Any]]:
         _, body = get(self.url + "/health", timeout=10.0)
         return [w for w in json.loads(body)["workers"] if role is None or w.get("role") == role]
 
     def stop(self, timeout: float = 30.0) -> tuple[int, str]:
-        """SIGINT, wait, and return (exit code, stderr)."""
+        """SIGINT to its process group (a Ctrl-C in its terminal), wait, and return (exit code, stderr)."""
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
+            os.killpg(self.proc.pid, signal.SIGINT)
         try:
             _, err = self.proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

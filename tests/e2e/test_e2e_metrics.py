@@ -1,10 +1,11 @@
-"""Metrics aggregation: percentiles, goodput, buckets, Prometheus text."""
+"""Metrics aggregation (percentiles, goodput, buckets) and the Prometheus exposition."""
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from kvbridge.workers.metrics import RequestMetrics, percentile, summarize, to_prometheus
+from kvbridge.workers.metrics import PromMetrics, RequestMetrics, percentile, summarize
 
 
 def _rec(i: int, ttft: float, tpot: float, n_out: int, prompt: int, ok: bool = True) -> RequestMetrics:
@@ -35,13 +36,33 @@ def test_summarize_goodput_and_buckets() -> None:
     assert s["errors"] == {"PeerUnavailable": 1}
     assert set(s["buckets"]["prompt"]) == {"0-128", "513-1024", "2049+"}
     assert s["buckets"]["prompt"]["0-128"]["requests"] == 3
-    text = to_prometheus(s, labels={"mode": "disaggregated"})
-    assert 'kvbridge_requests_total{mode="disaggregated",outcome="failed"} 1.0' in text
-    assert 'kvbridge_ttft_seconds{mode="disaggregated",quantile="0.99"}' in text
-    assert 'kvbridge_bucket_ttft_p99_seconds{mode="disaggregated",by="prompt",bucket="2049+"}' in text
-    for line in text.splitlines():  # every sample line is "name{labels} value"
-        if not line.startswith("#"):
-            float(line.rsplit(" ", 1)[1])
+
+
+def test_prometheus_histograms_parse_and_aggregate() -> None:
+    recs = [_rec(0, 0.1, 0.01, 11, 100), _rec(1, 0.5, 0.01, 11, 600), _rec(2, 0.1, 0.05, 11, 3000),
+            _rec(3, 0.1, 0.01, 1, 50), _rec(4, 0.1, 0.01, 5, 50, ok=False)]
+    pm = PromMetrics("disaggregated", ttft_slo=0.2, tpot_slo=0.02)
+    for r in recs:
+        pm.observe(r)
+    text = pm.exposition().decode()
+    types = [ln.split()[2] for ln in text.splitlines() if ln.startswith("# TYPE ")]
+    assert len(types) == len(set(types)), "a metric family has two TYPE lines"
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    for name in ("ttft", "tpot", "e2e", "queue", "kv_transfer"):
+        assert fams[f"kvbridge_{name}_seconds"].type == "histogram"
+    ttft = fams["kvbridge_ttft_seconds"].samples
+    counts = {(s.labels["prompt_len"], s.labels["output_len"]): s.value for s in ttft if s.name.endswith("_count")}
+    assert counts == {("0-128", "0-32"): 2.0, ("513-1024", "0-32"): 1.0, ("2049+", "0-32"): 1.0}
+    total = sum(s.value for s in ttft if s.name.endswith("_sum"))
+    assert total == pytest.approx(sum(r.ttft or 0 for r in recs if r.ok))
+    # cumulative buckets: the 0.25 s bucket holds the three 0.1 s TTFTs of the ok requests, +Inf all four
+    le = {s.labels["le"]: s.value for s in ttft
+          if s.name.endswith("_bucket") and s.labels["prompt_len"] == "0-128"}
+    assert le["0.05"] == 0 and le["0.15"] == 2 and le["+Inf"] == 2
+    req = {s.labels["outcome"]: s.value for s in fams["kvbridge_requests"].samples if s.name.endswith("_total")}
+    assert req == {"ok": 4.0, "failed": 1.0}
+    good = [s.value for s in fams["kvbridge_good_requests"].samples if s.name.endswith("_total")]
+    assert good == [float(summarize(recs, ttft_slo=0.2, tpot_slo=0.02)["good_requests"])]
 
 
 def test_record_roundtrip() -> None:

@@ -8,6 +8,7 @@ import urllib.request
 from typing import Any, Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.pool import KVPool
 from kvbridge.workers.decode import DecodeWorker
@@ -78,13 +79,21 @@ def test_completions_stream_and_metrics(workers: tuple[str, str], tiny_model: Ca
                                                              "max_tokens": 12})
         assert ids_answer["choices"][0]["token_ids"] == ch["token_ids"]
         status, bad = post(url + "/v1/completions", {"prompt": 5})
-        assert status == 400 and bad["error"]["action"] == "fix"
+        assert status == 422 and bad["error"]["action"] == "fix" and bad["error"]["param"] == "prompt"
         status, health = get(url + "/health")
         assert status == 200 and json.loads(health)["status"] == "ok"
         status, prom = get(url + "/metrics")
         text = prom.decode()
         assert status == 200 and 'kvbridge_requests_total{mode="disaggregated",outcome="ok"} 3.0' in text
-        assert "kvbridge_ttft_seconds{" in text and "kvbridge_kv_transfer_seconds_count" in text
+        assert "kvbridge_ttft_seconds_bucket{" in text and "kvbridge_kv_transfer_seconds_count{" in text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}  # the official parser accepts it
+        for name in ("ttft", "tpot", "e2e", "queue", "prefill", "kv_transfer"):
+            f = fams[f"kvbridge_{name}_seconds"]
+            assert f.type == "histogram"
+            n = sum(x.value for x in f.samples if x.name.endswith("_count"))
+            assert n == 3 if name != "tpot" else 1 <= n <= 3, (name, n)
+        rejected = [x for x in fams["kvbridge_rejected_requests"].samples if x.name.endswith("_total")]
+        assert [(x.labels["status"], x.value) for x in rejected] == [("422", 1.0)]
         status, js = get(url + "/metrics.json?records=1")
         s = json.loads(js)
         assert s["ok"] == 3 and s["failed"] == 0 and len(s["records"]) == 3  # a 400 is not a served request
@@ -119,8 +128,9 @@ def test_dead_prefill_worker_is_a_clear_error(workers: tuple[str, str]) -> None:
         t0 = time.monotonic()
         status, out = post(url + "/v1/completions", {"prompt": "hello", "max_tokens": 4})
         assert time.monotonic() - t0 < 10
-        assert status == 502
+        assert status == 503
         assert "prefill failed" in out["error"]["message"] and out["error"]["action"] == "retry"
+        assert dead.split("//")[1] not in out["error"]["message"]  # no internal address for the client
         events = _sse(url + "/v1/completions", {"prompt": "hello", "max_tokens": 4, "stream": True})
         assert events[-1] == "[DONE]" and events[0]["error"]["action"] == "retry"
     finally:

@@ -6,11 +6,14 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
+import openai
 import pytest
 
 from kvbridge.pool import KVPool
@@ -47,7 +50,8 @@ def _complete_all(url: str, prompts: list[list[int]], max_tokens: list[int]) -> 
 
 @pytest.fixture(scope="module")
 def pd() -> Iterator[UpProcess]:
-    up = UpProcess("--decode-workers", "2")  # default model, chunk size and transport (tcp)
+    # default model, chunk size and transport (tcp); several workers of each role
+    up = UpProcess("--prefill-workers", "2", "--decode-workers", "2")
     yield up
     assert_stopped_cleanly(up)
 
@@ -77,6 +81,33 @@ def test_up_random_prompts_match_reference(pd: UpProcess, colo: UpProcess) -> No
     want = _reference(CausalLM.from_seed("small", seed=0), prompts, mt)
     assert _complete_all(pd.url, prompts, mt) == want
     assert _complete_all(colo.url, prompts, mt) == want
+    served = {w["url"]: w["requests"] for w in pd.workers()}
+    assert all(n > 0 for n in served.values()), f"a worker got no work: {served}"  # routing spreads the load
+
+
+def _openai_texts(url: str) -> list[str]:
+    c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60.0)
+    try:
+        model = c.models.list().data[0].id
+        prompt = "Disaggregated serving moves the KV cache"
+        msgs: Any = [{"role": "user", "content": "What is a KV cache?"}]
+        out = [c.completions.create(model=model, prompt=prompt, max_tokens=24).choices[0].text,
+               "".join(ch.choices[0].text for ch in c.completions.create(model=model, prompt=prompt, max_tokens=24,
+                                                                          stream=True)),
+               c.chat.completions.create(model=model, messages=msgs, max_tokens=24).choices[0].message.content or "",
+               "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+                   model=model, messages=msgs, max_tokens=24, stream=True, stream_options={"include_usage": True})
+                   if ch.choices)]
+    finally:
+        c.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_openai_client_same_text_from_up_and_colocated(pd: UpProcess, colo: UpProcess) -> None:
+    a, b = _openai_texts(pd.url), _openai_texts(colo.url)
+    assert a == b
+    assert a[0] == a[1] and a[2] == a[3] and a[0] != a[2]
 
 
 @pytest.mark.timeout(60)
@@ -84,14 +115,14 @@ def test_up_health_metrics_stream(pd: UpProcess) -> None:
     status, body = get(pd.url + "/health")
     h = json.loads(body)
     assert status == 200 and h["mode"] == "disaggregated"
-    assert sorted(w["role"] for w in h["workers"]) == ["decode", "decode", "prefill"]
+    assert sorted(w["role"] for w in h["workers"]) == ["decode", "decode", "prefill", "prefill"]
     req = urllib.request.Request(pd.url + "/v1/completions", headers={"Content-Type": "application/json"},
                                  data=json.dumps({"prompt": "stream", "max_tokens": 8, "stream": True}).encode())
     with urllib.request.urlopen(req, timeout=30) as r:
         lines = [ln.strip() for ln in r if ln.startswith(b"data: ")]
     assert lines[-1] == b"data: [DONE]" and len(lines) >= 3
     status, prom = get(pd.url + "/metrics")
-    assert status == 200 and b"kvbridge_ttft_seconds{" in prom and b"kvbridge_goodput_fraction" in prom
+    assert status == 200 and b"kvbridge_ttft_seconds_bucket{" in prom and b"kvbridge_good_requests_total" in prom
     s = json.loads(get(pd.url + "/metrics.json")[1])
     assert s["ok"] >= 1 and s["kv_bytes"] > 0 and s["kv_transfer"]["p50"] > 0
 
@@ -108,7 +139,7 @@ def test_up_shm_then_prefill_killed(lease_url: str) -> None:
         t0 = time.monotonic()
         status, out = post(up.url + "/v1/completions", {"prompt": "anyone there?", "max_tokens": 8}, timeout=30)
         assert time.monotonic() - t0 < 15
-        assert status == 502 and out["error"]["action"] == "retry" and "prefill" in out["error"]["message"]
+        assert status == 503 and out["error"]["action"] == "retry" and "prefill" in out["error"]["message"]
         assert get(up.url + "/health")[0] == 503
     finally:
         assert_stopped_cleanly(up)
@@ -173,3 +204,115 @@ def test_up_decode_killed_mid_request(lease_url: str, policy: str) -> None:
         while any(pid_alive(p) for p in up.worker_pids) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not [p for p in up.worker_pids if pid_alive(p)], "workers outlived a killed parent"
+
+
+@pytest.mark.timeout(120)
+def test_up_from_a_folder_with_a_kvbridge_dir_and_sigint_mid_request(tmp_path: Any) -> None:
+    """Workers import the installed package even where ``./kvbridge`` exists (a clone's parent);
+    Ctrl-C answers the requests in flight with a JSON error; the default log folder goes away."""
+    fake = tmp_path / "kvbridge"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('the kvbridge folder of the current directory')\n")
+    (tmp_path / "kvbridge" / "kvbridge").mkdir()
+    (tmp_path / "tiny").mkdir()  # a folder named like the preset: the preset still wins
+    up = UpProcess("--model", "tiny", "--step-delay", "0.02", cwd=str(tmp_path))
+    got: dict[str, Any] = {}
+    body = {"prompt": "a long story", "max_tokens": 400, "ignore_eos": True}
+    first = __import__("threading").Event()
+
+    def stream() -> None:
+        req = urllib.request.Request(up.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({**body, "stream": True}).encode())
+        with urllib.request.urlopen(req, timeout=60) as r:
+            got["stream"] = []
+            for line in r:
+                if line.startswith(b"data: "):
+                    got["stream"].append(line[6:].strip())
+                    first.set()
+
+    def whole() -> None:
+        got["whole"] = post(up.url + "/v1/completions", body)
+
+    threads = [__import__("threading").Thread(target=f) for f in (stream, whole)]
+    try:
+        for t in threads:
+            t.start()
+        assert first.wait(30)
+        time.sleep(0.3)
+    finally:
+        code, err = up.stop()
+        for t in threads:
+            t.join(20)
+    assert code == 0, err[-2000:]
+    assert got["stream"][-1] == b"[DONE]" and json.loads(got["stream"][-2])["error"]["action"] == "retry"
+    status, out = got["whole"]
+    assert status == 503 and out["error"]["action"] == "retry" and "shutting down" in out["error"]["message"]
+    log_dir = next(ln.split("logs in ", 1)[1].split(" (")[0] for ln in err.splitlines() if "logs in " in ln)
+    assert not os.path.exists(log_dir), "the default log folder outlived a clean exit"
+    assert not [p for p in up.worker_pids if pid_alive(p)]
+
+
+@pytest.mark.timeout(120)
+def test_up_log_dir_kept_and_no_tracebacks_after_client_disconnects(tmp_path: Any) -> None:
+    logs = tmp_path / "logs"
+    up = UpProcess("--model", "tiny", "--step-delay", "0.01", "--log-dir", str(logs))
+    try:
+        for _ in range(3):  # clients that hang up mid-stream
+            req = urllib.request.Request(up.url + "/v1/completions", headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"prompt": "bye", "max_tokens": 200, "ignore_eos": True,
+                                                          "stream": True}).encode())
+            r = urllib.request.urlopen(req, timeout=30)
+            r.readline()
+            r.close()
+        status, out = post(up.url + "/v1/completions", {"prompt": "still here?", "max_tokens": 4})
+        assert status == 200, out
+        deadline = time.monotonic() + 10  # the abandoned requests are aborted, not run to the end
+        while any(w["load"]["watched"] for w in up.workers("decode")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(w["load"]["watched"] for w in up.workers("decode"))
+    finally:
+        assert_stopped_cleanly(up)
+    names = sorted(p.name for p in logs.iterdir())
+    assert names == ["decode-0.log", "prefill-0.log"]
+    for p in logs.iterdir():
+        assert "Traceback" not in p.read_text(), p.read_text()[-2000:]
+
+
+@pytest.mark.timeout(120)
+def test_separate_commands_multi_host_recipe(lease_url: str) -> None:
+    """``kvbridge prefill``/``decode``/``proxy`` as the README's multi-host recipe runs them
+    (one shared lease server, workers by URL), here on one machine."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(*args: str) -> str:
+        p = subprocess.Popen([sys.executable, "-P", "-m", "kvbridge", *args], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        procs.append(p)
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        return str(json.loads(line)["url"])
+    try:
+        pre = [start("prefill", "--model", "tiny", "--leases", lease_url, "--host", "127.0.0.1") for _ in range(2)]
+        dec = start("decode", "--model", "tiny", "--leases", lease_url)
+        args = ["proxy", "--port", "0", "--model", "tiny", "--decode", dec]
+        for u in pre:
+            args += ["--prefill", u]
+        front = start(*args)
+        c = openai.OpenAI(base_url=front + "/v1", api_key="none", max_retries=0, timeout=60.0)
+        prompt = TOK.encode("several hosts")
+        outs = [c.completions.create(model="tiny", prompt=prompt, max_tokens=12) for _ in range(4)]
+        c.close()
+        want = _reference(CausalLM.from_seed("tiny", seed=0), [prompt], [12])[0]
+        assert all(o.choices[0].token_ids == want for o in outs)  # type: ignore[attr-defined]
+        served = [json.loads(get(u + "/health")[1])["requests"] for u in pre]
+        assert served == [2, 2]
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=5)
+    assert [p.returncode for p in procs] == [0] * len(procs)

@@ -1,0 +1,266 @@
+"""HTTP plumbing of the reference deployment: uvicorn serving, JSON bodies, worker calls.
+
+Servers are Starlette apps served by uvicorn on a socket bound up front (so a busy or
+invalid port is reported before anything else starts). Workers talk to each other with
+``httpx`` (pooled connections, a timeout on every wait). HTTP carries control messages
+only (prompts, handles, tokens); KV bytes move through kvbridge transports.
+
+Between the proxy and the workers an error travels as ``{"error": {"message", "type",
+"code", "action", "status"}}`` (``code`` is the :mod:`kvbridge.errors` code) and is
+rebuilt on the client side as the matching error class. The front door answers in
+OpenAI's error shape instead (see :mod:`kvbridge.workers.openai`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+from typing import Any, AsyncIterator, Optional
+
+import httpx
+import uvicorn
+from starlette.requests import ClientDisconnect
+from starlette.requests import Request as HTTPRequest
+
+from ..errors import Action, ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, TransferTimeout, \
+    error_from_code
+
+__all__ = ["HTTPServer", "bind_socket", "error_body", "BodyError", "read_json", "WorkerClient", "get_json",
+           "MAX_WORKER_BODY"]
+
+log = logging.getLogger("kvbridge.workers")
+MAX_WORKER_BODY = 64 << 20   # bodies between proxy and workers (token ids, handles)
+
+
+def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
+    """A listening TCP socket on ``host:port``, or a ``ConfigError`` that names ``flag``."""
+    if not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{flag} {port} is not a TCP port (0-65535; 0 picks a free one)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host!r} is not an address of this machine: {exc.strerror}") from None
+    family, kind, proto, _, addr = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (98, 48):  # EADDRINUSE (Linux, macOS)
+            raise ConfigError(f"{flag} {port}: {host}:{port} is already in use; stop what listens there "
+                              f"or pick another {flag}") from None
+        raise ConfigError(f"cannot listen on --host {host} {flag} {port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+class HTTPServer:
+    """uvicorn serving ``app`` on its own thread and event loop, on an already bound socket."""
+
+    def __init__(self, app: Any, sock: socket.socket, name: str = "http", graceful: float = 5.0,
+                 start_timeout: float = 30.0) -> None:
+        self.sock = sock
+        host, port = sock.getsockname()[:2]
+        self.host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        self.port = int(port)
+        fmt_host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{fmt_host}:{self.port}"
+        cfg = uvicorn.Config(self._wrap(app), log_config=None, log_level="warning", access_log=False,
+                             lifespan="on", timeout_graceful_shutdown=max(1, round(graceful)), timeout_keep_alive=30)
+        self.server = uvicorn.Server(cfg)
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name=f"{name}-{self.port}", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise ConfigError(f"HTTP server on {self.url} failed to start: {self._error}")
+            if time.monotonic() > deadline:
+                raise ConfigError(f"HTTP server on {self.url} did not start within {start_timeout:.0f}s")
+            time.sleep(0.005)
+
+    def _wrap(self, app: Any) -> Any:
+        async def asgi(scope: Any, receive: Any, send: Any) -> None:
+            if self.loop is None:  # the lifespan startup comes first
+                self.loop = asyncio.get_running_loop()
+            await app(scope, receive, send)
+        return asgi
+
+    def _run(self) -> None:
+        try:  # uvicorn picks uvloop and httptools when they are installed (uvicorn[standard])
+            self.server.run(sockets=[self.sock])
+        except BaseException as exc:  # reported by the constructor or close()
+            self._error = exc
+            log.exception("HTTP server on %s failed", self.url)
+
+    def call_soon(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the server's event loop (from any thread)."""
+        if self.loop is not None and not self.loop.is_closed():
+            try:
+                self.loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed in between
+                pass
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop accepting, let open requests finish (bounded), stop the loop."""
+        self.server.should_exit = True
+        self._thread.join(timeout=timeout)
+        if self._thread.is_alive():
+            self.server.force_exit = True
+            self._thread.join(timeout=5)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def error_body(exc: BaseException, status: int = 500) -> dict[str, Any]:
+    """The worker-to-proxy JSON error for ``exc`` (kvbridge errors keep their code and action)."""
+    if isinstance(exc, KVBridgeError):
+        return {"error": {"message": str(exc), "type": type(exc).__name__, "code": exc.code,
+                          "action": exc.action.value, "status": status}}
+    return {"error": {"message": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__, "code": 1,
+                      "action": Action.FIX.value, "status": status}}
+
+
+class BodyError(Exception):
+    """A request body that cannot be taken: ``status`` 400, 413 or 415, with a message."""
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+
+
+async def read_json(request: HTTPRequest, limit: int) -> Any:
+    """The parsed JSON body, refused early: over ``limit`` bytes (413, by ``Content-Length``
+    before reading, or as soon as a chunked body passes it), not JSON (415, 400)."""
+    ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+    if ctype != "application/json" and not ctype.endswith("+json"):
+        raise BodyError(415, f"the request body must be JSON (Content-Type: application/json), not {ctype!r}",
+                        "unsupported_media_type")
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            n = int(declared)
+        except ValueError:
+            raise BodyError(400, f"bad Content-Length {declared!r}") from None
+        if n > limit:
+            raise BodyError(413, f"the request body of {n} bytes is over the {limit}-byte limit",
+                            "request_too_large")
+    parts: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BodyError(413, f"the request body is over the {limit}-byte limit", "request_too_large")
+            parts.append(chunk)
+    except ClientDisconnect:  # the answer goes nowhere; this only ends the request quietly
+        raise BodyError(400, "the client disconnected before sending the whole body", "client_disconnected") from None
+    raw = b"".join(parts)
+    if not raw:
+        raise BodyError(400, "the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise BodyError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+
+
+# -- client ----------------------------------------------------------------------------------
+
+def _raise_for(status: int, data: bytes, url: str) -> None:
+    try:
+        err = json.loads(data)["error"]
+        exc = error_from_code(int(err.get("code", 1)), str(err.get("message", "")))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        exc = PeerUnavailable(f"{url} answered HTTP {status}: {data[:200]!r}")
+    exc.status = status  # type: ignore[attr-defined]
+    raise exc
+
+
+class WorkerClient:
+    """Calls from the proxy to workers over pooled ``httpx`` connections.
+
+    ``timeout`` bounds every wait (connect, each read, each write); a worker that does not
+    answer raises ``PeerUnavailable``, one that goes silent ``TransferTimeout``, a stream
+    that breaks ``ConnectionLost``, an error answer its own kvbridge error.
+    """
+
+    def __init__(self, timeout: float = 30.0, connect_timeout: float = 5.0, max_connections: int = 512) -> None:
+        self.timeout = timeout
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=min(connect_timeout, timeout)),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=64),
+            trust_env=False)
+
+    async def post_json(self, url: str, body: Any, timeout: Optional[float] = None) -> Any:
+        try:
+            r = await self.client.post(url, json=body, timeout=timeout or httpx.USE_CLIENT_DEFAULT)
+        except httpx.TimeoutException:
+            raise TransferTimeout(f"POST {url} got no answer within {timeout or self.timeout:.0f}s") from None
+        except httpx.HTTPError as exc:
+            raise PeerUnavailable(f"POST {url} failed: {type(exc).__name__}: {exc}") from None
+        if r.status_code >= 300:
+            _raise_for(r.status_code, r.content, url)
+        return r.json()
+
+    async def get_json(self, url: str, timeout: float = 2.0) -> Any:
+        try:
+            r = await self.client.get(url, timeout=timeout)
+        except httpx.TimeoutException:
+            raise TransferTimeout(f"GET {url} got no answer within {timeout:.0f}s") from None
+        except httpx.HTTPError as exc:
+            raise PeerUnavailable(f"GET {url} failed: {type(exc).__name__}: {exc}") from None
+        if r.status_code >= 300:
+            _raise_for(r.status_code, r.content, url)
+        return r.json()
+
+    async def stream(self, url: str, body: Any) -> AsyncIterator[Any]:
+        """POST ``body``; yield each SSE ``data:`` event as parsed JSON until ``[DONE]``."""
+        try:
+            async with self.client.stream("POST", url, json=body, headers={"Accept": "text/event-stream"}) as r:
+                if r.status_code >= 300:
+                    _raise_for(r.status_code, await r.aread(), url)
+                buf = b""
+                async for chunk in r.aiter_raw():  # the workers send bare "data: ...\n\n" events
+                    buf += chunk
+                    while (end := buf.find(b"\n\n")) >= 0:
+                        event, buf = buf[:end], buf[end + 2:]
+                        for line in event.split(b"\n"):
+                            if line.startswith(b"data:"):
+                                data = line[5:].strip()
+                                if data == b"[DONE]":
+                                    return
+                                yield json.loads(data)
+                raise ConnectionLost(f"stream from {url} ended before [DONE]")
+        except httpx.ConnectError as exc:
+            raise PeerUnavailable(f"POST {url} failed: {type(exc).__name__}: {exc}") from None
+        except httpx.TimeoutException:
+            raise TransferTimeout(f"stream from {url} was silent for {self.timeout:.0f}s") from None
+        except httpx.HTTPError as exc:
+            raise ConnectionLost(f"stream from {url} broke: {type(exc).__name__}: {exc}") from None
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    """Blocking GET of a JSON document (startup checks, tools); errors as in :class:`WorkerClient`."""
+    try:
+        r = httpx.get(url, timeout=timeout, trust_env=False)
+    except httpx.TimeoutException:
+        raise TransferTimeout(f"GET {url} got no answer within {timeout:.0f}s") from None
+    except httpx.HTTPError as exc:
+        raise PeerUnavailable(f"GET {url} failed: {type(exc).__name__}: {exc}") from None
+    if r.status_code >= 300:
+        _raise_for(r.status_code, r.content, url)
+    return r.json()
