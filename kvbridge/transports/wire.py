@@ -69,7 +69,7 @@ def unpack_header(buf: bytes | bytearray, offset: int = 0) -> tuple[Kind, int, i
     k = _KINDS.get(kind)
     if k is None:
         raise ProtocolError(f"unknown frame type {kind}")
-    if k is not Kind.DATA and length > MAX_CONTROL:
+    if k not in (Kind.DATA, Kind.LDATA) and length > MAX_CONTROL:   # data replies are sized by the request
         raise FrameTooLarge(f"{k.name} frame of {length} bytes exceeds {MAX_CONTROL}")
     return k, req_id, length
 

@@ -303,3 +303,14 @@ def test_reservation_expires_without_a_writer(scheme, make_receiver):
     res = rt.result(10)
     assert not res.ok and res.action is Action.REPREFILL and rt.state is TransferState.FAILED
 
+
+
+def test_layer_chunks_larger_than_a_control_frame(make_sender, make_receiver):
+    """A layer read's reply carries data: it may exceed the 16 MiB cap of control frames."""
+    big = KVLayout.vllm_flash(2, 8, 128, block_size=16, dtype="float16")   # 64 KiB per block and layer
+    snd = make_sender(big, 300)
+    recv, pool = make_receiver(big, 300)
+    h = snd.publish(list(range(300)), layers_ready=2)                       # ~19 MiB in one chunk
+    res = recv.fetch(h, list(range(300)))
+    assert res.ok, res.error
+    assert same(pool, list(range(300)), snd, list(range(300)))
