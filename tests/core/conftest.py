@@ -19,7 +19,12 @@ from kvbridge.policy import Backoff
 
 from ._peer import LISTEN, LocalPeer, RemotePeer, fill_pool
 
-SCHEMES = ["inproc", "tcp", "shm"]
+try:
+    import ucxx  # noqa: F401
+    _NO_UCX = ""
+except ImportError as _exc:
+    _NO_UCX = f"ucx:// needs ucxx (pip install 'kvbridge[ucx]'): {_exc}"
+SCHEMES = ["inproc", "tcp", "shm", pytest.param("ucx", marks=pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX))]
 FAST_RETRY = Retry(attempts=2, backoff=Backoff(base=0.01, cap=0.05), deadline=10.0)
 RECV_TIMEOUT = Timeout(connect=2.0, transfer=10.0)
 _seeds = itertools.count(1000)
