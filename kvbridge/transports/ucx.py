@@ -512,7 +512,7 @@ class UCXServer(SocketServer):
             self._reply(client, rid, ST_ERROR, encode_error(FrameTooLarge(
                 f"request of {length} bytes exceeds {MAX_CONTROL}" if length else "empty request")))
             return
-        self._pool.submit(self._serve, client, rid, bytes(buf))
+        self._pool.submit(self._ucx_serve, client, rid, bytes(buf))
 
     def _alive(self, client: _Client) -> Callable[[], None]:
         def check() -> None:
@@ -527,14 +527,14 @@ class UCXServer(SocketServer):
             req = client.ep.tag_send(Array(msg), _ucx.UCXXTag(_tag(T_HDR, client.cid, rid)))
         _wait_reqs(self.worker, [req], self.timeout.transfer, "reply", self._alive(client))
 
-    def _serve(self, client: _Client, rid: int, msg: bytes) -> None:
+    def _ucx_serve(self, client: _Client, rid: int, msg: bytes) -> None:
         try:
             op = msg[0]
             payload = msg[1:]
             if op == OP_READ:
-                self._serve_read(client, rid, payload)
+                self._ucx_read(client, rid, payload)
             elif op == OP_WREQ:
-                self._serve_write(client, rid, payload)
+                self._ucx_write(client, rid, payload)
             elif op in (OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT):
                 try:
                     if op == OP_WABORT:
@@ -558,7 +558,7 @@ class UCXServer(SocketServer):
         except Exception:
             log.exception("ucx request handler")
 
-    def _serve_read(self, client: _Client, rid: int, payload: bytes) -> None:
+    def _ucx_read(self, client: _Client, rid: int, payload: bytes) -> None:
         try:
             req = decode_request(payload)
             if req.nbytes or req.sums or req.last:
@@ -600,7 +600,7 @@ class UCXServer(SocketServer):
         finally:
             grant.close()
 
-    def _serve_write(self, client: _Client, rid: int, payload: bytes) -> None:
+    def _ucx_write(self, client: _Client, rid: int, payload: bytes) -> None:
         try:
             req = decode_request(payload)
             if req.layers is None:
