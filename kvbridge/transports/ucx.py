@@ -64,7 +64,7 @@ from ..policy import Timeout
 from .base import Chunk, Server, Spans, SpansFor, Transport
 from .sockets import SocketServer, connector, tune
 from .staging import copy_slices, device_slices
-from .wire import (HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, decode_request, encode_error,
+from .wire import (F_LAYERS, HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, decode_request, encode_error,
                    encode_layers, encode_request, map_os_error, pack, recv_exact, unpack_header)
 
 __all__ = ["UCXTransport", "UCXServer", "parse_ucx_url"]
@@ -90,6 +90,14 @@ OP_READ, OP_WREQ, OP_WDONE, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_PING =
 ST_OK, ST_ERROR, ST_GO = 0, 1, 2
 _N = struct.Struct("!Q")
 _REQ_HEAD = struct.Struct("!B")
+
+
+def _wants_layers(msg: bytearray) -> bool:
+    """Whether a READ request names a layer range (peeks at its flags; malformed -> False)."""
+    if len(msg) < 6:
+        return False
+    (hn,) = struct.unpack_from("!I", msg, 1)
+    return len(msg) > 5 + hn and bool(msg[5 + hn] & F_LAYERS)
 
 
 def _tag(kind: int, cid: int, rid: int) -> int:
@@ -193,6 +201,54 @@ class _Worker:
                 self.w.cancel_inflight_requests()
             except Exception:
                 pass
+
+
+class _Held:
+    """A request with the buffer it reads from or writes into, kept alive until it completes."""
+
+    __slots__ = ("req", "buf")
+
+    def __init__(self, req: Any, buf: Any) -> None:
+        self.req, self.buf = req, buf
+
+    @property
+    def completed(self) -> bool:
+        return bool(self.req.completed)
+
+    def check_error(self) -> None:
+        self.req.check_error()
+
+
+class _Ep:
+    """An endpoint that is never used after it is closed: every call takes the worker's
+    lock and checks, so a thread racing a close gets ConnectionLost, not a dead handle."""
+
+    __slots__ = ("worker", "ep", "closed")
+
+    def __init__(self, worker: _Worker, ep: Any) -> None:
+        self.worker, self.ep, self.closed = worker, ep, False
+
+    def send(self, buf: Any, tag: int) -> _Held:
+        with self.worker.lock:
+            if self.closed:
+                raise ConnectionLost("connection closed")
+            return _Held(self.ep.tag_send(Array(buf), _ucx.UCXXTag(tag)), buf)
+
+    def recv(self, view: Any, tag: int) -> _Held:
+        with self.worker.lock:
+            if self.closed:
+                raise ConnectionLost("connection closed")
+            return _Held(self.ep.tag_recv(Array(view), _ucx.UCXXTag(tag)), view)
+
+    def close(self) -> None:
+        with self.worker.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.ep.close()
+            except Exception as exc:   # closing a connection whose peer is gone
+                log.debug("endpoint close: %s", exc)
 
 
 def _wait_reqs(worker: _Worker, reqs: Sequence[Any], deadline_s: float, what: str,
@@ -322,7 +378,7 @@ def _addr(buf: bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
-def _send_stream(worker: _Worker, ep: Any, tag: int, stream: _Stream, deadline_s: float, what: str,
+def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s: float, what: str,
                  alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = ()) -> None:
     """Send the stream as DATA messages, WINDOW in flight."""
     inflight: list[Any] = []
@@ -335,9 +391,7 @@ def _send_stream(worker: _Worker, ep: Any, tag: int, stream: _Stream, deadline_s
             view = stream.gather(a, b, buf)
         else:
             buf = None
-        with worker.lock:
-            req = ep.tag_send(Array(view), _ucx.UCXXTag(tag))
-        inflight.append((req, buf))
+        inflight.append((ep.send(view, tag), buf))
         if len(inflight) >= WINDOW:
             r, used = inflight.pop(0)
             _wait_reqs(worker, [r], deadline_s, what, alive, fds)
@@ -403,7 +457,7 @@ def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream
 class _Client:
     __slots__ = ("cid", "ep", "conn", "alive")
 
-    def __init__(self, cid: int, ep: Any, conn: socket.socket) -> None:
+    def __init__(self, cid: int, ep: _Ep, conn: socket.socket) -> None:
         self.cid, self.ep, self.conn, self.alive = cid, ep, conn, True
 
 
@@ -435,11 +489,7 @@ class UCXServer(SocketServer):
                 self._clients.pop(c.cid, None)
         if c is not None:
             c.alive = False
-            with self.worker.lock:
-                try:
-                    c.ep.close()
-                except Exception:
-                    pass
+            c.ep.close()
 
     def handle(self, conn: socket.socket, reader: Any, kind: Kind, req_id: int, payload: bytes) -> bool:
         if kind is Kind.MAP and payload.startswith(HELLO):
@@ -448,7 +498,7 @@ class UCXServer(SocketServer):
                 if not 0 < len(addr) <= 65536:
                     raise ProtocolError("hello carries no UCX worker address")
                 try:
-                    ep = self.worker.endpoint(addr)
+                    ep = _Ep(self.worker, self.worker.endpoint(addr))
                 except _ucx.UCXError as exc:
                     raise ProtocolError(f"cannot reach the client's UCX worker: {exc}") from None
             except KVBridgeError as exc:
@@ -512,7 +562,14 @@ class UCXServer(SocketServer):
             self._reply(client, rid, ST_ERROR, encode_error(FrameTooLarge(
                 f"request of {length} bytes exceeds {MAX_CONTROL}" if length else "empty request")))
             return
-        self._pool.submit(self._ucx_serve, client, rid, bytes(buf))
+        op = buf[0]
+        if op == OP_WREQ or (op == OP_READ and _wants_layers(buf)):
+            try:
+                self._pool.submit(self._ucx_serve, client, rid, bytes(buf))   # these may wait: not on the loop
+            except RuntimeError:
+                pass   # shutting down
+        else:
+            self._ucx_serve(client, rid, bytes(buf), on_loop=True)
 
     def _alive(self, client: _Client) -> Callable[[], None]:
         def check() -> None:
@@ -523,16 +580,18 @@ class UCXServer(SocketServer):
     def _reply(self, client: _Client, rid: int, status: int, body: bytes = b"",
                data: Optional[Sequence[memoryview]] = None) -> None:
         msg = bytes([status]) + body + (b"".join(data) if data else b"")
-        with self.worker.lock:
-            req = client.ep.tag_send(Array(msg), _ucx.UCXXTag(_tag(T_HDR, client.cid, rid)))
+        req = client.ep.send(msg, _tag(T_HDR, client.cid, rid))
         _wait_reqs(self.worker, [req], self.timeout.transfer, "reply", self._alive(client))
 
-    def _ucx_serve(self, client: _Client, rid: int, msg: bytes) -> None:
+    def _ucx_serve(self, client: _Client, rid: int, msg: bytes, on_loop: bool = False) -> None:
+        """Answer one request. On the loop thread (``on_loop``) only what cannot wait long
+        runs: whole-handle reads (a large one hands its bytes to a handler thread once
+        authorized), releases, pings; layer reads and writes arrive on a handler thread."""
         try:
             op = msg[0]
             payload = msg[1:]
             if op == OP_READ:
-                self._ucx_read(client, rid, payload)
+                self._ucx_read(client, rid, payload, on_loop)
             elif op == OP_WREQ:
                 self._ucx_write(client, rid, payload)
             elif op in (OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT):
@@ -558,7 +617,7 @@ class UCXServer(SocketServer):
         except Exception:
             log.exception("ucx request handler")
 
-    def _ucx_read(self, client: _Client, rid: int, payload: bytes) -> None:
+    def _ucx_read(self, client: _Client, rid: int, payload: bytes, on_loop: bool = False) -> None:
         try:
             req = decode_request(payload)
             if req.nbytes or req.sums or req.last:
@@ -570,18 +629,39 @@ class UCXServer(SocketServer):
         replied = False
         try:
             stream = _Stream(grant.spans)
-            stream.stage_out()
             head = _N.pack(stream.nbytes)
             if req.layers is not None:
                 head += encode_layers(*grant.layers, grant.sums)
             if stream.nbytes <= INLINE:
+                stream.stage_out()
                 data = b"".join(stream.views)     # read ...
                 if not grant.still_valid():       # ... then validate: a stale copy is never sent
                     raise StaleHandle("blocks were freed or reused during the read; bytes discarded")
                 replied = True
                 self._reply(client, rid, ST_OK, head, [memoryview(data)])
                 return
+            if on_loop:
+                try:
+                    self._pool.submit(self._stream_out, client, rid, grant, stream, head)
+                except RuntimeError:   # shutting down
+                    raise ConnectionLost("the server is closing") from None
+                grant = None   # the handler thread closes it
+                return
             replied = True
+            self._stream_out(client, rid, grant, stream, head, close=False)
+        except KVBridgeError as exc:
+            if replied:
+                raise   # the client learns from the connection or its timeout
+            self._reply(client, rid, ST_ERROR, encode_error(exc))
+        finally:
+            if grant is not None:
+                grant.close()
+
+    def _stream_out(self, client: _Client, rid: int, grant: Any, stream: _Stream, head: bytes,
+                    close: bool = True) -> None:
+        """The header, the bytes as DATA messages, then the validate-after-read trailer."""
+        try:
+            stream.stage_out()
             self._reply(client, rid, ST_OK, head)
             dtag = _tag(T_DATA, client.cid, rid)
             _send_stream(self.worker, client.ep, dtag, stream, self.timeout.transfer, "send", self._alive(client))
@@ -589,16 +669,16 @@ class UCXServer(SocketServer):
             # they were still the handle's (an engine may retire pinned blocks) when the last went
             trailer = b"" if grant.still_valid() else encode_error(
                 StaleHandle("blocks were freed or reused during the transfer; bytes discarded"))
-            with self.worker.lock:
-                req = client.ep.tag_send(Array(bytes([ST_ERROR if trailer else ST_OK]) + trailer),
-                                         _ucx.UCXXTag(dtag | DONE_BIT))
+            tmsg = bytes([ST_ERROR if trailer else ST_OK]) + trailer
+            req = client.ep.send(tmsg, dtag | DONE_BIT)
             _wait_reqs(self.worker, [req], self.timeout.transfer, "send", self._alive(client))
         except KVBridgeError as exc:
-            if replied:
-                raise   # the client learns from the connection or its timeout
-            self._reply(client, rid, ST_ERROR, encode_error(exc))
+            if not close:
+                raise
+            log.debug("ucx read %d of client %d: %s", rid, client.cid, exc)   # the client sees it fail
         finally:
-            grant.close()
+            if close:
+                grant.close()
 
     def _ucx_write(self, client: _Client, rid: int, payload: bytes) -> None:
         try:
@@ -657,11 +737,7 @@ class UCXServer(SocketServer):
             self._by_conn.clear()
         for c in clients:
             c.alive = False
-            with self.worker.lock:
-                try:
-                    c.ep.close()
-                except Exception:
-                    pass
+            c.ep.close()
         self.worker.close()
         _live.discard(self)
 
@@ -670,15 +746,16 @@ class UCXServer(SocketServer):
 class _Peer:
     """One server as seen by a client: liveness socket, endpoint, client id."""
 
-    def __init__(self, url: str, sock: socket.socket, ep: Any, cid: int) -> None:
+    def __init__(self, url: str, sock: socket.socket, ep: _Ep, cid: int) -> None:
         self.url, self.sock, self.ep, self.cid = url, sock, ep, cid
         self.broken = False
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
 
     def alive(self) -> None:
         if self.broken:
             raise ConnectionLost(f"{self.url}: connection closed")
-        r, _, _ = select.select([self.sock], [], [], 0)
-        if r:
+        if self._poll.poll(0):
             self.broken = True
             raise ConnectionLost(f"{self.url}: the sender's process closed the connection")
 
@@ -692,6 +769,7 @@ class UCXTransport(Transport):
         self._worker: Optional[_Worker] = None
         self._peers: dict[str, _Peer] = {}
         self._rid = 0
+        self._closed = False
         self.opened = 0
         _live.add(self)
 
@@ -723,6 +801,8 @@ class UCXTransport(Transport):
 
     def _peer(self, url: str) -> _Peer:
         with self._lock:
+            if self._closed:
+                raise ConnectionLost(f"{url}: this transport is closed")
             p = self._peers.get(url)
         if p is not None:
             try:
@@ -745,7 +825,7 @@ class UCXTransport(Transport):
                 raise ProtocolError(f"{url}: not a ucx:// server (reply {kind.name})")
             cid = struct.unpack_from("!I", body)[0]
             try:
-                ep = worker.endpoint(body[4:])
+                ep = _Ep(worker, worker.endpoint(body[4:]))
             except _ucx.UCXError as exc:
                 raise PeerUnavailable(f"cannot reach {url} over UCX: {exc}") from None
             sock.settimeout(None)
@@ -754,12 +834,16 @@ class UCXTransport(Transport):
             raise map_os_error(exc, f"connect to {url}") from None
         p = _Peer(url, sock, ep, cid)
         with self._lock:
+            closed = self._closed
             old = self._peers.get(url)
-            if old is not None and not old.broken:
+            if not closed and old is not None and not old.broken:
                 keep = old
-            else:
+            elif not closed:
                 self._peers[url] = keep = p
                 self.opened += 1
+        if closed:
+            self._close_peer(p)
+            raise ConnectionLost(f"{url}: this transport is closed")
         if keep is not p:
             self._close_peer(p)
         return keep
@@ -772,13 +856,8 @@ class UCXTransport(Transport):
         self._close_peer(p)
 
     def _close_peer(self, p: _Peer) -> None:
-        w = self._worker
-        if w is not None:
-            with w.lock:
-                try:
-                    p.ep.close()
-                except Exception:
-                    pass
+        p.broken = True
+        p.ep.close()
         try:
             p.sock.close()
         except OSError:
@@ -786,9 +865,9 @@ class UCXTransport(Transport):
 
     # one exchange
     def _send(self, p: _Peer, tag: int, msg: bytes) -> Any:
-        w = self._w()
-        with w.lock:
-            return p.ep.tag_send(Array(msg), _ucx.UCXXTag(tag))
+        """Post a tagged send; the returned request holds ``msg`` (UCX reads it until the
+        send completes: a rendezvous send reads it from the peer long after posting)."""
+        return p.ep.send(msg, tag)
 
     def _recv_header(self, p: _Peer, rid: int, limit: int, what: str, tag: Optional[int] = None) -> bytes:
         return _recv_probed(self._w(), _tag(T_HDR, p.cid, rid) if tag is None else tag, limit,
@@ -833,11 +912,10 @@ class UCXTransport(Transport):
         if len(reply) != pos:
             raise ProtocolError(f"{what}: unexpected bytes in the reply header")
         w = self._w()
-        dtag = _ucx.UCXXTag(_tag(T_DATA, p.cid, rid))
+        dtag = _tag(T_DATA, p.cid, rid)
 
         def post(view: memoryview, k: int) -> Any:
-            with w.lock:
-                return p.ep.tag_recv(Array(view), dtag)
+            return p.ep.recv(view, dtag)
         _recv_stream(w, post, stream, self.timeout.transfer, what, p.alive, (p.sock.fileno(),))
         trailer = self._recv_header(p, rid, 8192, what, _tag(T_DATA, p.cid, rid) | DONE_BIT)
         if trailer[0] != ST_OK:
@@ -922,6 +1000,7 @@ class UCXTransport(Transport):
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             peers = list(self._peers.values())
             self._peers.clear()
         for p in peers:
