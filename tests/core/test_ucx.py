@@ -247,3 +247,50 @@ def test_idle_sender_and_receiver_use_no_cpu():
     assert out.returncode == 0, out.stderr[-2000:]
     share = float(out.stdout.split("IDLE")[1])
     assert share < 0.05, f"idle sender+receiver used {share:.1%} of a core"
+
+
+# -- device pools (a CPU pool marked staged stands in for CUDA memory) ---------------------------------
+STAGED = KVLayout.vllm_flash(3, 2, 64, 8, dtype="float16")   # 2 KiB parts, 12 KiB blocks
+
+
+@pytest.mark.parametrize("staged_side", ["sender", "receiver", "both"])
+@pytest.mark.parametrize("nblocks", [3, 30])                    # inline reply, then DATA messages
+def test_staged_pools_move_exact_bytes(staged_side, nblocks, monkeypatch):
+    monkeypatch.setattr(U, "INLINE", 16 << 10)
+    monkeypatch.setattr(U, "CHUNK", 50_000)                   # odd chunk boundaries
+    src, dst = KVPool.allocate(STAGED, 40), KVPool.allocate(STAGED, 80)
+    fill_pool(src, 5)
+    src._staged = staged_side in ("sender", "both")
+    dst._staged = staged_side in ("receiver", "both")
+    src.alloc(40)
+    import random
+    ids = random.Random(1).sample(range(40), nblocks)
+    out = random.Random(2).sample(range(80), nblocks)
+    src.ref(ids)                                  # a second reference: the push publishes them again
+    with KVSender(src, "ucx://127.0.0.1:0", leases=False) as snd, \
+            KVReceiver(dst, leases=False, listen="ucx://127.0.0.1:0") as rcv:
+        res = rcv.fetch(snd.publish("staged", ids, nblocks * 8), out)
+        assert res.ok, res.error
+        assert mismatched_blocks(dst, out, src, ids) == []
+        # push: the sender writes its blocks into blocks the receiver reserved
+        dst2 = random.Random(3).sample(sorted(set(range(80)) - set(out)), nblocks)
+        rt = rcv.reserve(dst2, "staged-push")
+        assert snd.push(rt.reservation, ids).result(10).ok and rt.result(10).ok
+        assert mismatched_blocks(dst, dst2, src, ids) == []
+
+
+def test_chunked_transfer_with_differing_arrangements(monkeypatch):
+    """The sender's runs and the receiver's runs cut the stream at different places (vLLM vs
+    split K/V buffers); chunks straddle both: bounce buffers on both sides."""
+    monkeypatch.setattr(U, "INLINE", 1024)
+    monkeypatch.setattr(U, "CHUNK", 3000)
+    sl = KVLayout.vllm_flash(2, 2, 4, block_size=4, dtype="bfloat16")
+    rl = KVLayout.split_kv(2, 2, 4, block_size=4, dtype="bfloat16")
+    src, dst = KVPool.allocate(sl, 24), KVPool.allocate(rl, 30)
+    fill_pool(src, 8)
+    src.alloc(24)
+    with KVSender(src, "ucx://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        ids, out = [5, 1, 17, 9, 22, 3], [29, 0, 4, 11, 2, 7]
+        res = rcv.fetch(snd.publish("mixed", ids, 24), out)
+        assert res.ok, res.error
+        assert mismatched_blocks(dst, out, src, ids) == []
