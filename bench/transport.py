@@ -19,9 +19,9 @@ both sides alike:
 * ucx   vs. a bare ucxx loop with the same settings (a worker per process, endpoints
   from worker addresses with error handling off, polling): the receiver posts a tagged
   receive into a preallocated buffer and sends an 8-byte request; the sender's thread
-  answers with one tagged send of that many bytes from a preallocated buffer, and, like
-  kvbridge's server, polls for 2 ms after its last message before sleeping on the
-  worker's event fd. (ucx needs ``kvbridge[ucx]``; skipped without it.)
+  answers with one tagged send of that many bytes from a preallocated buffer. Both sides
+  wait as kvbridge's do: they poll for ``kvbridge.transports.ucx.SPIN`` seconds, then
+  sleep on the worker's event fd. (ucx needs ``kvbridge[ucx]``; skipped without it.)
 * latency: one-block 4 KiB tcp read / fetch vs. a plain 4 KiB ping-pong;
   ratio = kvbridge median / ping-pong median (lower is better). ucx: read / fetch vs.
   the bare ucxx 4 KiB ping-pong (not pinned: both sides poll).
@@ -245,11 +245,11 @@ def ucx_available() -> bool:
 class _BareUCXServer:
     """The ucx ceiling's sending side: one worker, one endpoint to the receiver's worker
     (from its address, error handling off); per 8-byte request, one tagged send of that
-    many bytes. Polls for 2 ms after each message, then sleeps on the worker's event fd."""
-
-    SPIN = 0.002
+    many bytes. Polls for SPIN seconds after each message, then sleeps on the worker's event fd."""
 
     def __init__(self, client_address: bytes) -> None:
+        from kvbridge.transports.ucx import SPIN
+        self.SPIN = SPIN
         import select
         from ucxx._lib import libucxx as l
         self.l = l
@@ -458,11 +458,14 @@ class BareUCXClient:
     send the 8-byte request, poll the worker until both complete."""
 
     def __init__(self, sender: "SenderProc") -> None:
+        import select
         from ucxx._lib import libucxx as l
         from ucxx._lib.arr import Array
-        self.l, self.Array = l, Array
+        from kvbridge.transports.ucx import SPIN
+        self.l, self.Array, self.spin, self.select = l, Array, SPIN, select
         self.ctx = l.UCXContext({}, (l.Feature.TAG, l.Feature.WAKEUP))
         self.w = l.UCXWorker(self.ctx)
+        self.w.init_blocking_progress_mode()
         addr = sender.call("ucx_hello", self.w.address.tobytes())
         self.ep = self.w.create_endpoint_from_worker_address(l.UCXAddress.create_from_buffer(addr), False)
         self.req = bytearray(REQ.size)
@@ -472,8 +475,16 @@ class BareUCXClient:
         REQ.pack_into(self.req, 0, n)
         r = w.tag_recv(self.Array(view[:n]), l.UCXXTag(UCX_DATA_TAG), l.UCXXTagMaskFull)
         s = self.ep.tag_send(self.Array(self.req), l.UCXXTag(UCX_REQ_TAG))
-        while not (r.completed and s.completed):
+        # the same wait as kvbridge's: poll for SPIN seconds, then sleep on the worker's event fd
+        end = time.monotonic() + self.spin
+        while True:
             w.progress()
+            if r.completed and s.completed:
+                break
+            if time.monotonic() > end and w.arm():
+                p = self.select.poll()
+                p.register(w.epoll_file_descriptor, self.select.POLLIN)
+                p.poll(10)
         r.check_error()
         return n
 

@@ -75,7 +75,7 @@ HELLO = b"KVB-UCX1"
 CHUNK = 4 << 20          # DATA message size: pieces of the canonical byte stream
 INLINE = 64 << 10        # transfers up to this ride inside the reply header
 WINDOW = 4               # DATA messages in flight per transfer
-SPIN = 0.002             # seconds of polling before a wait sleeps on the worker's event fd
+SPIN = 0.0002           # seconds of polling before a wait sleeps on the worker's event fd
 NAP = 0.01               # longest sleep between liveness/deadline checks in a wait
 HANDLER_THREADS = 16
 
