@@ -72,6 +72,7 @@ __all__ = ["UCXTransport", "UCXServer", "parse_ucx_url"]
 log = logging.getLogger("kvbridge.ucx")
 
 HELLO = b"KVB-UCX1"
+DOORBELL_ID = 0xFFFFFFFF   # a PING frame with this id on the liveness socket: "look at your UCX worker"
 CHUNK = 4 << 20          # DATA message size: pieces of the canonical byte stream
 INLINE = 64 << 10        # transfers up to this ride inside the reply header
 WINDOW = 4               # DATA messages in flight per transfer
@@ -89,6 +90,7 @@ OP_READ, OP_WREQ, OP_WDONE, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_PING =
 # reply status (first byte of a HDR message)
 ST_OK, ST_ERROR, ST_GO = 0, 1, 2
 _N = struct.Struct("!Q")
+_DOORBELL = pack(Kind.PING, DOORBELL_ID)
 _REQ_HEAD = struct.Struct("!B")
 
 
@@ -193,7 +195,10 @@ class _Worker:
                 p.register(self.efd, select.POLLIN)
                 for fd in fds:
                     p.register(fd, select.POLLIN)
-                p.poll(max(0.0, min(NAP, end - now)) * 1000)
+                events = p.poll(max(0.0, min(NAP, end - now)) * 1000)
+                if alive is not None and any(fd != self.efd for fd, _ in events):
+                    alive()            # a doorbell (drained) or the peer's death (raises)
+                spin_end = time.monotonic() + SPIN   # woken: poll again before sleeping
 
     def close(self) -> None:
         with self.lock:
@@ -379,8 +384,9 @@ def _addr(buf: bytearray) -> int:
 
 
 def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s: float, what: str,
-                 alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = ()) -> None:
-    """Send the stream as DATA messages, WINDOW in flight."""
+                 alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+                 ring: Optional[Callable[[], None]] = None) -> None:
+    """Send the stream as DATA messages, WINDOW in flight; ``ring()`` wakes the peer after each."""
     inflight: list[Any] = []
     bounces: list[bytearray] = []
     for k in range(stream.pieces()):
@@ -392,6 +398,8 @@ def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s
         else:
             buf = None
         inflight.append((ep.send(view, tag), buf))
+        if ring is not None:
+            ring()
         if len(inflight) >= WINDOW:
             r, used = inflight.pop(0)
             _wait_reqs(worker, [r], deadline_s, what, alive, fds)
@@ -492,6 +500,10 @@ class UCXServer(SocketServer):
             c.ep.close()
 
     def handle(self, conn: socket.socket, reader: Any, kind: Kind, req_id: int, payload: bytes) -> bool:
+        if kind is Kind.PING and req_id == DOORBELL_ID and not payload:
+            if conn in self._by_conn:
+                self._drain(SPIN)
+            return True
         if kind is Kind.MAP and payload.startswith(HELLO):
             addr = payload[len(HELLO):]
             try:
@@ -514,16 +526,37 @@ class UCXServer(SocketServer):
         return super().handle(conn, reader, kind, req_id, payload)
 
     # tagged requests
+    def _drain(self, spin: float = 0.0) -> bool:
+        """Take every request waiting on the worker; with ``spin``, poll that long for the
+        first. Called by the loop thread and by a connection thread that got a doorbell."""
+        w = self.worker
+        took = False
+        end = time.monotonic() + spin
+        while not self._stop.is_set():
+            with w.lock:
+                w.w.progress()
+                pr = w.w.tag_probe(_ucx.UCXXTag(T_REQ << 56), _ucx.UCXXTagMask(KIND_MASK), True)
+            if pr.matched:
+                self._take_request(pr)
+                took = True
+            elif took or time.monotonic() >= end:
+                return took
+        return took
+
+    def _ring(self, client: _Client) -> None:
+        """Wake the client if it sleeps: a byte on its liveness socket (the kernel wakes a
+        thread in microseconds; UCX's own wake-up takes hundreds here)."""
+        try:
+            client.conn.send(b"\0", socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+
     def _ucx_loop(self) -> None:
         w = self.worker
         last = time.monotonic()
         while not self._stop.is_set():
             try:
-                with w.lock:
-                    w.w.progress()
-                    pr = w.w.tag_probe(_ucx.UCXXTag(T_REQ << 56), _ucx.UCXXTagMask(KIND_MASK), True)
-                if pr.matched:
-                    self._take_request(pr)
+                if self._drain():
                     last = time.monotonic()
                     continue
                 if time.monotonic() - last < SPIN:
@@ -581,7 +614,8 @@ class UCXServer(SocketServer):
                data: Optional[Sequence[memoryview]] = None) -> None:
         msg = bytes([status]) + body + (b"".join(data) if data else b"")
         req = client.ep.send(msg, _tag(T_HDR, client.cid, rid))
-        _wait_reqs(self.worker, [req], self.timeout.transfer, "reply", self._alive(client))
+        self._ring(client)
+        _wait_reqs(self.worker, [req], self.timeout.transfer, "reply", self._alive(client), (client.conn.fileno(),))
 
     def _ucx_serve(self, client: _Client, rid: int, msg: bytes, on_loop: bool = False) -> None:
         """Answer one request. On the loop thread (``on_loop``) only what cannot wait long
@@ -664,14 +698,16 @@ class UCXServer(SocketServer):
             stream.stage_out()
             self._reply(client, rid, ST_OK, head)
             dtag = _tag(T_DATA, client.cid, rid)
-            _send_stream(self.worker, client.ep, dtag, stream, self.timeout.transfer, "send", self._alive(client))
+            _send_stream(self.worker, client.ep, dtag, stream, self.timeout.transfer, "send", self._alive(client),
+                         (client.conn.fileno(),), lambda: self._ring(client))
             # validate-after-read: the bytes left while the grant held the blocks; say whether
             # they were still the handle's (an engine may retire pinned blocks) when the last went
             trailer = b"" if grant.still_valid() else encode_error(
                 StaleHandle("blocks were freed or reused during the transfer; bytes discarded"))
             tmsg = bytes([ST_ERROR if trailer else ST_OK]) + trailer
             req = client.ep.send(tmsg, dtag | DONE_BIT)
-            _wait_reqs(self.worker, [req], self.timeout.transfer, "send", self._alive(client))
+            self._ring(client)
+            _wait_reqs(self.worker, [req], self.timeout.transfer, "send", self._alive(client), (client.conn.fileno(),))
         except KVBridgeError as exc:
             if not close:
                 raise
@@ -702,7 +738,7 @@ class UCXServer(SocketServer):
                     return self.worker.w.tag_recv(Array(view), _ucx.UCXXTag(dtag), _ucx.UCXXTagMaskFull)
             failed: Optional[KVBridgeError] = None
             try:
-                _recv_stream(self.worker, post, stream, self.timeout.transfer, "write", alive)
+                _recv_stream(self.worker, post, stream, self.timeout.transfer, "write", alive, (client.conn.fileno(),))
                 stream.stage_in()
             except KVBridgeError as exc:
                 failed = exc
@@ -722,7 +758,8 @@ class UCXServer(SocketServer):
             grant.close()
 
     def _recv_control(self, client: _Client, tag: int) -> bytes:
-        return _recv_probed(self.worker, tag, MAX_CONTROL, self.timeout.transfer, "write done", self._alive(client))
+        return _recv_probed(self.worker, tag, MAX_CONTROL, self.timeout.transfer, "write done", self._alive(client),
+                            (client.conn.fileno(),))
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -751,13 +788,31 @@ class _Peer:
         self.broken = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._ring_lock = threading.Lock()
 
     def alive(self) -> None:
+        """Raise ConnectionLost if the server's process is gone; drain its doorbells."""
         if self.broken:
             raise ConnectionLost(f"{self.url}: connection closed")
-        if self._poll.poll(0):
+        while self._poll.poll(0):
+            try:
+                data = self.sock.recv(4096, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self.broken = True
+                raise ConnectionLost(f"{self.url}: the sender's process closed the connection")
+
+    def ring(self) -> None:
+        """Wake the server's UCX side (a doorbell frame on the liveness socket)."""
+        try:
+            with self._ring_lock:
+                self.sock.sendall(_DOORBELL)
+        except OSError:
             self.broken = True
-            raise ConnectionLost(f"{self.url}: the sender's process closed the connection")
+            raise ConnectionLost(f"{self.url}: the sender's process closed the connection") from None
 
 
 class UCXTransport(Transport):
@@ -883,6 +938,7 @@ class UCXTransport(Transport):
         rid = self._next()
         try:
             sreq = self._send(p, _tag(T_REQ, p.cid, rid), _REQ_HEAD.pack(op) + payload)
+            p.ring()
             reply = self._recv_header(p, rid, limit, what)
             _wait_reqs(self._w(), [sreq], self.timeout.transfer, what, p.alive)
             if reply[0] == ST_ERROR:
@@ -960,9 +1016,10 @@ class UCXTransport(Transport):
             stream = _Stream(src)
             stream.stage_out()
             _send_stream(w, p.ep, _tag(T_DATA, p.cid, rid), stream, self.timeout.transfer, what, p.alive,
-                         (p.sock.fileno(),))
+                         (p.sock.fileno(),), p.ring)
             done = self._send(p, _tag(T_DATA, p.cid, rid) | DONE_BIT,
                               encode_request(b"", last=last, nbytes=0, sums=sums))
+            p.ring()
             final = self._recv_header(p, rid, MAX_CONTROL, what)
             _wait_reqs(w, [done], self.timeout.transfer, what, p.alive)
             if final[0] == ST_ERROR:
@@ -983,6 +1040,7 @@ class UCXTransport(Transport):
             try:
                 req = self._send(p, _tag(T_REQ, p.cid, self._next()),
                                  _REQ_HEAD.pack(OP_RELEASE_NOREPLY) + handle.to_bytes())
+                p.ring()
                 _wait_reqs(self._w(), [req], self.timeout.transfer, what, p.alive)
             except KVBridgeError:
                 self._drop(p)
