@@ -167,13 +167,16 @@ class _Worker:
             return self.w.create_endpoint_from_worker_address(_ucx.UCXAddress.create_from_buffer(address), False)
 
     def wait(self, cond: Callable[[], bool], deadline_s: float, what: str,
-             alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = ()) -> None:
+             alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+             nudge: Optional[Callable[[], None]] = None) -> None:
         """Progress until ``cond()``; ``alive()`` raises when the peer is gone. Raises
-        TransferTimeout after ``deadline_s`` seconds."""
+        TransferTimeout after ``deadline_s`` seconds. Before sleeping (at most once per NAP)
+        ``nudge()`` rings the peer, in case it sleeps too."""
         t0 = time.monotonic()
         end = t0 + deadline_s
         spin_end = t0 + SPIN
         next_check = t0 + NAP
+        next_nudge = t0
         while True:
             with self.lock:
                 self.w.progress()
@@ -188,6 +191,9 @@ class _Worker:
                     raise TransferTimeout(f"{what}: no progress within {deadline_s} s")
             if now < spin_end:
                 continue
+            if nudge is not None and now >= next_nudge:
+                next_nudge = now + NAP
+                nudge()
             with self.lock:
                 armed = self.w.arm()
             if armed and not cond():
@@ -257,8 +263,9 @@ class _Ep:
 
 
 def _wait_reqs(worker: _Worker, reqs: Sequence[Any], deadline_s: float, what: str,
-               alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = ()) -> None:
-    worker.wait(lambda: all(r.completed for r in reqs), deadline_s, what, alive, fds)
+               alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+               nudge: Optional[Callable[[], None]] = None) -> None:
+    worker.wait(lambda: all(r.completed for r in reqs), deadline_s, what, alive, fds, nudge)
     for r in reqs:
         _check(r, what)
 
@@ -275,7 +282,8 @@ def _check(req: Any, what: str) -> None:
 
 
 def _recv_probed(worker: _Worker, tag: int, limit: int, deadline_s: float, what: str,
-                 alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = ()) -> bytes:
+                 alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+                 nudge: Optional[Callable[[], None]] = None) -> bytes:
     """Wait for the message tagged ``tag`` and receive it whole (at most ``limit`` bytes:
     a longer one is received truncated, i.e. dropped, and refused)."""
     utag = _ucx.UCXXTag(tag)
@@ -287,13 +295,13 @@ def _recv_probed(worker: _Worker, tag: int, limit: int, deadline_s: float, what:
         if pr.matched:
             box.append(pr)
         return bool(box)
-    worker.wait(probe, deadline_s, what, alive, fds)
+    worker.wait(probe, deadline_s, what, alive, fds, nudge)
     pr = box[0]
     ok = 0 < pr.length <= limit
     buf = bytearray(pr.length if ok else 1)
     with worker.lock:
         req = worker.w.tag_recv_with_handle(Array(buf), pr)
-    worker.wait(lambda: req.completed, deadline_s, what, alive, fds)
+    worker.wait(lambda: req.completed, deadline_s, what, alive, fds, nudge)
     if not ok:
         raise ProtocolError(f"{what}: message of {pr.length} bytes (at most {limit})")
     _check(req, what)
@@ -385,8 +393,8 @@ def _addr(buf: bytearray) -> int:
 
 def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s: float, what: str,
                  alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
-                 ring: Optional[Callable[[], None]] = None) -> None:
-    """Send the stream as DATA messages, WINDOW in flight; ``ring()`` wakes the peer after each."""
+                 nudge: Optional[Callable[[], None]] = None) -> None:
+    """Send the stream as DATA messages, WINDOW in flight."""
     inflight: list[Any] = []
     bounces: list[bytearray] = []
     for k in range(stream.pieces()):
@@ -398,18 +406,17 @@ def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s
         else:
             buf = None
         inflight.append((ep.send(view, tag), buf))
-        if ring is not None:
-            ring()
         if len(inflight) >= WINDOW:
             r, used = inflight.pop(0)
-            _wait_reqs(worker, [r], deadline_s, what, alive, fds)
+            _wait_reqs(worker, [r], deadline_s, what, alive, fds, nudge)
             if used is not None:
                 bounces.append(used)
-    _wait_reqs(worker, [r for r, _ in inflight], deadline_s, what, alive, fds)
+    _wait_reqs(worker, [r for r, _ in inflight], deadline_s, what, alive, fds, nudge)
 
 
 def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream: _Stream, deadline_s: float,
-                 what: str, alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = ()) -> int:
+                 what: str, alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+                 nudge: Optional[Callable[[], None]] = None) -> int:
     """Receive the stream's DATA messages (``post(view, tag)`` posts one receive), WINDOW
     posted ahead; calls ``landed`` in order. On any failure every posted receive has
     completed (or the caller closes the endpoint) before the error propagates; the
@@ -435,7 +442,7 @@ def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream
             post_next()
         while posted:
             req, buf, a, b = posted[0]
-            _wait_reqs(worker, [req], deadline_s, what, alive, fds)
+            _wait_reqs(worker, [req], deadline_s, what, alive, fds, nudge)
             posted.pop(0)
             if buf is not None:
                 stream.scatter(a, b, buf)
@@ -463,10 +470,11 @@ def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream
 
 # -- server -------------------------------------------------------------------------------------
 class _Client:
-    __slots__ = ("cid", "ep", "conn", "alive")
+    __slots__ = ("cid", "ep", "conn", "alive", "asked")
 
     def __init__(self, cid: int, ep: _Ep, conn: socket.socket) -> None:
         self.cid, self.ep, self.conn, self.alive = cid, ep, conn, True
+        self.asked = 0.0   # when its latest request was taken (it polls for SPIN after sending)
 
 
 class UCXServer(SocketServer):
@@ -591,6 +599,7 @@ class UCXServer(SocketServer):
             client = self._clients.get(cid)
         if client is None:
             return   # unknown client: nobody to answer
+        client.asked = time.monotonic()
         if too_big:
             self._reply(client, rid, ST_ERROR, encode_error(FrameTooLarge(
                 f"request of {length} bytes exceeds {MAX_CONTROL}" if length else "empty request")))
@@ -614,8 +623,10 @@ class UCXServer(SocketServer):
                data: Optional[Sequence[memoryview]] = None) -> None:
         msg = bytes([status]) + body + (b"".join(data) if data else b"")
         req = client.ep.send(msg, _tag(T_HDR, client.cid, rid))
-        self._ring(client)
-        _wait_reqs(self.worker, [req], self.timeout.transfer, "reply", self._alive(client), (client.conn.fileno(),))
+        if time.monotonic() - client.asked > SPIN / 2:
+            self._ring(client)     # the client polls for SPIN after asking; later it may sleep
+        _wait_reqs(self.worker, [req], self.timeout.transfer, "reply", self._alive(client), (client.conn.fileno(),),
+                   lambda: self._ring(client))
 
     def _ucx_serve(self, client: _Client, rid: int, msg: bytes, on_loop: bool = False) -> None:
         """Answer one request. On the loop thread (``on_loop``) only what cannot wait long
@@ -700,14 +711,15 @@ class UCXServer(SocketServer):
             dtag = _tag(T_DATA, client.cid, rid)
             _send_stream(self.worker, client.ep, dtag, stream, self.timeout.transfer, "send", self._alive(client),
                          (client.conn.fileno(),), lambda: self._ring(client))
+            client.asked = time.monotonic()
             # validate-after-read: the bytes left while the grant held the blocks; say whether
             # they were still the handle's (an engine may retire pinned blocks) when the last went
             trailer = b"" if grant.still_valid() else encode_error(
                 StaleHandle("blocks were freed or reused during the transfer; bytes discarded"))
             tmsg = bytes([ST_ERROR if trailer else ST_OK]) + trailer
             req = client.ep.send(tmsg, dtag | DONE_BIT)
-            self._ring(client)
-            _wait_reqs(self.worker, [req], self.timeout.transfer, "send", self._alive(client), (client.conn.fileno(),))
+            _wait_reqs(self.worker, [req], self.timeout.transfer, "send", self._alive(client), (client.conn.fileno(),),
+                       lambda: self._ring(client))
         except KVBridgeError as exc:
             if not close:
                 raise
@@ -738,7 +750,9 @@ class UCXServer(SocketServer):
                     return self.worker.w.tag_recv(Array(view), _ucx.UCXXTag(dtag), _ucx.UCXXTagMaskFull)
             failed: Optional[KVBridgeError] = None
             try:
-                _recv_stream(self.worker, post, stream, self.timeout.transfer, "write", alive, (client.conn.fileno(),))
+                _recv_stream(self.worker, post, stream, self.timeout.transfer, "write", alive, (client.conn.fileno(),),
+                             lambda: self._ring(client))
+                client.asked = time.monotonic()
                 stream.stage_in()
             except KVBridgeError as exc:
                 failed = exc
@@ -759,7 +773,7 @@ class UCXServer(SocketServer):
 
     def _recv_control(self, client: _Client, tag: int) -> bytes:
         return _recv_probed(self.worker, tag, MAX_CONTROL, self.timeout.transfer, "write done", self._alive(client),
-                            (client.conn.fileno(),))
+                            (client.conn.fileno(),), lambda: self._ring(client))
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -788,12 +802,21 @@ class _Peer:
         self.broken = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
+        self._poll_lock = threading.Lock()   # a poll object is not for concurrent use
         self._ring_lock = threading.Lock()
 
     def alive(self) -> None:
         """Raise ConnectionLost if the server's process is gone; drain its doorbells."""
         if self.broken:
             raise ConnectionLost(f"{self.url}: connection closed")
+        if not self._poll_lock.acquire(blocking=False):
+            return                           # another thread is checking right now
+        try:
+            self._check()
+        finally:
+            self._poll_lock.release()
+
+    def _check(self) -> None:
         while self._poll.poll(0):
             try:
                 data = self.sock.recv(4096, socket.MSG_DONTWAIT)
@@ -926,7 +949,7 @@ class UCXTransport(Transport):
 
     def _recv_header(self, p: _Peer, rid: int, limit: int, what: str, tag: Optional[int] = None) -> bytes:
         return _recv_probed(self._w(), _tag(T_HDR, p.cid, rid) if tag is None else tag, limit,
-                            self.timeout.transfer, what, p.alive, (p.sock.fileno(),))
+                            self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
 
     def _exchange(self, url: str, op: int, payload: bytes, what: str,
                   body: Callable[[_Peer, int, bytes], Any], limit: int = MAX_CONTROL + INLINE) -> Any:
@@ -938,9 +961,8 @@ class UCXTransport(Transport):
         rid = self._next()
         try:
             sreq = self._send(p, _tag(T_REQ, p.cid, rid), _REQ_HEAD.pack(op) + payload)
-            p.ring()
             reply = self._recv_header(p, rid, limit, what)
-            _wait_reqs(self._w(), [sreq], self.timeout.transfer, what, p.alive)
+            _wait_reqs(self._w(), [sreq], self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
             if reply[0] == ST_ERROR:
                 raise decode_error(reply[1:])
             if reply[0] not in (ST_OK, ST_GO):
@@ -972,7 +994,7 @@ class UCXTransport(Transport):
 
         def post(view: memoryview, k: int) -> Any:
             return p.ep.recv(view, dtag)
-        _recv_stream(w, post, stream, self.timeout.transfer, what, p.alive, (p.sock.fileno(),))
+        _recv_stream(w, post, stream, self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
         trailer = self._recv_header(p, rid, 8192, what, _tag(T_DATA, p.cid, rid) | DONE_BIT)
         if trailer[0] != ST_OK:
             raise decode_error(trailer[1:]) if trailer[0] == ST_ERROR else ProtocolError(f"{what}: bad trailer")
@@ -1019,9 +1041,8 @@ class UCXTransport(Transport):
                          (p.sock.fileno(),), p.ring)
             done = self._send(p, _tag(T_DATA, p.cid, rid) | DONE_BIT,
                               encode_request(b"", last=last, nbytes=0, sums=sums))
-            p.ring()
             final = self._recv_header(p, rid, MAX_CONTROL, what)
-            _wait_reqs(w, [done], self.timeout.transfer, what, p.alive)
+            _wait_reqs(w, [done], self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
             if final[0] == ST_ERROR:
                 raise decode_error(final[1:])
             if final[0] != ST_OK:
