@@ -984,8 +984,8 @@ class Bench:
             "machine": {"python": platform.python_version(), "platform": platform.platform(),
                         "cpus": os.cpu_count(), "torch": torch.__version__,
                         "kvbridge": getattr(kvbridge, "__version__", "?"),
-                        "loadavg_at_end": os.getloadavg(),
-                        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}},   # other tenants' load: judge the spread by it
+                        "loadavg_at_end": os.getloadavg(),   # other tenants' load: judge the spread by it
+                        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}},
             "method": {
                 "throughput_ratio": "ceiling seconds / kvbridge seconds, paired per repetition "
                                     "(interleaved, rotating order); pass = median ratio >= target",

@@ -64,8 +64,8 @@ from ..policy import Timeout
 from .base import Chunk, Server, Spans, SpansFor, Transport
 from .sockets import SocketServer, connector, tune
 from .staging import copy_slices, device_slices
-from .wire import (F_LAYERS, HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, decode_request, encode_error,
-                   encode_layers, encode_request, map_os_error, pack, recv_exact, unpack_header)
+from .wire import (F_LAYERS, HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, decode_request,
+                   encode_error, encode_layers, encode_request, map_os_error, pack, recv_exact, unpack_header)
 
 __all__ = ["UCXTransport", "UCXServer", "parse_ucx_url"]
 

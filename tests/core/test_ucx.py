@@ -88,7 +88,7 @@ def test_bad_hello_refused(sender):
         assert kind is Kind.ERROR and isinstance(decode_error(recv_exact(s, n)), ProtocolError)
         s.sendall(pack(Kind.MAP, 4, U.HELLO + b"\x00" * 64))        # not a UCX address
         kind, rid, n = unpack_header(recv_exact(s, HEADER.size))
-        body = recv_exact(s, n)
+        recv_exact(s, n)
         assert kind is Kind.ERROR, kind
     _fetch_works(snd, pool)
 
