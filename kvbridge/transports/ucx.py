@@ -61,7 +61,7 @@ from ..errors import (ConfigError, ConnectionLost, FrameTooLarge, KVBridgeError,
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
-from .base import Chunk, Server, Spans, SpansFor, Transport
+from .base import Chunk, ReadGrant, Server, Spans, SpansFor, Transport
 from .sockets import SocketServer, connector, tune
 from .staging import copy_slices, device_slices
 from .wire import (F_LAYERS, HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, decode_request,
@@ -322,7 +322,7 @@ class _Stream:
             self.runs = [r for r in spans.runs() if r[1]]
         else:   # a device pool: staged whole through host memory (see the README)
             self.bounce = torch.empty(self.nbytes, dtype=torch.uint8)
-            self.views = [memoryview(self.bounce.numpy())] if self.nbytes else []
+            self.views = [memoryview(self.bounce.numpy())] if self.nbytes else []  # type: ignore[arg-type]
             self.runs = [(self.bounce.data_ptr(), self.nbytes)] if self.nbytes else []
         self.starts: list[int] = []
         pos = 0
@@ -667,10 +667,11 @@ class UCXServer(SocketServer):
             req = decode_request(payload)
             if req.nbytes or req.sums or req.last:
                 raise ProtocolError("read request carries write fields")
-            grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
+            grant: Optional[ReadGrant] = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
         except KVBridgeError as exc:
             self._reply(client, rid, ST_ERROR, encode_error(exc))
             return
+        assert grant is not None
         replied = False
         try:
             stream = _Stream(grant.spans)
@@ -974,7 +975,7 @@ class UCXTransport(Transport):
             raise
 
     def _take_data(self, p: _Peer, rid: int, reply: bytes, pos: int, dst: Spans, what: str) -> int:
-        (n,) = _N.unpack_from(reply, 1)
+        n = int(_N.unpack_from(reply, 1)[0])
         if n != dst.nbytes:
             raise ProtocolError(f"{what}: sender offers {n} bytes, destination holds {dst.nbytes}")
         stream = _Stream(dst)
