@@ -22,6 +22,10 @@ both sides alike:
   answers with one tagged send of that many bytes from a preallocated buffer. Both sides
   wait as kvbridge's do: they poll for ``kvbridge.transports.ucx.SPIN`` seconds, then
   sleep on the worker's event fd. (ucx needs ``kvbridge[ucx]``; skipped without it.)
+* NIXL (when ``nixl`` is installed): a peer column in the ucx sections, a NIXL READ of the
+  same bytes (same pieces for block-shaped handles) between two more processes (NIXL
+  carries its own UCX; run with ``UCX_MODULES=^ib``, set by default), timed by its initiator;
+  kvbridge ucx vs. NIXL is reported as NIXL seconds / kvbridge seconds per repetition.
 * latency: one-block 4 KiB tcp read / fetch vs. a plain 4 KiB ping-pong;
   ratio = kvbridge median / ping-pong median (lower is better). ucx: read / fetch vs.
   the bare ucxx 4 KiB ping-pong (not pinned: both sides poll).
@@ -71,6 +75,7 @@ LATENCY_TARGET = 2.0         # kvbridge latency <= 2x plain ping-pong
 UCX_TARGET_CONTIG = 0.9      # ucx >= 0.9x bare ucxx, sizes >= 1 MiB
 UCX_TARGET_BLOCKS = 0.8      # block-shaped ucx >= 0.8x bare ucxx moving the same bytes in one piece
 UCX_LATENCY_TARGET = 1.5     # ucx 4 KiB round trip <= 1.5x bare ucxx
+NIXL_LATENCY_TARGET = 2.0    # ucx 4 KiB fetch within 2x of NIXL's (when nixl is installed)
 UCX_REQ_TAG, UCX_DATA_TAG = 1, 2
 
 
@@ -303,6 +308,103 @@ class _BareUCXServer:
         self.ep.close()
 
 
+def nixl_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("nixl") is not None
+
+
+def nixl_main(conn: Any, role: str) -> None:
+    """A NIXL agent (UCX backend) in its own process: NIXL bundles its own UCX, which must not
+    share a process with ucxx's. The initiator READs the target's pieces into its own and
+    times each transfer itself."""
+    os.environ.setdefault("UCX_MODULES", "^ib")      # NIXL crashes at exit here without it
+    import torch
+    from nixl._api import nixl_agent, nixl_agent_config
+    torch.set_num_threads(1)
+    # progress thread off: it would burn a core for the whole run (the initiator polls instead)
+    agent = nixl_agent(role, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    buf: Any = None
+    handle: Any = None
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "setup":
+                buf = host_buffer(arg["nbytes"], seed=PLAIN_SEED if role == "target" else None)
+                agent.register_memory(buf)
+                descs = agent.get_xfer_descs([(buf.data_ptr() + o, n, 0) for o, n in arg["pieces"]], "DRAM")
+                if role == "target":
+                    conn.send(("ok", (agent.get_agent_metadata(), agent.get_serialized_descs(descs))))
+                else:
+                    name = agent.add_remote_agent(arg["meta"])
+                    handle = agent.initialize_xfer("READ", descs, agent.deserialize_descs(arg["descs"]), name)
+                    conn.send(("ok", None))
+            elif cmd == "run":
+                t0 = time.perf_counter()
+                agent.transfer(handle)
+                while (st := agent.check_xfer_state(handle)) not in ("DONE", "ERR"):
+                    pass
+                dt = time.perf_counter() - t0
+                conn.send(("ok", dt) if st == "DONE" else ("err", "NIXL transfer failed"))
+            elif cmd == "exit":
+                conn.send(("ok", None))
+                return
+        except Exception as exc:  # report, keep serving
+            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+class NixlPair:
+    """A NIXL target and initiator (two spawned processes) moving ``pieces`` of a buffer."""
+
+    def __init__(self, nbytes: int, src_pieces: list[tuple[int, int]], dst_pieces: list[tuple[int, int]]) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        for role in ("target", "initiator"):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=nixl_main, args=(child, role), daemon=True, name=f"kvb-bench-nixl-{role}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        meta, descs = self._call(0, "setup", {"nbytes": nbytes, "pieces": src_pieces})
+        self._call(1, "setup", {"nbytes": nbytes, "pieces": dst_pieces, "meta": meta, "descs": descs})
+
+    def _call(self, k: int, cmd: str, arg: Any = None, timeout: float = 120.0) -> Any:
+        self.conns[k].send((cmd, arg))
+        if not self.conns[k].poll(timeout):
+            raise TimeoutError(f"NIXL {cmd} did not answer within {timeout} s")
+        status, val = self.conns[k].recv()
+        if status != "ok":
+            raise RuntimeError(f"NIXL: {val}")
+        return val
+
+    def run(self, i: int = 0) -> float:
+        return float(self._call(1, "run"))
+
+    def close(self) -> None:
+        for k, p in enumerate(self.procs):
+            try:
+                self._call(k, "exit", timeout=10)
+            except Exception:
+                pass
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def nixl_pieces(case: Case, seed: int) -> tuple[int, list[tuple[int, int]]]:
+    """Buffer size and pieces for NIXL: one piece for a contiguous case; for a block-shaped
+    one, its runs as every-other piece of a buffer twice the size, shuffled (scattered)."""
+    if case.group == "contiguous":
+        return case.nbytes, [(0, case.nbytes)]
+    part = case.nbytes // case.segments
+    order = list(range(case.segments))
+    random.Random(seed).shuffle(order)
+    return 2 * case.nbytes, [(2 * k * part, part) for k in order]
+
+
 def sender_main(conn: Any) -> None:
     """Entry point of the sender process: answers commands from the receiver over ``conn``."""
     import torch  # noqa: F401  (imported once, before timing)
@@ -530,6 +632,7 @@ class Bench:
         self.transports = transports if transports is not None else (
             ["tcp", "shm", "ucx"] if ucx_available() else ["tcp", "shm"])
         self.ucx_client: Optional[BareUCXClient] = None
+        self.nixl = "ucx" in self.transports and nixl_available()
         self.reps = reps
         self.quick = quick
         self.lat_iters = lat_iters
@@ -600,8 +703,9 @@ class Bench:
             for i in range(iters):
                 for name, run in seq:
                     t0 = perf()
-                    run(i)
-                    acc[name] += perf() - t0
+                    out = run(i)
+                    # a runner in another process times itself and returns its seconds
+                    acc[name] += out if type(out) is float else perf() - t0
             for name in names:
                 samples[name].append(acc[name] / iters)
             log(f"  {case.name:>28} {transport} rep {rep + 1}/{self.reps}: " + ", ".join(
@@ -706,6 +810,10 @@ class Bench:
         bare_view = tensor_view(bare_buf)
         recv_v, recv_nv = KVReceiver(pool), KVReceiver(pool, verify=False)
         last: dict[str, Any] = {}
+        nixl: Optional[NixlPair] = None
+        if self.nixl:
+            size, src_p = nixl_pieces(case, 1)
+            nixl = NixlPair(size, src_p, nixl_pieces(case, 2)[1])
         try:
             def ceiling(i: int) -> None:
                 client.fetch(bare_view, case.nbytes)
@@ -723,14 +831,34 @@ class Bench:
                             raise RuntimeError(f"fetch failed: {r.error!r}")
                     return run
                 return prep
-            self._compare(case, "ucx", "bare ucxx", ceiling,
-                          {"ucx (verify)": variant(recv_v), "ucx (verify=False)": variant(recv_nv)},
+            variants = {"ucx (verify)": variant(recv_v), "ucx (verify=False)": variant(recv_nv)}
+            if nixl is not None:
+                n = nixl
+                variants["NIXL READ (UCX)"] = lambda iters: n.run
+            self._compare(case, "ucx", "bare ucxx", ceiling, variants,
                           {"ucx (verify)": target, "ucx (verify=False)": target} if target else {})
             self._check_dst(pool, case, last["h"])
+            if nixl is not None:
+                self._vs_nixl(case)
         finally:
+            if nixl is not None:
+                nixl.close()
             recv_v.close()
             recv_nv.close()
             pool.close()
+
+    def _vs_nixl(self, case: Case) -> None:
+        """kvbridge ucx against NIXL in the same repetitions: NIXL seconds / kvbridge seconds."""
+        rows = {r["transport"]: r for r in self.results if r["case"] == case.name and r["ceiling"] == "bare ucxx"}
+        peer = rows["NIXL READ (UCX)"]
+        for name in ("ucx (verify)", "ucx (verify=False)"):
+            r = rows[name]
+            ratios = [n / k for n, k in zip(peer["kvbridge_s"], r["kvbridge_s"])]
+            rs = summarize(ratios)
+            target = 1.0 if case.nbytes >= MiB else None
+            self.results.append({**r, "ceiling": "NIXL", "ceiling_s": peer["kvbridge_s"],
+                                 "ceiling_gbps": peer["kvbridge_gbps"], "ratio": rs, "ratios": ratios,
+                                 "target": target, "pass": None if target is None else rs["median"] >= target})
 
     def run_latency_ucx(self) -> None:
         """4 KiB over ucx vs. the bare ucxx ping-pong, interleaved in chunks of 10, not pinned."""
@@ -760,8 +888,16 @@ class Bench:
                 "ucx fetch(release=False), verify=False": lambda _: rnv.fetch(long_h, dst, release=False),
                 "ucx fetch (with release), verify": fetch_release,
             }
-            self._latency_rounds(case, variants, "ucx fetch (with release), verify", UCX_LATENCY_TARGET,
-                                 "bare ucxx ping-pong")
+            nixl = None
+            if self.nixl:
+                nixl = NixlPair(4096, [(0, 4096)], [(0, 4096)])
+                variants["NIXL READ 4 KiB (UCX)"] = lambda _: nixl.run()
+            try:
+                self._latency_rounds(case, variants, "ucx fetch (with release), verify", UCX_LATENCY_TARGET,
+                                     "bare ucxx ping-pong")
+            finally:
+                if nixl is not None:
+                    nixl.close()
             self._check_dst(pool, case, long_h)
         finally:
             rv.close()
@@ -790,8 +926,8 @@ class Bench:
                     for _ in range(k):
                         arg = next(fresh) if name == fresh_name else None
                         t0 = time.perf_counter_ns()
-                        fn(arg)
-                        out.append(time.perf_counter_ns() - t0)
+                        got = fn(arg)
+                        out.append(int(got * 1e9) if type(got) is float else time.perf_counter_ns() - t0)
             for n in names:
                 samples[n].append(per[n])
             log(f"  latency rep {rep + 1}/{self.lat_reps}: " + ", ".join(
@@ -802,6 +938,8 @@ class Bench:
             ratios = [m / b for m, b in zip(meds, base)]
             target = None if n == names[0] else target_ratio
             rs = summarize(ratios)
+            if n.startswith("NIXL"):
+                target = None                      # a peer, not kvbridge
             self.latency_results.append({
                 "case": n, "nbytes": 4096, "iters_per_rep": n_it, "reps": self.lat_reps, "baseline": base_name,
                 "median_us_per_rep": [m / 1e3 for m in meds],
@@ -813,6 +951,20 @@ class Bench:
                 "pinned_to_one_core": False,
                 "samples_ns": samples[n],
             })
+        peer = next((n for n in names if n.startswith("NIXL")), None)
+        if peer is not None:                       # kvbridge vs NIXL, paired per repetition
+            pm = [statistics.median(x) for x in samples[peer]]
+            for n in names[1:]:
+                if n == peer:
+                    continue
+                meds = [statistics.median(x) for x in samples[n]]
+                ratios = [m / b for m, b in zip(meds, pm)]
+                rs = summarize(ratios)
+                self.latency_results.append({
+                    "case": f"{n} vs NIXL", "nbytes": 4096, "baseline": peer, "vs_peer": True,
+                    "median_us": summarize([m / 1e3 for m in meds]), "peer_median_us": summarize([m / 1e3 for m in pm]),
+                    "ratio_vs_pingpong": rs, "ratios": ratios, "target": NIXL_LATENCY_TARGET,
+                    "pass": rs["median"] <= NIXL_LATENCY_TARGET, "pinned_to_one_core": False})
 
     # -- latency ----------------------------------------------------------------------------
     def run_latency(self) -> None:
@@ -1020,9 +1172,21 @@ class Bench:
                       "|---|---:|---:|---|---|---|"]
             base = 0.0
             for r in self.latency_results:
+                if r["target"] is None and r["case"].startswith("NIXL"):
+                    rt = r["ratio_vs_pingpong"]
+                    lines.append(f"| {r['case']} (peer) | {r['median_us']['median']:.1f} | {base:.1f} | "
+                                 f"{rt['median']:.2f} [{rt['min']:.2f}–{rt['max']:.2f}] | — | — |")
+                    continue
                 if r["target"] is None:
                     base = r["median_us"]["median"]
                     lines.append(f"| {r['case']} (baseline) | {base:.1f} | {base:.1f} | 1.00 | — | — |")
+                    continue
+                if r.get("vs_peer"):
+                    rt = r["ratio_vs_pingpong"]
+                    lines.append(f"| {r['case']} | {r['median_us']['median']:.1f} | "
+                                 f"{r['peer_median_us']['median']:.1f} (NIXL) | {rt['median']:.2f} "
+                                 f"[{rt['min']:.2f}–{rt['max']:.2f}] | ≤ {r['target']:.1f}× NIXL | "
+                                 f"{'PASS' if r['pass'] else 'FAIL'} |")
                     continue
                 rt = r["ratio_vs_pingpong"]
                 pf = "PASS" if r["pass"] else "FAIL"
@@ -1043,6 +1207,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-iters", type=int, default=400, help="cap on transfers per repetition")
     ap.add_argument("--no-blocks", action="store_true")
     ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--no-nixl", action="store_true", help="skip the NIXL peer column even if nixl is installed")
     ap.add_argument("--transports", default=None, help="comma-separated subset of tcp,shm,ucx (default: all "
                     "available)")
     a = ap.parse_args(argv)
@@ -1051,6 +1216,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     b = Bench(reps, a.quick, lat_iters=a.lat_iters, lat_reps=3 if a.quick else 5, sizes=sizes,
               blocks=not a.no_blocks, latency=not a.no_latency, max_iters=a.max_iters,
               transports=a.transports.split(",") if a.transports else None)
+    if a.no_nixl:
+        b.nixl = False
     b.run()
     emit(b, a.out, a.md)
     return 0
