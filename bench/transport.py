@@ -1,4 +1,4 @@
-"""Transport benchmark: kvbridge tcp:// and shm:// against ceilings measured in the same run.
+"""Transport benchmark: kvbridge tcp://, shm:// and ucx:// against ceilings measured in the same run.
 
 Two processes: a *sender* process (spawned, ``multiprocessing`` 'spawn') owns the
 sender pool, a :class:`kvbridge.KVSender` and a plain-socket server; this process
@@ -16,13 +16,27 @@ both sides alike:
   ratio = ceiling time / kvbridge time (a throughput ratio, higher is better).
 * shm   vs. memcpy: ``ctypes.memmove`` between two preallocated buffers of the
   same size in the receiver process.
+* ucx   vs. a bare ucxx loop with the same settings (a worker per process, endpoints
+  from worker addresses with error handling off, polling): the receiver posts a tagged
+  receive into a preallocated buffer and sends an 8-byte request; the sender's thread
+  answers with one tagged send of that many bytes from a preallocated buffer. Both sides
+  wait as kvbridge's do: they poll for ``kvbridge.transports.ucx.SPIN`` seconds, then
+  sleep on the worker's event fd. (ucx needs ``kvbridge[ucx]``; skipped without it.)
+* NIXL (when ``nixl`` is installed): a peer column in the ucx sections, a NIXL READ of the
+  same bytes (same pieces for block-shaped handles) between two more processes (NIXL
+  carries its own UCX; run with ``UCX_MODULES=^ib``, set by default), timed by its initiator;
+  kvbridge ucx vs. NIXL is reported as NIXL seconds / kvbridge seconds per repetition.
 * latency: one-block 4 KiB tcp read / fetch vs. a plain 4 KiB ping-pong;
-  ratio = kvbridge median / ping-pong median (lower is better).
+  ratio = kvbridge median / ping-pong median (lower is better). ucx: read / fetch vs.
+  the bare ucxx 4 KiB ping-pong (not pinned: both sides poll).
 
 Run::
 
     python -m bench.transport [--quick] [--reps N] [--out bench/results/transport.json]
-                              [--md bench/results/transport.md]
+                              [--md bench/results/transport.md] [--transports tcp,shm,ucx]
+
+UCX settings come from the environment as usual (``UCX_TLS``, ``UCX_MODULES=^ib`` ...);
+the run records them.
 
 Progress goes to stderr, the Markdown table to stdout (and ``--md``), every raw
 sample and the summaries to ``--out``.
@@ -58,6 +72,11 @@ TCP_TARGET_CONTIG = 0.9      # tcp >= 0.9x plain socket, sizes >= 1 MiB
 SHM_TARGET = 0.8             # shm >= 0.8x memcpy, sizes >= 1 MiB and block-shaped
 TCP_TARGET_BLOCKS = 0.8      # block-shaped tcp >= 0.8x plain socket
 LATENCY_TARGET = 2.0         # kvbridge latency <= 2x plain ping-pong
+UCX_TARGET_CONTIG = 0.9      # ucx >= 0.9x bare ucxx, sizes >= 1 MiB
+UCX_TARGET_BLOCKS = 0.8      # block-shaped ucx >= 0.8x bare ucxx moving the same bytes in one piece
+UCX_LATENCY_TARGET = 1.5     # ucx 4 KiB round trip <= 1.5x bare ucxx
+NIXL_LATENCY_TARGET = 2.0    # ucx 4 KiB fetch within 2x of NIXL's (when nixl is installed)
+UCX_REQ_TAG, UCX_DATA_TAG = 1, 2
 
 
 def log(msg: str) -> None:
@@ -223,6 +242,169 @@ class _PlainServer:
             pass
 
 
+def ucx_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("ucxx") is not None
+
+
+class _BareUCXServer:
+    """The ucx ceiling's sending side: one worker, one endpoint to the receiver's worker
+    (from its address, error handling off); per 8-byte request, one tagged send of that
+    many bytes. Polls for SPIN seconds after each message, then sleeps on the worker's event fd."""
+
+    def __init__(self, client_address: bytes) -> None:
+        from kvbridge.transports.ucx import SPIN
+        self.SPIN = SPIN
+        import select
+        from ucxx._lib import libucxx as l
+        self.l = l
+        self.ctx = l.UCXContext({}, (l.Feature.TAG, l.Feature.WAKEUP))
+        self.w = l.UCXWorker(self.ctx)
+        self.w.init_blocking_progress_mode()
+        self.address = self.w.address.tobytes()
+        self.ep = self.w.create_endpoint_from_worker_address(l.UCXAddress.create_from_buffer(client_address), False)
+        self.buf: Any = None
+        self.view = memoryview(b"")
+        self.lock = threading.Lock()
+        self._closed = False
+        self._select = select
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="bare-ucx")
+        self.thread.start()
+
+    def set_size(self, nbytes: int) -> None:
+        with self.lock:
+            self.buf = host_buffer(nbytes, seed=PLAIN_SEED)
+            self.view = tensor_view(self.buf)
+
+    def _loop(self) -> None:
+        from ucxx._lib.arr import Array
+        l, w = self.l, self.w
+        req = bytearray(REQ.size)
+        last = time.monotonic()
+        while not self._closed:
+            w.progress()
+            pr = w.tag_probe(l.UCXXTag(UCX_REQ_TAG), l.UCXXTagMaskFull, True)
+            if pr.matched:
+                r = w.tag_recv_with_handle(Array(req), pr)
+                while not r.completed:
+                    w.progress()
+                (n,) = REQ.unpack(req)
+                with self.lock:
+                    s = self.ep.tag_send(Array(self.view[:n]), l.UCXXTag(UCX_DATA_TAG))
+                while not s.completed:
+                    w.progress()
+                last = time.monotonic()
+                continue
+            if time.monotonic() - last < self.SPIN:
+                continue
+            if w.arm():
+                p = self._select.poll()
+                p.register(w.epoll_file_descriptor, self._select.POLLIN)
+                p.poll(100)
+
+    def close(self) -> None:
+        self._closed = True
+        self.thread.join(timeout=2)
+        self.ep.close()
+
+
+def nixl_available() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("nixl") is not None
+
+
+def nixl_main(conn: Any, role: str) -> None:
+    """A NIXL agent (UCX backend) in its own process: NIXL bundles its own UCX, which must not
+    share a process with ucxx's. The initiator READs the target's pieces into its own and
+    times each transfer itself."""
+    os.environ.setdefault("UCX_MODULES", "^ib")      # NIXL crashes at exit here without it
+    import torch
+    from nixl._api import nixl_agent, nixl_agent_config
+    torch.set_num_threads(1)
+    # progress thread off: it would burn a core for the whole run (the initiator polls instead)
+    agent = nixl_agent(role, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    buf: Any = None
+    handle: Any = None
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "setup":
+                buf = host_buffer(arg["nbytes"], seed=PLAIN_SEED if role == "target" else None)
+                agent.register_memory(buf)
+                descs = agent.get_xfer_descs([(buf.data_ptr() + o, n, 0) for o, n in arg["pieces"]], "DRAM")
+                if role == "target":
+                    conn.send(("ok", (agent.get_agent_metadata(), agent.get_serialized_descs(descs))))
+                else:
+                    name = agent.add_remote_agent(arg["meta"])
+                    handle = agent.initialize_xfer("READ", descs, agent.deserialize_descs(arg["descs"]), name)
+                    conn.send(("ok", None))
+            elif cmd == "run":
+                t0 = time.perf_counter()
+                agent.transfer(handle)
+                while (st := agent.check_xfer_state(handle)) not in ("DONE", "ERR"):
+                    pass
+                dt = time.perf_counter() - t0
+                conn.send(("ok", dt) if st == "DONE" else ("err", "NIXL transfer failed"))
+            elif cmd == "exit":
+                conn.send(("ok", None))
+                return
+        except Exception as exc:  # report, keep serving
+            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+class NixlPair:
+    """A NIXL target and initiator (two spawned processes) moving ``pieces`` of a buffer."""
+
+    def __init__(self, nbytes: int, src_pieces: list[tuple[int, int]], dst_pieces: list[tuple[int, int]]) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        for role in ("target", "initiator"):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=nixl_main, args=(child, role), daemon=True, name=f"kvb-bench-nixl-{role}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        meta, descs = self._call(0, "setup", {"nbytes": nbytes, "pieces": src_pieces})
+        self._call(1, "setup", {"nbytes": nbytes, "pieces": dst_pieces, "meta": meta, "descs": descs})
+
+    def _call(self, k: int, cmd: str, arg: Any = None, timeout: float = 120.0) -> Any:
+        self.conns[k].send((cmd, arg))
+        if not self.conns[k].poll(timeout):
+            raise TimeoutError(f"NIXL {cmd} did not answer within {timeout} s")
+        status, val = self.conns[k].recv()
+        if status != "ok":
+            raise RuntimeError(f"NIXL: {val}")
+        return val
+
+    def run(self, i: int = 0) -> float:
+        return float(self._call(1, "run"))
+
+    def close(self) -> None:
+        for k, p in enumerate(self.procs):
+            try:
+                self._call(k, "exit", timeout=10)
+            except Exception:
+                pass
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+def nixl_pieces(case: Case, seed: int) -> tuple[int, list[tuple[int, int]]]:
+    """Buffer size and pieces for NIXL: one piece for a contiguous case; for a block-shaped
+    one, its runs as every-other piece of a buffer twice the size, shuffled (scattered)."""
+    if case.group == "contiguous":
+        return case.nbytes, [(0, case.nbytes)]
+    part = case.nbytes // case.segments
+    order = list(range(case.segments))
+    random.Random(seed).shuffle(order)
+    return 2 * case.nbytes, [(2 * k * part, part) for k in order]
+
+
 def sender_main(conn: Any) -> None:
     """Entry point of the sender process: answers commands from the receiver over ``conn``."""
     import torch  # noqa: F401  (imported once, before timing)
@@ -232,6 +414,7 @@ def sender_main(conn: Any) -> None:
 
     torch.set_num_threads(1)
     plain = _PlainServer()
+    bare_ucx: Optional[_BareUCXServer] = None
     pool: Optional[KVPool] = None
     sender: Optional[KVSender] = None
 
@@ -257,12 +440,15 @@ def sender_main(conn: Any) -> None:
                     pool = KVPool.allocate(L, arg["pool_blocks"], shared=arg["transport"] == "shm")
                     fill_pool(pool, arg["seed"])
                     pool.alloc(arg["pool_blocks"])          # the engine's reference: never freed here
-                    listen = "tcp://127.0.0.1:0" if arg["transport"] == "tcp" else "shm://"
+                    listen = {"tcp": "tcp://127.0.0.1:0", "shm": "shm://", "ucx": "ucx://127.0.0.1:0"}[arg["transport"]]
                     # Leases are a separate subsystem (bench them elsewhere): measure the transport alone.
                     kw = {"leases": False} if "leases" in inspect.signature(KVSender).parameters else {}
                     sender = KVSender(pool, listen, ttl=3600.0, **kw)
                     if arg.get("plain_nbytes"):
                         plain.set_size(arg["plain_nbytes"])
+                    if arg.get("ucx_nbytes"):
+                        assert bare_ucx is not None, "ucx_hello first"
+                        bare_ucx.set_size(arg["ucx_nbytes"])
                     conn.send(("ok", {"url": sender.url, "plain_port": plain.port, "pid": os.getpid()}))
                 elif cmd == "publish":
                     assert pool is not None and sender is not None
@@ -274,6 +460,11 @@ def sender_main(conn: Any) -> None:
                                            len(ids) * pool.layout.block_size, ttl=arg.get("ttl", 3600.0))
                         out.append(h.to_bytes())
                     conn.send(("ok", out))
+                elif cmd == "ucx_hello":
+                    if bare_ucx is not None:
+                        bare_ucx.close()
+                    bare_ucx = _BareUCXServer(arg)
+                    conn.send(("ok", bare_ucx.address))
                 elif cmd == "stats":
                     conn.send(("ok", None if sender is None else dict(vars(sender.stats))))
                 elif cmd == "teardown":
@@ -289,6 +480,8 @@ def sender_main(conn: Any) -> None:
     finally:
         teardown()
         plain.close()
+        if bare_ucx is not None:
+            bare_ucx.close()
 
 
 class SenderProc:
@@ -362,6 +555,45 @@ class PlainClient:
         self.sock.close()
 
 
+class BareUCXClient:
+    """The ucx ceiling's receiving side: post a tagged receive into a preallocated buffer,
+    send the 8-byte request, poll the worker until both complete."""
+
+    def __init__(self, sender: "SenderProc") -> None:
+        import select
+        from ucxx._lib import libucxx as l
+        from ucxx._lib.arr import Array
+        from kvbridge.transports.ucx import SPIN
+        self.l, self.Array, self.spin, self.select = l, Array, SPIN, select
+        self.ctx = l.UCXContext({}, (l.Feature.TAG, l.Feature.WAKEUP))
+        self.w = l.UCXWorker(self.ctx)
+        self.w.init_blocking_progress_mode()
+        addr = sender.call("ucx_hello", self.w.address.tobytes())
+        self.ep = self.w.create_endpoint_from_worker_address(l.UCXAddress.create_from_buffer(addr), False)
+        self.req = bytearray(REQ.size)
+
+    def fetch(self, view: memoryview, n: int) -> int:
+        l, w = self.l, self.w
+        REQ.pack_into(self.req, 0, n)
+        r = w.tag_recv(self.Array(view[:n]), l.UCXXTag(UCX_DATA_TAG), l.UCXXTagMaskFull)
+        s = self.ep.tag_send(self.Array(self.req), l.UCXXTag(UCX_REQ_TAG))
+        # the same wait as kvbridge's: poll for SPIN seconds, then sleep on the worker's event fd
+        end = time.monotonic() + self.spin
+        while True:
+            w.progress()
+            if r.completed and s.completed:
+                break
+            if time.monotonic() > end and w.arm():
+                p = self.select.poll()
+                p.register(w.epoll_file_descriptor, self.select.POLLIN)
+                p.poll(10)
+        r.check_error()
+        return n
+
+    def close(self) -> None:
+        self.ep.close()
+
+
 def _pin_all(pid: Optional[int], cpus: set[int]) -> bool:
     """Set the CPU affinity of every thread of ``pid`` (threads started later inherit it)."""
     if pid is None:
@@ -395,8 +627,12 @@ def _iters_for(nbytes: int, quick: bool, cap: int = 400) -> int:
 class Bench:
     def __init__(self, reps: int, quick: bool, lat_iters: int = 1000, lat_reps: int = 5,
                  sizes: Optional[list[int]] = None, blocks: bool = True, latency: bool = True,
-                 max_iters: int = 400) -> None:
+                 max_iters: int = 400, transports: Optional[list[str]] = None) -> None:
         self.max_iters = max_iters
+        self.transports = transports if transports is not None else (
+            ["tcp", "shm", "ucx"] if ucx_available() else ["tcp", "shm"])
+        self.ucx_client: Optional[BareUCXClient] = None
+        self.nixl = "ucx" in self.transports and nixl_available()
         self.reps = reps
         self.quick = quick
         self.lat_iters = lat_iters
@@ -413,7 +649,8 @@ class Bench:
         assert self.sender is not None
         return self.sender.call("setup", {"layout": case.layout, "pool_blocks": case.pool_blocks,
                                           "transport": transport, "seed": 1,
-                                          "plain_nbytes": case.nbytes if plain else 0})
+                                          "plain_nbytes": case.nbytes if plain and transport == "tcp" else 0,
+                                          "ucx_nbytes": case.nbytes if plain and transport == "ucx" else 0})
 
     def _handles(self, case: Case, count: int, ttl: float = 3600.0) -> list[Any]:
         from kvbridge.handle import KVHandle
@@ -466,8 +703,9 @@ class Bench:
             for i in range(iters):
                 for name, run in seq:
                     t0 = perf()
-                    run(i)
-                    acc[name] += perf() - t0
+                    out = run(i)
+                    # a runner in another process times itself and returns its seconds
+                    acc[name] += out if type(out) is float else perf() - t0
             for name in names:
                 samples[name].append(acc[name] / iters)
             log(f"  {case.name:>28} {transport} rep {rep + 1}/{self.reps}: " + ", ".join(
@@ -557,6 +795,177 @@ class Bench:
             recv_nv.close()
             pool.close()
 
+    def _ucx_client(self) -> BareUCXClient:
+        if self.ucx_client is None:
+            assert self.sender is not None
+            self.ucx_client = BareUCXClient(self.sender)
+        return self.ucx_client
+
+    def run_ucx(self, case: Case, target: Optional[float]) -> None:
+        from kvbridge.receiver import KVReceiver
+        client = self._ucx_client()
+        self._setup(case, "ucx", plain=True)
+        pool = self._recv_pool(case)
+        bare_buf = host_buffer(case.nbytes, value=0)
+        bare_view = tensor_view(bare_buf)
+        recv_v, recv_nv = KVReceiver(pool), KVReceiver(pool, verify=False)
+        last: dict[str, Any] = {}
+        nixl: Optional[NixlPair] = None
+        if self.nixl:
+            size, src_p = nixl_pieces(case, 1)
+            nixl = NixlPair(size, src_p, nixl_pieces(case, 2)[1])
+        try:
+            def ceiling(i: int) -> None:
+                client.fetch(bare_view, case.nbytes)
+
+            def variant(receiver: KVReceiver) -> Callable[[int], Callable[[int], None]]:
+                def prep(iters: int) -> Callable[[int], None]:
+                    hs = self._handles(case, iters)
+                    last["h"] = hs[-1]
+                    dst_ids = case.dst_ids
+                    fetch = receiver.fetch
+
+                    def run(i: int) -> None:
+                        r = fetch(hs[i], dst_ids)
+                        if not r.ok:
+                            raise RuntimeError(f"fetch failed: {r.error!r}")
+                    return run
+                return prep
+            variants = {"ucx (verify)": variant(recv_v), "ucx (verify=False)": variant(recv_nv)}
+            if nixl is not None:
+                n = nixl
+                variants["NIXL READ (UCX)"] = lambda iters: n.run
+            self._compare(case, "ucx", "bare ucxx", ceiling, variants,
+                          {"ucx (verify)": target, "ucx (verify=False)": target} if target else {})
+            self._check_dst(pool, case, last["h"])
+            if nixl is not None:
+                self._vs_nixl(case)
+        finally:
+            if nixl is not None:
+                nixl.close()
+            recv_v.close()
+            recv_nv.close()
+            pool.close()
+
+    def _vs_nixl(self, case: Case) -> None:
+        """kvbridge ucx against NIXL in the same repetitions: NIXL seconds / kvbridge seconds."""
+        rows = {r["transport"]: r for r in self.results if r["case"] == case.name and r["ceiling"] == "bare ucxx"}
+        peer = rows["NIXL READ (UCX)"]
+        for name in ("ucx (verify)", "ucx (verify=False)"):
+            r = rows[name]
+            ratios = [n / k for n, k in zip(peer["kvbridge_s"], r["kvbridge_s"])]
+            rs = summarize(ratios)
+            target = 1.0 if case.nbytes >= MiB else None
+            self.results.append({**r, "ceiling": "NIXL", "ceiling_s": peer["kvbridge_s"],
+                                 "ceiling_gbps": peer["kvbridge_gbps"], "ratio": rs, "ratios": ratios,
+                                 "target": target, "pass": None if target is None else rs["median"] >= target})
+
+    def run_latency_ucx(self) -> None:
+        """4 KiB over ucx vs. the bare ucxx ping-pong, interleaved in chunks of 10, not pinned."""
+        from kvbridge.receiver import KVReceiver
+        from kvbridge.transports.base import Spans
+        case = contig_case(4 * KiB)
+        client = self._ucx_client()
+        info = self._setup(case, "ucx", plain=True)
+        pool = self._recv_pool(case)
+        bare_buf = host_buffer(case.nbytes, value=0)     # kept alive: the view does not own it
+        bare_view = tensor_view(bare_buf)
+        rv, rnv = KVReceiver(pool), KVReceiver(pool, verify=False)
+        url = info["url"]
+        try:
+            long_h = self._handles(case, 1)[0]
+            spans = Spans.of_blocks(pool, case.dst_ids)
+            tr = rv.transport(url)
+            dst = case.dst_ids
+
+            def fetch_release(h: Any) -> None:
+                if not rv.fetch(h, dst).ok:
+                    raise RuntimeError("fetch failed")
+            variants: dict[str, Callable[[Any], None]] = {
+                "bare ucxx 4 KiB ping-pong": lambda _: client.fetch(bare_view, 4096),
+                "ucx read only (transport.read)": lambda _: tr.read(url, long_h, spans),
+                "ucx fetch(release=False), verify": lambda _: rv.fetch(long_h, dst, release=False),
+                "ucx fetch(release=False), verify=False": lambda _: rnv.fetch(long_h, dst, release=False),
+                "ucx fetch (with release), verify": fetch_release,
+            }
+            nixl = None
+            if self.nixl:
+                nixl = NixlPair(4096, [(0, 4096)], [(0, 4096)])
+                variants["NIXL READ 4 KiB (UCX)"] = lambda _: nixl.run()
+            try:
+                self._latency_rounds(case, variants, "ucx fetch (with release), verify", UCX_LATENCY_TARGET,
+                                     "bare ucxx ping-pong")
+            finally:
+                if nixl is not None:
+                    nixl.close()
+            self._check_dst(pool, case, long_h)
+        finally:
+            rv.close()
+            rnv.close()
+            pool.close()
+
+    def _latency_rounds(self, case: Case, variants: dict[str, Callable[[Any], None]], fresh_name: str,
+                        target_ratio: float, base_name: str) -> None:
+        names = list(variants)
+        n_it, chunk = self.lat_iters, 10
+        for name in names:
+            hs = self._handles(case, 50) if name == fresh_name else [None] * 50
+            for h in hs:
+                variants[name](h)
+        samples: dict[str, list[list[int]]] = {n: [] for n in names}
+        for rep in range(self.lat_reps):
+            fresh = iter(self._handles(case, n_it))
+            per: dict[str, list[int]] = {n: [] for n in names}
+            gc.collect()
+            for start in range(0, n_it, chunk):
+                k = min(chunk, n_it - start)
+                rot = (start // chunk + rep) % len(names)
+                for name in names[rot:] + names[:rot]:
+                    fn = variants[name]
+                    out = per[name]
+                    for _ in range(k):
+                        arg = next(fresh) if name == fresh_name else None
+                        t0 = time.perf_counter_ns()
+                        got = fn(arg)
+                        out.append(int(got * 1e9) if type(got) is float else time.perf_counter_ns() - t0)
+            for n in names:
+                samples[n].append(per[n])
+            log(f"  latency rep {rep + 1}/{self.lat_reps}: " + ", ".join(
+                f"{n} {statistics.median(per[n]) / 1e3:.1f} us" for n in names))
+        base = [statistics.median(x) for x in samples[names[0]]]
+        for n in names:
+            meds = [statistics.median(x) for x in samples[n]]
+            ratios = [m / b for m, b in zip(meds, base)]
+            target = None if n == names[0] else target_ratio
+            rs = summarize(ratios)
+            if n.startswith("NIXL"):
+                target = None                      # a peer, not kvbridge
+            self.latency_results.append({
+                "case": n, "nbytes": 4096, "iters_per_rep": n_it, "reps": self.lat_reps, "baseline": base_name,
+                "median_us_per_rep": [m / 1e3 for m in meds],
+                "median_us": summarize([m / 1e3 for m in meds]),
+                "all_samples_median_us": statistics.median([v for x in samples[n] for v in x]) / 1e3,
+                "p99_us": sorted(v for x in samples[n] for v in x)[int(0.99 * n_it * self.lat_reps) - 1] / 1e3,
+                "ratio_vs_pingpong": rs, "ratios": ratios, "target": target,
+                "pass": None if target is None else rs["median"] <= target,
+                "pinned_to_one_core": False,
+                "samples_ns": samples[n],
+            })
+        peer = next((n for n in names if n.startswith("NIXL")), None)
+        if peer is not None:                       # kvbridge vs NIXL, paired per repetition
+            pm = [statistics.median(x) for x in samples[peer]]
+            for n in names[1:]:
+                if n == peer:
+                    continue
+                meds = [statistics.median(x) for x in samples[n]]
+                ratios = [m / b for m, b in zip(meds, pm)]
+                rs = summarize(ratios)
+                self.latency_results.append({
+                    "case": f"{n} vs NIXL", "nbytes": 4096, "baseline": peer, "vs_peer": True,
+                    "median_us": summarize([m / 1e3 for m in meds]), "peer_median_us": summarize([m / 1e3 for m in pm]),
+                    "ratio_vs_pingpong": rs, "ratios": ratios, "target": NIXL_LATENCY_TARGET,
+                    "pass": rs["median"] <= NIXL_LATENCY_TARGET, "pinned_to_one_core": False})
+
     # -- latency ----------------------------------------------------------------------------
     def run_latency(self) -> None:
         """Both processes pinned to one core: on this VM a loopback round trip costs ~15 us
@@ -573,7 +982,7 @@ class Bench:
                 _pin_all(self.sender.proc.pid, set(cpus))
                 _pin_all(os.getpid(), set(cpus))
         for r in self.latency_results:
-            r["pinned_to_one_core"] = pinned
+            r.setdefault("pinned_to_one_core", pinned)
 
     def _run_latency(self) -> None:
         from kvbridge.receiver import KVReceiver
@@ -653,6 +1062,7 @@ class Bench:
                 rs = summarize(ratios)
                 self.latency_results.append({
                     "case": n, "nbytes": 4096, "iters_per_rep": n_it, "reps": self.lat_reps,
+                    "baseline": "plain ping-pong",
                     "median_us_per_rep": [m / 1e3 for m in meds],
                     "median_us": summarize([m / 1e3 for m in meds]),
                     "all_samples_median_us": statistics.median([v for x in samples[n] for v in x]) / 1e3,
@@ -681,22 +1091,35 @@ class Bench:
                 case = contig_case(size)
                 target_tcp = TCP_TARGET_CONTIG if size >= MiB else None
                 target_shm = SHM_TARGET if size >= MiB else None
-                log(f"[contiguous {case.name}] tcp vs plain socket")
-                self.run_tcp(case, target_tcp)
-                log(f"[contiguous {case.name}] shm vs memcpy")
-                self.run_shm(case, target_shm)
+                if "tcp" in self.transports:
+                    log(f"[contiguous {case.name}] tcp vs plain socket")
+                    self.run_tcp(case, target_tcp)
+                if "shm" in self.transports:
+                    log(f"[contiguous {case.name}] shm vs memcpy")
+                    self.run_shm(case, target_shm)
+                if "ucx" in self.transports:
+                    log(f"[contiguous {case.name}] ucx vs bare ucxx")
+                    self.run_ucx(case, UCX_TARGET_CONTIG if size >= MiB else None)
             if self.blocks:
                 for case in block_cases(self.quick):
-                    log(f"[blocks {case.name}: {case.segments} runs of {fmt_size(case.extra['part_nbytes'])}]"
-                        " tcp vs plain socket")
-                    self.run_tcp(case, TCP_TARGET_BLOCKS)
-                    log(f"[blocks {case.name}] shm vs memcpy")
-                    self.run_shm(case, SHM_TARGET)
+                    log(f"[blocks {case.name}: {case.segments} runs of {fmt_size(case.extra['part_nbytes'])}]")
+                    if "tcp" in self.transports:
+                        self.run_tcp(case, TCP_TARGET_BLOCKS)
+                    if "shm" in self.transports:
+                        self.run_shm(case, SHM_TARGET)
+                    if "ucx" in self.transports:
+                        self.run_ucx(case, UCX_TARGET_BLOCKS)
             if self.latency:
                 log(f"[latency 4 KiB, {self.lat_reps} reps x {self.lat_iters} iterations]")
-                self.run_latency()
+                if "tcp" in self.transports:
+                    self.run_latency()
+                if "ucx" in self.transports:
+                    self.run_latency_ucx()
             self.sender.call("teardown")
         finally:
+            if self.ucx_client is not None:
+                self.ucx_client.close()
+                self.ucx_client = None
             if own:
                 self.sender.close()
             self.sender = None
@@ -713,7 +1136,8 @@ class Bench:
             "machine": {"python": platform.python_version(), "platform": platform.platform(),
                         "cpus": os.cpu_count(), "torch": torch.__version__,
                         "kvbridge": getattr(kvbridge, "__version__", "?"),
-                        "loadavg_at_end": os.getloadavg()},   # other tenants' load: judge the spread by it
+                        "loadavg_at_end": os.getloadavg(),   # other tenants' load: judge the spread by it
+                        "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}},
             "method": {
                 "throughput_ratio": "ceiling seconds / kvbridge seconds, paired per repetition "
                                     "(interleaved, rotating order); pass = median ratio >= target",
@@ -721,6 +1145,8 @@ class Bench:
                                  "pass = median ratio <= target",
                 "tcp_ceiling": "plain loopback socket, 8-byte request then sendall/recv_into, TCP_NODELAY",
                 "shm_ceiling": "ctypes.memmove between two preallocated buffers in the receiver process",
+                "ucx_ceiling": "bare ucxx: one tagged send of the same bytes per 8-byte tagged request, "
+                               "worker-address endpoints, error handling off, polling",
                 "kvbridge_timed": "receiver.fetch(handle, dst) with default release=True, fresh handle each",
             },
             "throughput": self.results,
@@ -744,8 +1170,24 @@ class Bench:
             lines += ["", "| 4 KiB latency | kvbridge µs (median) | ping-pong µs (median) | "
                       "ratio median [min–max] | target | pass/fail |",
                       "|---|---:|---:|---|---|---|"]
-            base = self.latency_results[0]["median_us"]["median"]
-            for r in self.latency_results[1:]:
+            base = 0.0
+            for r in self.latency_results:
+                if r["target"] is None and r["case"].startswith("NIXL"):
+                    rt = r["ratio_vs_pingpong"]
+                    lines.append(f"| {r['case']} (peer) | {r['median_us']['median']:.1f} | {base:.1f} | "
+                                 f"{rt['median']:.2f} [{rt['min']:.2f}–{rt['max']:.2f}] | — | — |")
+                    continue
+                if r["target"] is None:
+                    base = r["median_us"]["median"]
+                    lines.append(f"| {r['case']} (baseline) | {base:.1f} | {base:.1f} | 1.00 | — | — |")
+                    continue
+                if r.get("vs_peer"):
+                    rt = r["ratio_vs_pingpong"]
+                    lines.append(f"| {r['case']} | {r['median_us']['median']:.1f} | "
+                                 f"{r['peer_median_us']['median']:.1f} (NIXL) | {rt['median']:.2f} "
+                                 f"[{rt['min']:.2f}–{rt['max']:.2f}] | ≤ {r['target']:.1f}× NIXL | "
+                                 f"{'PASS' if r['pass'] else 'FAIL'} |")
+                    continue
                 rt = r["ratio_vs_pingpong"]
                 pf = "PASS" if r["pass"] else "FAIL"
                 lines.append(f"| {r['case']} | {r['median_us']['median']:.1f} | {base:.1f} | "
@@ -765,11 +1207,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max-iters", type=int, default=400, help="cap on transfers per repetition")
     ap.add_argument("--no-blocks", action="store_true")
     ap.add_argument("--no-latency", action="store_true")
+    ap.add_argument("--no-nixl", action="store_true", help="skip the NIXL peer column even if nixl is installed")
+    ap.add_argument("--transports", default=None, help="comma-separated subset of tcp,shm,ucx (default: all "
+                    "available)")
     a = ap.parse_args(argv)
     reps = a.reps or (3 if a.quick else 7)
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else None
     b = Bench(reps, a.quick, lat_iters=a.lat_iters, lat_reps=3 if a.quick else 5, sizes=sizes,
-              blocks=not a.no_blocks, latency=not a.no_latency, max_iters=a.max_iters)
+              blocks=not a.no_blocks, latency=not a.no_latency, max_iters=a.max_iters,
+              transports=a.transports.split(",") if a.transports else None)
+    if a.no_nixl:
+        b.nixl = False
     b.run()
     emit(b, a.out, a.md)
     return 0

@@ -20,9 +20,9 @@ known_implementations: dict[str, dict[str, str]] = {
     "inproc": {"class": "kvbridge.transports.inproc:InprocTransport"},
     "tcp": {"class": "kvbridge.transports.tcp:TCPTransport"},
     "shm": {"class": "kvbridge.transports.shm:ShmTransport"},
-    # Named so that asking for them says what is missing; neither backend is in this release.
     "ucx": {"class": "kvbridge.transports.ucx:UCXTransport",
-            "err": "ucx:// (UCX through ucxx, extra kvbridge[ucx]) is not in this release; use tcp:// or shm://"},
+            "err": "ucx:// needs ucxx: pip install 'kvbridge[ucx]' (installs ucxx-cu12)"},
+    # Named so that asking for it says what is missing; not in this release.
     "nvlink": {"class": "kvbridge.transports.nvlink:NVLinkTransport",
                "err": "nvlink:// (CUDA IPC through CuPy, extra kvbridge[cupy]) is not in this release; "
                       "use tcp:// (device pools are staged through host memory)"},

@@ -23,7 +23,7 @@ import torch
 from kvbridge import KVLayout, KVPool, KVSender, Timeout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LISTEN = {"inproc": "inproc://", "tcp": "tcp://127.0.0.1:0", "shm": "shm://"}
+LISTEN = {"inproc": "inproc://", "tcp": "tcp://127.0.0.1:0", "shm": "shm://", "ucx": "ucx://127.0.0.1:0"}
 
 
 # -- pool contents ----------------------------------------------------------------------------
