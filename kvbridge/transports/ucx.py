@@ -1022,7 +1022,7 @@ class UCXTransport(Transport):
             if len(reply) < 1 + _N.size + LAYERS.size:
                 raise ProtocolError(f"{what}: truncated reply")
             lo, hi, sums, used = decode_layers(reply[1 + _N.size:], nb, (first, end))
-            dst = spans_for(lo, hi)
+            dst = spans_for(lo, hi, int(_N.unpack_from(reply, 1)[0]))
             n = self._take_data(p, rid, reply, 1 + _N.size + used, dst, what)
             return Chunk(lo, hi, sums, n)
         return self._exchange(url, OP_READ, encode_request(handle.to_bytes(), indices, claim, (first, end)),  # type: ignore[no-any-return]

@@ -12,7 +12,7 @@ import torch
 from kvbridge import (AccessDenied, Action, ConfigError, IntegrityError, KVHandle, KVLayout)
 from kvbridge.codecs import available_codecs, is_lossless
 
-from ._peer import mismatched_blocks, reference_pool
+from ._peer import LISTEN, mismatched_blocks, reference_pool
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +94,7 @@ def test_auto_picks_by_link_speed_and_says_why(scheme):
         b.copy_(torch.randn(b.shape).half())
     with pytest.raises(ConfigError, match="link_gbps"):
         KVSender(pool, "inproc://", codec="auto")
-    listen = {"inproc": "inproc://", "tcp": "tcp://127.0.0.1:0", "shm": "shm://"}[scheme]
+    listen = LISTEN[scheme]
     dst = KVPool.allocate(L3, 16)
     with KVSender(pool, listen, codec="auto", link_gbps=1e-4, leases=False) as slow, \
             KVReceiver(dst, leases=False) as rcv:
