@@ -1,0 +1,1 @@
+"""kvbridge for SGLang (work in progress; see README.md here)."""
