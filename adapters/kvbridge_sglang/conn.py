@@ -161,6 +161,7 @@ class KVBridgeKVSender(BaseKVSender):
         self.transfer: Optional[Transfer] = None
         self.failed: Optional[str] = None
         self._next_look = 0.0
+        self._waiting_since: Optional[float] = None
         self.metric = KVTransferMetric()
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
@@ -196,27 +197,31 @@ class KVBridgeKVSender(BaseKVSender):
 
     def send(self, kv_indices: Any, state_indices: Optional[list[Any]] = None,
              num_kv_tokens: Optional[int] = None) -> None:
+        """Collect the chunk's pages; once every page of the request is in (and the decode side's
+        reservation is known) start the push. Never blocks the scheduler: a reservation that
+        has not arrived yet makes ``poll()`` start the push when it does."""
         if state_indices:
             self._fail("extra state (mamba/SWA/DSA) is not supported by the kvbridge backend")
             return
         self.pages.extend(int(i) for i in np.asarray(kv_indices).reshape(-1))
-        if len(self.pages) < self.num_pages or self.failed is not None:
-            return
-        self._start()
+        self._maybe_start()
 
-    def _start(self) -> None:
-        deadline = time.monotonic() + self.mgr.timeout.transfer
-        while self.reservation is None and self.failed is None:   # normally there already
-            if time.monotonic() > deadline:
-                self._fail("no reservation from the decode side")
-                return
-            self._next_look = 0.0
+    def _maybe_start(self) -> None:
+        if (self.transfer is not None or self.failed is not None or self.num_pages <= 0
+                or len(self.pages) < self.num_pages):
+            return
+        if self.reservation is None:
             self._look()
             if self.reservation is None:
-                time.sleep(POLL_EVERY)
-        if self.failed is not None:
+                if self._waiting_since is None:
+                    self._waiting_since = time.monotonic()
+                elif time.monotonic() - self._waiting_since > self.mgr.timeout.transfer:
+                    self._fail(f"no reservation from the decode side within {self.mgr.timeout.transfer} s")
+                return
+        assert self.mgr.sender is not None
+        if len(self.pages) != self.num_pages:
+            self._fail(f"sent {len(self.pages)} pages for a request of {self.num_pages}")
             return
-        assert self.reservation is not None and self.mgr.sender is not None
         try:
             if self.aux_index is not None and self.reservation.get("aux_index") is not None:
                 self.box.put("aux", self.room, {"aux": self.mgr.read_aux(self.aux_index)})
@@ -236,8 +241,11 @@ class KVBridgeKVSender(BaseKVSender):
             self.metric = KVTransferMetric(transfer_latency_s=res.seconds, transfer_total_bytes=res.nbytes)
             return KVPoll.Success  # type: ignore[return-value]
         self._look()
+        self._maybe_start()                # the last chunk came before the reservation
         if self.failed is not None:
             return KVPoll.Failed  # type: ignore[return-value]
+        if self.transfer is not None:
+            return KVPoll.Transferring  # type: ignore[return-value]
         if self.reservation is None:
             return KVPoll.Bootstrapping  # type: ignore[return-value]
         return KVPoll.WaitingForInput  # type: ignore[return-value]

@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report["kill_consumer"] = {"requests": len(kp), "producer_free_blocks_start": producer.free_at_start,
                                "producer_free_blocks_while_held": during, "blocks_held_at_kill": held_at_kill,
                                "producer_free_blocks_after": pst["free"], "producer_requests_left": pst["requests"],
-                               "blocks_leaked": producer.free_at_start - pst["free"] if producer.free_at_start else None,
+                               "blocks_leaked": (producer.free_at_start or 0) - pst["free"],
                                "reclaimed_after_s": round(time.monotonic() - tk, 1)}
     log(f"kill consumer: producer free blocks {during} -> {pst['free']} (start {producer.free_at_start}), "
         f"{pst['requests']} requests left, after {report['kill_consumer']['reclaimed_after_s']} s")

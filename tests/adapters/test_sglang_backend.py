@@ -180,3 +180,32 @@ def test_foreign_layout_and_dtype_fail_with_the_reason(sgl: Any, bootstrap: Any)
         finally:
             pm.close()
             dm.close()
+
+
+def test_prefill_that_finishes_before_the_reservation_never_blocks(sgl: Any, bootstrap: Any) -> None:
+    """SGLang may prefill a request while it still bootstraps: the last chunk's send must return at
+    once, and the push starts from poll() when the decode side's reservation arrives."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    prefill, decode = Rank(3), Rank(4)
+    pm, dm = managers(sgl, prefill, decode, "tcp://127.0.0.1:0")
+    try:
+        scls = sgl.get_kv_class(sgl.TransferBackend("kvbridge"), sgl.KVClassType.SENDER)
+        rcls = sgl.get_kv_class(sgl.TransferBackend("kvbridge"), sgl.KVClassType.RECEIVER)
+        snd, rcv = scls(pm, bootstrap.address, 30), rcls(dm, bootstrap.address, 30)
+        snd.init(3, None)
+        t0 = time.monotonic()
+        snd.send(torch.tensor([7, 8, 9], dtype=torch.int32).numpy())
+        assert time.monotonic() - t0 < 0.5 and snd.poll() == KVPoll.Bootstrapping
+        rcv.init(0)
+        rcv.send_metadata(torch.tensor([10, 11, 12], dtype=torch.int32).numpy(), None)
+        deadline = time.monotonic() + 10
+        while (snd.poll(), rcv.poll()) != (KVPoll.Success, KVPoll.Success) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert (snd.poll(), rcv.poll()) == (KVPoll.Success, KVPoll.Success), (snd.failed, rcv.failed)
+        for layer in range(LAYERS):
+            for s, d in zip([7, 8, 9], [10, 11, 12]):
+                assert torch.equal(prefill.page(layer, "k", s), decode.page(layer, "k", d))
+                assert torch.equal(prefill.page(layer, "v", s), decode.page(layer, "v", d))
+    finally:
+        pm.close()
+        dm.close()
