@@ -209,3 +209,25 @@ def test_prefill_that_finishes_before_the_reservation_never_blocks(sgl: Any, boo
     finally:
         pm.close()
         dm.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "inproc://"])
+def test_real_prefill_bootstrap_queue(tmp_path: Any, listen: str) -> None:
+    """SGLang's own PrefillBootstrapQueue, MHATokenToKVPool, MetadataBuffers and Req objects drive
+    the backend (``_sglang_queue_child.py``, in its own process): both requests reach
+    KVPoll.Success on both sides, decode pages equal prefill pages, the first token arrives."""
+    import json
+    import subprocess
+
+    from kvbridge_vllm.tiny_model import build_tiny_llama
+    model = build_tiny_llama(str(tmp_path / "model"))
+    child = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sglang_queue_child.py")
+    p = subprocess.run([sys.executable, child, model, listen], capture_output=True, text=True, timeout=220,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, p.stdout[-2000:] + p.stderr[-4000:]
+    r = json.loads(lines[-1][len("RESULT "):])
+    assert r["equal"] == r["aux_equal"] == r["requests"] == 2 and r["bootstrap_failures"] == 0, r
+    for seen in r["polls"].values():                  # Transferring -> prefill Success -> both Success
+        assert seen[-1] == [4, 4], seen
