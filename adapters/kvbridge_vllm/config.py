@@ -18,6 +18,11 @@ key                default                     meaning
 ``handle_wait``    ``10``                      seconds ``request_finished`` waits for the
                                                worker's handle before giving up on the request
 ``secret``         unset                       hex HMAC key shared by both sides (optional)
+``load``           ``"async"``                 consumer: ``"async"`` (the request waits until
+                                               its KV has landed) or ``"layerwise"`` (it is
+                                               scheduled at once; each attention layer waits
+                                               for that layer's blocks; the partial last block
+                                               is recomputed locally)
 =================  ==========================  ===============================================
 """
 
@@ -47,12 +52,13 @@ class ConnectorConfig:
     transfer_timeout: float = 30.0
     handle_wait: float = 10.0
     secret: Optional[bytes] = field(default=None, repr=False)
+    load: str = "async"
 
     @classmethod
     def from_extra(cls, extra: Optional[dict[str, Any]]) -> "ConnectorConfig":
         d = dict(extra or {})
         known = {"listen", "leases", "lease_namespace", "ttl", "claim_ttl", "connect_timeout", "transfer_timeout",
-                 "handle_wait", "secret"}
+                 "handle_wait", "secret", "load"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"kvbridge connector: unknown kv_connector_extra_config keys {unknown}; "
@@ -73,6 +79,10 @@ class ConnectorConfig:
                 kw[k] = v
         if "lease_namespace" in d:
             kw["lease_namespace"] = str(d["lease_namespace"])
+        if "load" in d:
+            if d["load"] not in ("async", "layerwise"):
+                raise ConfigError(f"kvbridge connector: load must be 'async' or 'layerwise', got {d['load']!r}")
+            kw["load"] = d["load"]
         if d.get("secret"):
             try:
                 kw["secret"] = bytes.fromhex(str(d["secret"]))

@@ -19,6 +19,8 @@ class KVBridgeMetadata(KVConnectorMetadata):
     revoke: list[str] = field(default_factory=list)
     # consumer: transfers to start -> (handle dict, destination block ids, handle block indices)
     load: dict[str, tuple[dict[str, Any], list[int], list[int]]] = field(default_factory=dict)
+    # consumer: of those, the ones this step's forward reads (layer-wise loads: wait per layer)
+    sync: list[str] = field(default_factory=list)
     # consumer: loads refused at first contact (layout/handle) -> destination block ids (all fail)
     refuse: dict[str, tuple[list[int], str]] = field(default_factory=dict)
     # consumer: requests finished (aborted) while their transfer runs: cancel it

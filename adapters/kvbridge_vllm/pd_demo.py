@@ -183,8 +183,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 2. PD equality
     fast = {"ttl": args.ttl, "claim_ttl": args.claim_ttl, "transfer_timeout": 10.0}
+    cfast = {**fast, "load": args.consumer_load}
+    report["consumer_load"] = args.consumer_load
     producer = Instance("producer", model, kv_config("kv_producer", **fast), mml)
-    consumer = Instance("consumer", model, kv_config("kv_consumer", "recompute", **fast), mml)
+    consumer = Instance("consumer", model, kv_config("kv_consumer", "recompute", **cfast), mml)
     producer.wait_ready()
     consumer.wait_ready()
     log(f"PD: producer and consumer up (free blocks {producer.free_at_start}, {consumer.free_at_start})")
@@ -206,8 +208,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pst = producer.status()
     secs = sorted(cstats.get("seconds") or [0.0])
     # one request at a time: the handoff of a lone request (claim, read, verify, release)
-    for i in range(args.single):
-        rid, p = f"s{i}", prompts[i % len(prompts)]
+    fresh = make_prompts(args.single, args.seed + 2, 512, 100, args.max_len)   # nothing cached anywhere
+    for i, p in enumerate(fresh):
+        rid = f"s{i}"
         one = producer.generate([(rid, p, 1, {"do_remote_decode": True})])
         consumer.generate([(rid, p, 2, one[rid]["kv_transfer_params"])])
     single = sorted((consumer.status()["stats"].get("seconds") or [])[len(secs):]) or [0.0]
@@ -247,8 +250,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{pst['requests']} requests left, after {report['kill_consumer']['reclaimed_after_s']} s")
 
     # 4. kill the producer after it published
-    c_re = Instance("consumer-recompute", model, kv_config("kv_consumer", "recompute", **fast), mml)
-    c_fail = Instance("consumer-fail", model, kv_config("kv_consumer", "fail", **fast), mml)
+    c_re = Instance("consumer-recompute", model, kv_config("kv_consumer", "recompute", **cfast), mml)
+    c_fail = Instance("consumer-fail", model, kv_config("kv_consumer", "fail", **cfast), mml)
     c_re.wait_ready()
     c_fail.wait_ready()
     half = len(kp) // 2
@@ -294,6 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--claim-ttl", type=float, default=5.0)
     ap.add_argument("--kill-after", type=float, default=0.0,
                     help="seconds after sending the requests to the consumer before killing it")
+    ap.add_argument("--consumer-load", choices=["async", "layerwise"], default="async",
+                    help="consumer loads: async (wait for the KV) or layerwise (forward waits per layer)")
     ap.add_argument("--model-dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvbridge-tiny-llama"))
     ap.add_argument("--out", help="write the report as JSON here")
     args = ap.parse_args(argv)

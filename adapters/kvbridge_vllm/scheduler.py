@@ -92,16 +92,22 @@ class SchedulerSide:
             except KVBridgeError as exc:   # the worker's fetch will meet the same fate and report it
                 log.warning("kvbridge: claim of %s failed: %s", rid, exc)
 
+    def _load_end(self, request: Any, h: Optional[KVHandle]) -> int:
+        """Prompt tokens this engine takes from the producer: all of them (async; vLLM recomputes
+        the last), or (layer-wise) only whole blocks before the block holding the last prompt token,
+        so the forward that runs alongside the transfer never writes a block being loaded."""
+        n = request.num_prompt_tokens if h is None else min(h.num_tokens, request.num_prompt_tokens)
+        if self.cfg.load == "layerwise":
+            return ((n - 1) // self.block_size) * self.block_size
+        return n
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
         h = self._handles.get(rid)
-        if h is None or rid in self._loading:
-            if rid in self._refused:   # still "load" it: the worker fails it, vLLM applies the failure policy
-                n = request.num_prompt_tokens - num_computed_tokens
-                return (n, True) if n > 0 else (0, False)
+        if rid in self._loading or (h is None and rid not in self._refused):
             return 0, False
-        n = min(h.num_tokens, request.num_prompt_tokens) - num_computed_tokens
-        return (n, True) if n > 0 else (0, False)
+        n = self._load_end(request, h) - num_computed_tokens
+        return (n, self.cfg.load == "async") if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -111,20 +117,22 @@ class SchedulerSide:
         if not self.consumer or num_external_tokens <= 0 or rid in self._loading:
             return
         ids = list(blocks.get_block_ids()[0])
-        if rid in self._refused:
-            n = request.num_prompt_tokens
-            first = (n - num_external_tokens) // self.block_size
-            self._meta.refuse[rid] = (ids[first:_cdiv(n, self.block_size)], self._refused.pop(rid))
-            self._loading.add(rid)
-            return
         h = self._handles.pop(rid, None)
-        if h is None:
+        end = self._load_end(request, h)
+        first = (end - num_external_tokens) // self.block_size   # blocks vLLM already had (prefix cache)
+        idx = list(range(first, _cdiv(end, self.block_size)))
+        sync = self.cfg.load == "layerwise"
+        if rid in self._refused:
+            self._meta.refuse[rid] = ([ids[i] for i in idx], self._refused.pop(rid))
+        elif h is not None:
+            self._meta.load[rid] = (request.kv_transfer_params[HANDLE_KEY], [ids[i] for i in idx], idx)
+        else:
             return
-        first = (h.num_tokens - num_external_tokens) // self.block_size   # blocks vLLM already had (prefix cache)
-        idx = list(range(first, h.num_blocks))
-        self._meta.load[rid] = (request.kv_transfer_params[HANDLE_KEY], [ids[i] for i in idx], idx)
+        if sync:
+            self._meta.sync.append(rid)
+        else:
+            self._loading.add(rid)
         self._claims.pop(rid, None)
-        self._loading.add(rid)
 
     def _renew_claims(self) -> None:
         now = time.monotonic()

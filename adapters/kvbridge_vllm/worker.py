@@ -56,7 +56,10 @@ class WorkerSide:
         self._ours: set[str] = set()                # published here, not yet reported finished sending
         # consumer
         self._to_start: dict[str, tuple[dict[str, Any], list[int], list[int]]] = {}
+        self._sync_ids: set[str] = set()              # loads this step's forward reads (layer-wise)
         self._transfers: dict[str, tuple[Transfer, list[int]]] = {}
+        self._sync: dict[str, tuple[Transfer, list[int]]] = {}
+        self._sync_failed: set[str] = set()
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
         self.stats: dict[str, Any] = {"published": 0, "loads": 0, "load_failures": 0, "bytes": 0, "seconds": []}
@@ -129,6 +132,8 @@ class WorkerSide:
             for h in self._step_handles:      # layers whose hook did not run (e.g. fused paths)
                 self.sender.mark_ready(h, L)
         self._step_handles = []
+        if self._sync:
+            self._finish_sync()
 
     # -- consumer ------------------------------------------------------------------------
     def bind(self, meta: KVBridgeMetadata) -> None:
@@ -140,8 +145,10 @@ class WorkerSide:
             log.error("kvbridge: not loading %s: %s", rid, why)
             with self._lock:
                 self._load_errors.update(dst)
-                self._recv_done.add(rid)
+                if rid not in meta.sync:     # a layer-wise load is reported in this step only
+                    self._recv_done.add(rid)
         self._to_start.update(meta.load)
+        self._sync_ids.update(meta.sync)
         for rid in meta.cancel:
             self._to_start.pop(rid, None)
             t = self._transfers.get(rid)
@@ -161,17 +168,56 @@ class WorkerSide:
                 self.stats["load_failures"] += 1
                 with self._lock:
                     self._load_errors.update(dst)
-                    self._recv_done.add(rid)
+                    if rid not in self._sync_ids:
+                        self._recv_done.add(rid)
+                self._sync_ids.discard(rid)
                 continue
-            self._transfers[rid] = (t, dst)
+            if rid in self._sync_ids:
+                self._sync_ids.discard(rid)
+                self._sync[rid] = (t, dst)
+            else:
+                self._transfers[rid] = (t, dst)
 
     def start_load_kv(self) -> None:
         self._start_loads()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are asynchronous: vLLM schedules a request only after its transfer was reported
-        done (every layer landed and verified), so no forward reads a layer still in flight."""
-        return
+        """Layer-wise loads (``load="layerwise"``): block until this layer's blocks of every load
+        this forward reads have landed and verified. Asynchronous loads never get here: vLLM
+        schedules such a request only after its transfer was reported done."""
+        if not self._sync:
+            return
+        i = self.layer_of.get(layer_name)
+        if i is None:
+            return
+        for rid, (t, dst) in self._sync.items():
+            if rid not in self._sync_failed and not t.wait_layer(i, self.cfg.transfer_timeout):
+                # the forward goes on; vLLM learns of the blocks at the end of this step and
+                # recomputes or fails the request (kv_load_failure_policy)
+                self._sync_failed.add(rid)
+
+    def _finish_sync(self) -> None:
+        """End of a step with layer-wise loads: collect their results (the release after the
+        last layer) and report failed blocks in this same step, as vLLM expects of sync loads."""
+        for rid, (t, dst) in self._sync.items():
+            try:
+                res = t.result(self.cfg.transfer_timeout)
+            except TimeoutError:
+                t.cancel(timeout=self.cfg.transfer_timeout)
+                res = t.result(0) if t.done() else None
+            self.stats["loads"] += 1
+            if res is not None and res.ok and rid not in self._sync_failed:
+                self.stats["bytes"] += res.nbytes
+                self.stats["seconds"].append(res.seconds)
+                continue
+            self.stats["load_failures"] += 1
+            log.warning("kvbridge: layer-wise load of %s failed (%s): %d block(s) to recompute", rid,
+                        res.error if res is not None else "timeout", len(dst))
+            with self._lock:
+                self._load_errors.update((res.failed_block_ids if res is not None and not res.ok
+                                          and rid not in self._sync_failed else None) or dst)
+        self._sync = {}
+        self._sync_failed = set()
 
     # -- both ----------------------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:

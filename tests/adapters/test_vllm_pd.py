@@ -1,5 +1,6 @@
 """The vLLM connector with the real engine: the README's ``python -m kvbridge_vllm.pd_demo``
-command, as documented (two vLLM instances + a reference one, 50 prompts, both kill tests).
+command, as documented (two vLLM instances + a reference one, 50 prompts, both kill tests), with
+the consumer loading asynchronously (the default) and layer by layer.
 
 Marker ``vllm``; skipped where vLLM is not installed (``pip install 'kvbridge[vllm]'``).
 Takes about 2-3 minutes on 2 CPU cores.
@@ -31,8 +32,9 @@ def readme_command() -> list[str]:
     return shlex.split(line)
 
 
-def test_pd_equals_single_instance_and_kills_leak_nothing(tmp_path: pathlib.Path) -> None:
-    cmd = readme_command()
+@pytest.mark.parametrize("load", ["async", "layerwise"])
+def test_pd_equals_single_instance_and_kills_leak_nothing(tmp_path: pathlib.Path, load: str) -> None:
+    cmd = readme_command() + (["--consumer-load", load] if load != "async" else [])
     out = tmp_path / "report.json"
     cmd = [sys.executable if c == "python" else c for c in cmd]
     cmd[cmd.index("--out") + 1] = str(out)

@@ -92,6 +92,10 @@ def test_settings() -> None:
         ConnectorConfig.from_extra({"lsten": "tcp://x:1"})
     with pytest.raises(ConfigError, match="positive"):
         ConnectorConfig.from_extra({"ttl": 0})
+    assert ConnectorConfig.from_extra({"load": "layerwise"}).load == "layerwise"
+    assert ConnectorConfig.from_extra({}).load == "async"
+    with pytest.raises(ConfigError, match="load"):
+        ConnectorConfig.from_extra({"load": "eager"})
 
 
 def test_channel_never_blocks_the_worker() -> None:
