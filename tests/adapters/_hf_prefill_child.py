@@ -14,8 +14,10 @@ import time
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:        # `adapters/` is a folder of the repository, not an installed package
-    sys.path.insert(0, ROOT)
+try:
+    import kvbridge_hf  # noqa: F401
+except ImportError:             # an editable install that predates the adapters (see conftest.py)
+    sys.path.insert(0, os.path.join(ROOT, "adapters"))
 
 SEED = 1234
 NEW_TOKENS = 8
@@ -42,7 +44,7 @@ def serve(conn: Any, prompts: list[list[int]], block_size: int, include_last: bo
     """Child entry point: publish one handle per prompt, send them, serve until "stop"."""
     import torch
 
-    from adapters.hf import layout_for_model, prefill_for_handoff, publish_cache
+    from kvbridge_hf import layout_for_model, prefill_for_handoff, publish_cache
     from kvbridge import KVPool, KVSender
 
     torch.set_num_threads(1)

@@ -1,4 +1,6 @@
-"""Fixtures for the Hugging Face adapter tests (skipped when transformers is not installed)."""
+"""Fixtures for the adapter tests. The adapters are installed modules (``kvbridge_hf``,
+``kvbridge_vllm``, ``kvbridge_sglang``); a checkout whose editable install predates them
+imports them from ``adapters/`` instead (``test_packaging`` checks the wheel ships them)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,10 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if ROOT not in sys.path:        # `adapters/` is a folder of the repository, not an installed package
-    sys.path.insert(0, ROOT)
-
-pytest.importorskip("transformers")
+try:
+    import kvbridge_hf  # noqa: F401
+except ImportError:
+    sys.path.insert(0, os.path.join(ROOT, "adapters"))
 
 
 @pytest.fixture(scope="session")

@@ -15,9 +15,12 @@ from typing import Any, Iterator
 
 import pytest
 import torch
+
+pytest.importorskip("transformers")
+
 from _hf_prefill_child import NEW_TOKENS, build_hf_model, serve
 
-from adapters.hf import (HFKVExporter, aload_cache, cache_layers, generate_from_cache, layout_for_config,
+from kvbridge_hf import (HFKVExporter, aload_cache, cache_layers, generate_from_cache, layout_for_config,
                          layout_for_model, load_cache, prefill_for_handoff, publish_cache, read_blocks,
                          write_blocks)
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender

@@ -1,0 +1,206 @@
+"""The scheduler-side half of the vLLM connector (runs in vLLM's engine core, owns no cache).
+
+Producer: marks which requests hand their KV off (``kv_transfer_params["do_remote_decode"]``),
+tells the worker to publish them in the step whose forward completes their prompt, and in
+``request_finished`` keeps their blocks (``delay_free``) and returns the worker's handle as
+``kv_transfer_params``. Consumer: a request arriving with a handle is checked against this
+engine's geometry, claimed (the claim is renewed while the request waits in the queue), and
+reported as external tokens loaded asynchronously; once vLLM has allocated its blocks the
+worker is told to fetch into them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Optional
+
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver
+from kvbridge.errors import KVBridgeError
+
+from .channel import HandleInbox, channel_name
+from .config import GEOMETRY_KEY, HANDLE_KEY, ConnectorConfig
+from .layout import Geometry, compare, geometry_from_spec
+from .metadata import KVBridgeMetadata
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kvbridge_vllm")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: ConnectorConfig, claimer: str,
+                 producer: bool, consumer: bool, engine_key: tuple[str, int]) -> None:
+        self.cfg = cfg
+        self.claimer = claimer
+        self.producer = producer
+        self.consumer = consumer
+        self.geometry: Geometry = geometry_from_spec(vllm_config, kv_cache_config)
+        self.block_size = self.geometry["block_size"]
+        self.kv_cache_manager: Any = None
+        self.inbox = HandleInbox(channel_name(*engine_key)) if producer else None
+        # producer
+        self._to_publish: dict[str, Any] = {}          # request id -> Request (prefill not complete)
+        self._published: set[str] = set()
+        self._meta = KVBridgeMetadata()
+        # consumer
+        self._handles: dict[str, KVHandle] = {}
+        self._refused: dict[str, str] = {}             # request id -> why (first-contact check)
+        self._claims: dict[str, tuple[Any, float]] = {}  # request id -> (claim, last renewal)
+        self._loading: set[str] = set()
+        self._claim_rcv: Optional[KVReceiver] = None
+
+    # -- consumer ------------------------------------------------------------------------
+    def _claimer_receiver(self) -> KVReceiver:
+        """A receiver to claim and renew with, under the worker's claimer name, so the worker's
+        fetch reuses the claim. The scheduler holds no cache: its pool is one block (see report)."""
+        if self._claim_rcv is None:
+            g = self.geometry
+            layout = KVLayout.mla(1, latent_dim=1, block_size=1, dtype=g["dtype"])
+            self._claim_rcv = KVReceiver(KVPool.allocate(layout, 1), secret=self.cfg.secret,
+                                         leases=self.cfg.leases, claimer=self.claimer, claim_ttl=self.cfg.claim_ttl,
+                                         lease_namespace=self.cfg.lease_namespace, timeout=self.cfg.timeout)
+        return self._claim_rcv
+
+    def on_new_request(self, request: Any) -> None:
+        params = request.kv_transfer_params
+        if not self.consumer or not params or HANDLE_KEY not in params:
+            return
+        rid = request.request_id
+        try:
+            h = KVHandle.from_dict(params[HANDLE_KEY], self.cfg.secret)
+        except KVBridgeError as exc:
+            self._refused[rid] = f"bad kvbridge handle: {exc}"
+            log.error("kvbridge: request %s: %s", rid, self._refused[rid])
+            return
+        self._handles[rid] = h
+        theirs = params.get(GEOMETRY_KEY) or {}
+        diff = compare({k: v for k, v in self.geometry.items() if k != "order"}, theirs)
+        if diff:
+            self._refused[rid] = ("the producer's KV cache does not match this engine's: " + "; ".join(diff)
+                                  + " (same model, dtype, block_size and tensor parallel size on both sides)")
+            log.error("kvbridge: request %s: %s", rid, self._refused[rid])
+            return
+        if h.lease_id:
+            try:
+                claim = self._claimer_receiver().claim(h)
+                self._claims[rid] = (claim, time.monotonic())
+            except KVBridgeError as exc:   # the worker's fetch will meet the same fate and report it
+                log.warning("kvbridge: claim of %s failed: %s", rid, exc)
+
+    def _load_end(self, request: Any, h: Optional[KVHandle]) -> int:
+        """Prompt tokens this engine takes from the producer: all of them (async; vLLM recomputes
+        the last), or (layer-wise) only whole blocks before the block holding the last prompt token,
+        so the forward that runs alongside the transfer never writes a block being loaded."""
+        n = request.num_prompt_tokens if h is None else min(h.num_tokens, request.num_prompt_tokens)
+        if self.cfg.load == "layerwise":
+            return ((n - 1) // self.block_size) * self.block_size
+        return n
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        rid = request.request_id
+        h = self._handles.get(rid)
+        if rid in self._loading or (h is None and rid not in self._refused):
+            return 0, False
+        n = self._load_end(request, h) - num_computed_tokens
+        return (n, self.cfg.load == "async") if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        params = request.kv_transfer_params or {}
+        if self.producer and params.get("do_remote_decode"):
+            self._to_publish[rid] = request
+        if not self.consumer or num_external_tokens <= 0 or rid in self._loading:
+            return
+        ids = list(blocks.get_block_ids()[0])
+        h = self._handles.pop(rid, None)
+        end = self._load_end(request, h)
+        first = (end - num_external_tokens) // self.block_size   # blocks vLLM already had (prefix cache)
+        idx = list(range(first, _cdiv(end, self.block_size)))
+        sync = self.cfg.load == "layerwise"
+        if rid in self._refused:
+            self._meta.refuse[rid] = ([ids[i] for i in idx], self._refused.pop(rid))
+        elif h is not None:
+            self._meta.load[rid] = (request.kv_transfer_params[HANDLE_KEY], [ids[i] for i in idx], idx)
+        else:
+            return
+        if sync:
+            self._meta.sync.append(rid)
+        else:
+            self._loading.add(rid)
+        self._claims.pop(rid, None)
+
+    def _renew_claims(self) -> None:
+        now = time.monotonic()
+        for rid, (claim, at) in list(self._claims.items()):
+            if now - at < self.cfg.claim_ttl / 3:
+                continue
+            h = self._handles.get(rid)
+            if h is None or claim is None:
+                self._claims.pop(rid, None)
+                continue
+            try:
+                self._claimer_receiver().renew(h, claim)
+                self._claims[rid] = (claim, now)
+            except KVBridgeError as exc:
+                log.warning("kvbridge: renewing the claim of %s failed: %s", rid, exc)
+                self._claims.pop(rid, None)
+
+    # -- producer ------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
+        if self.inbox is not None:
+            self.inbox.poll()              # keep the worker's queue short
+        for rid, req in list(self._to_publish.items()):
+            n = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if n and req.num_computed_tokens + n >= req.num_prompt_tokens:
+                ids = list(self.kv_cache_manager.get_block_ids(rid)[0])
+                nb = _cdiv(req.num_prompt_tokens, self.block_size)
+                self._meta.publish[rid] = (ids[:nb], req.num_prompt_tokens)
+                self._published.add(rid)
+                del self._to_publish[rid]
+        if self._claims:
+            self._renew_claims()
+        meta, self._meta = self._meta, KVBridgeMetadata()
+        return meta
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
+        rid = request.request_id
+        self._to_publish.pop(rid, None)
+        self._handles.pop(rid, None)
+        self._claims.pop(rid, None)
+        self._refused.pop(rid, None)
+        if rid in self._loading:            # consumer: finished (aborted) while its KV is on the way
+            self._meta.cancel.append(rid)
+            return False, None
+        if rid not in self._published:
+            return False, None
+        self._published.discard(rid)
+        assert self.inbox is not None
+        msg = self.inbox.take(rid, self.cfg.handle_wait)
+        finished_ok = request.status.name in ("FINISHED_LENGTH_CAPPED", "FINISHED_STOPPED")
+        if msg is None or "handle" not in msg or not finished_ok:
+            if msg is None:
+                log.error("kvbridge: no handle from the worker for %s within %s s", rid, self.cfg.handle_wait)
+            elif "error" in msg:
+                log.error("kvbridge: publishing %s failed: %s", rid, msg["error"])
+            self._meta.revoke.append(rid)   # the worker ends it and reports it finished sending
+            return True, None
+        return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                      HANDLE_KEY: msg["handle"], GEOMETRY_KEY: msg["geometry"]}
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_recving or ():
+            self._loading.discard(rid)
+
+    def has_pending(self) -> bool:
+        return bool(self._loading or self._published)
+
+    def shutdown(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()
+        if self._claim_rcv is not None:
+            self._claim_rcv.close()
