@@ -19,7 +19,7 @@ import logging
 import socket
 import threading
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncGenerator, Optional
 
 import httpx
 import uvicorn
@@ -224,7 +224,7 @@ class WorkerClient:
             _raise_for(r.status_code, r.content, url)
         return r.json()
 
-    async def stream(self, url: str, body: Any) -> AsyncIterator[Any]:
+    async def stream(self, url: str, body: Any) -> AsyncGenerator[Any, None]:
         """POST ``body``; yield each SSE ``data:`` event as parsed JSON until ``[DONE]``."""
         try:
             async with self.client.stream("POST", url, json=body, headers={"Accept": "text/event-stream"}) as r:

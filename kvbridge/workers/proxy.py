@@ -300,21 +300,22 @@ class Proxy:
                 with self._busy(url):
                     body = {"handle": handle, "prompt_ids": ids, "output_ids": out, "sampling": params.to_dict(),
                             "request_id": f"{rid}-d{attempts}", "stream": True}
-                    async for ev in self.client.stream(url + "/generate", body):
-                        if "error" in ev:
-                            raise _rebuild(ev)
-                        new = [int(t) for t in ev.get("token_ids", ())]
-                        if new:
-                            got += len(new)
-                            out.extend(new)
-                            yield new
-                        if ev.get("done"):
-                            t = ev.get("timings") or {}
-                            m.kv_transfer_s = (m.kv_transfer_s or 0.0) + float(t.get("kv_transfer_s") or 0.0)
-                            m.kv_bytes += int(t.get("kv_bytes") or 0)
-                            raise _Done(ev.get("finish_reason") or "length")
-                        if time.monotonic() > deadline:
-                            raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
+                    async with contextlib.aclosing(self.client.stream(url + "/generate", body)) as events:
+                        async for ev in events:
+                            if "error" in ev:
+                                raise _rebuild(ev)
+                            new = [int(t) for t in ev.get("token_ids", ())]
+                            if new:
+                                got += len(new)
+                                out.extend(new)
+                                yield new
+                            if ev.get("done"):
+                                t = ev.get("timings") or {}
+                                m.kv_transfer_s = (m.kv_transfer_s or 0.0) + float(t.get("kv_transfer_s") or 0.0)
+                                m.kv_bytes += int(t.get("kv_bytes") or 0)
+                                raise _Done(ev.get("finish_reason") or "length")
+                            if time.monotonic() > deadline:
+                                raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
             except KVBridgeError as exc:
                 if attempts >= self.cfg.max_attempts or exc.action is Action.FIX:
                     raise _with_context(exc, f"decode on {url} failed (attempt {attempts})")
@@ -345,19 +346,20 @@ class Proxy:
             try:
                 body = {"prompt_ids": ids, "sampling": params.to_dict(), "request_id": f"{rid}-c{attempt}",
                         "stream": True}
-                async for ev in self.client.stream(url + "/generate", body):
-                    if "error" in ev:
-                        raise _rebuild(ev)
-                    new = [int(t) for t in ev.get("token_ids", ())]
-                    if new:
-                        out.extend(new)
-                        yield new
-                    if ev.get("done"):
-                        t = ev.get("timings") or {}
-                        m.queue_s, m.prefill_s = t.get("queue_s"), t.get("prefill_s")
-                        raise _Done(ev.get("finish_reason") or "length")
-                    if time.monotonic() > deadline:
-                        raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
+                async with contextlib.aclosing(self.client.stream(url + "/generate", body)) as events:
+                    async for ev in events:
+                        if "error" in ev:
+                            raise _rebuild(ev)
+                        new = [int(t) for t in ev.get("token_ids", ())]
+                        if new:
+                            out.extend(new)
+                            yield new
+                        if ev.get("done"):
+                            t = ev.get("timings") or {}
+                            m.queue_s, m.prefill_s = t.get("queue_s"), t.get("prefill_s")
+                            raise _Done(ev.get("finish_reason") or "length")
+                        if time.monotonic() > deadline:
+                            raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
             except KVBridgeError as exc:
                 if out or attempt == 1 or exc.action is not Action.RETRY:
                     raise _with_context(exc, f"colocated worker {url} failed")

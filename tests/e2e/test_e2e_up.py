@@ -238,7 +238,9 @@ def test_up_from_a_folder_with_a_kvbridge_dir_and_sigint_mid_request(tmp_path: A
         for t in threads:
             t.start()
         assert first.wait(30)
-        time.sleep(0.3)
+        deadline = time.monotonic() + 10  # both requests are in the proxy's hands
+        while json.loads(get(up.url + "/health")[1])["in_flight"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         code, err = up.stop()
         for t in threads:
