@@ -1200,8 +1200,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.transport", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="sizes up to 64 MiB, fewer repetitions")
     ap.add_argument("--reps", type=int, default=None, help="repetitions per measurement (default 7, quick 3)")
-    ap.add_argument("--out", default="bench/results/transport.json")
-    ap.add_argument("--md", default="bench/results/transport.md")
+    ap.add_argument("--out", default="/tmp/kvbridge-bench/transport.json",
+                    help="results JSON (default: scratch; the committed results are bench/results/transport.json)")
+    ap.add_argument("--md", default="/tmp/kvbridge-bench/transport.md")
     ap.add_argument("--lat-iters", type=int, default=1000, help="latency iterations per repetition (>= 1000)")
     ap.add_argument("--sizes", default=None, help="comma-separated contiguous sizes in bytes (override)")
     ap.add_argument("--max-iters", type=int, default=400, help="cap on transfers per repetition")
