@@ -326,6 +326,11 @@ def nixl_main(conn: Any, role: str) -> None:
     buf: Any = None
     handle: Any = None
     while True:
+        # With the progress thread off, the target progresses its agent (connection set-up;
+        # a READ itself is one-sided) between commands, sleeping 1 ms at a time.
+        while not conn.poll(0.001):
+            if role == "target":
+                agent.get_new_notifs()
         try:
             cmd, arg = conn.recv()
         except EOFError:
