@@ -326,10 +326,20 @@ def nixl_main(conn: Any, role: str) -> None:
     buf: Any = None
     handle: Any = None
     while True:
+        # With the progress thread off, the target progresses its agent between commands:
+        # every 1 ms while idle, continuously between "spin" and the next command (while the
+        # initiator's timed transfer runs), as NIXL's progress thread would.
+        while not conn.poll(0.001):
+            if role == "target":
+                agent.get_new_notifs()
         try:
             cmd, arg = conn.recv()
         except EOFError:
             return
+        if cmd == "spin":
+            while not conn.poll(0):
+                agent.get_new_notifs()
+            continue
         try:
             if cmd == "setup":
                 buf = host_buffer(arg["nbytes"], seed=PLAIN_SEED if role == "target" else None)
@@ -351,6 +361,8 @@ def nixl_main(conn: Any, role: str) -> None:
             elif cmd == "exit":
                 conn.send(("ok", None))
                 return
+            elif cmd != "noop":
+                conn.send(("err", f"unknown command {cmd!r}"))
         except Exception as exc:  # report, keep serving
             conn.send(("err", f"{type(exc).__name__}: {exc}"))
 
@@ -381,7 +393,11 @@ class NixlPair:
         return val
 
     def run(self, i: int = 0) -> float:
-        return float(self._call(1, "run"))
+        self.conns[0].send(("spin", None))        # the target progresses until the next command
+        try:
+            return float(self._call(1, "run"))
+        finally:
+            self.conns[0].send(("noop", None))
 
     def close(self) -> None:
         for k, p in enumerate(self.procs):

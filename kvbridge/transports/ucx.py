@@ -25,9 +25,17 @@ verifies what landed (``finish``) and answers OK or ERROR, holding the write gra
 every posted receive has completed, so a cancel never frees pages under a write.
 
 Every control message is bounded (:data:`.wire.MAX_CONTROL`), parsed defensively, and
-answered with an ERROR when malformed. Waits poll the UCX worker for a short spin, then
-sleep on its event descriptor and the liveness socket, so an idle sender or receiver
-uses no CPU; every wait is bounded by ``Timeout.transfer`` without progress.
+answered with an ERROR when malformed. Waits poll the UCX worker for :data:`SPIN`
+seconds, then sleep on its event descriptor and the liveness socket, so an idle sender or
+receiver uses no CPU; a side about to sleep first rings the other with a *doorbell* on
+the liveness socket (a PING frame with id :data:`DOORBELL_ID` to the server, one byte to
+the client): a kernel socket wake-up takes microseconds where UCX's own took hundreds on
+this machine. Every wait is bounded by ``Timeout.transfer`` without progress.
+
+Why tagged messages and not RMA: ucxx 0.52's Python API has no memory registration,
+remote keys or GET/PUT; its tagged rendezvous over shared memory is a CMA zero-copy read
+by the receiver (the same single copy a one-sided GET makes), and UCX's registration
+cache keeps pool regions registered across transfers on RDMA transports.
 """
 
 from __future__ import annotations

@@ -20,7 +20,11 @@ from kvbridge.policy import Backoff
 
 from ._peer import LISTEN, LocalPeer, RemotePeer, fill_pool
 
-_NO_UCX = "" if importlib.util.find_spec("ucxx") else "ucx:// needs ucxx: pip install 'kvbridge[ucx]'"
+try:
+    _HAVE_UCXX = importlib.util.find_spec("ucxx") is not None
+except (ImportError, ValueError):   # blocked (sys.modules["ucxx"] = None) counts as missing
+    _HAVE_UCXX = False
+_NO_UCX = "" if _HAVE_UCXX else "ucx:// needs ucxx: pip install 'kvbridge[ucx]'"
 SCHEMES = ["inproc", "tcp", "shm", pytest.param("ucx", marks=pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX))]
 
 
