@@ -139,7 +139,8 @@ def test_tcp_read_only_4k(benchmark, bench: bt.Bench) -> None:
 def test_driver_smoke(tmp_path: Path, capsys, bench: bt.Bench) -> None:
     """The whole driver on a tiny configuration (the module's sender): JSON + Markdown written."""
     out, md = tmp_path / "t.json", tmp_path / "t.md"
-    b = bt.Bench(reps=2, quick=True, lat_iters=30, lat_reps=2, sizes=[bt.MiB], blocks=False, max_iters=10)
+    b = bt.Bench(reps=2, quick=True, lat_iters=30, lat_reps=2, sizes=[bt.MiB], blocks=False, max_iters=10,
+                 transports=["tcp", "shm"])      # ucx: test_driver_smoke_ucx
     b.run(sender=bench.sender)
     bt.emit(b, str(out), str(md))
     data = json.loads(out.read_text())
@@ -158,3 +159,19 @@ def test_driver_smoke(tmp_path: Path, capsys, bench: bt.Bench) -> None:
 def test_cli_args() -> None:
     with pytest.raises(SystemExit):
         bt.main(["--help"])
+
+
+@pytest.mark.timeout(120)
+def test_driver_smoke_ucx(tmp_path: Path, bench: bt.Bench) -> None:
+    """The driver's ucx rows against the bare-ucxx ceiling (skipped without ucxx)."""
+    if not bt.ucx_available():
+        pytest.skip("ucxx is not installed (pip install 'kvbridge[ucx]')")
+    out, md = tmp_path / "u.json", tmp_path / "u.md"
+    b = bt.Bench(reps=2, quick=True, lat_iters=20, lat_reps=1, sizes=[bt.MiB], blocks=False, latency=False,
+                 max_iters=5, transports=["ucx"])
+    b.nixl = False
+    b.run(sender=bench.sender)
+    bt.emit(b, str(out), str(md))
+    rows = json.loads(out.read_text())["throughput"]
+    assert {r["transport"] for r in rows} == {"ucx (verify)", "ucx (verify=False)"}
+    assert all(len(r["ratios"]) == 2 and r["ratios"][0] > 0 for r in rows)

@@ -28,12 +28,6 @@ _NO_UCX = "" if _HAVE_UCXX else "ucx:// needs ucxx: pip install 'kvbridge[ucx]'"
 SCHEMES = ["inproc", "tcp", "shm", pytest.param("ucx", marks=pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX))]
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # test_malformed_frames opens a raw tcp or unix socket by URL scheme; ucx://'s socket
-    # speaks the same frames and is tested with them in test_ucx.py.
-    for item in items:
-        if item.name.startswith("test_malformed_frames[ucx-"):
-            item.add_marker(pytest.mark.skip(reason="raw-socket frames on ucx:// are in tests/core/test_ucx.py"))
 FAST_RETRY = Retry(attempts=2, backoff=Backoff(base=0.01, cap=0.05), deadline=10.0)
 RECV_TIMEOUT = Timeout(connect=2.0, transfer=10.0)
 _seeds = itertools.count(1000)

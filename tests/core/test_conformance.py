@@ -483,7 +483,7 @@ def test_cancelled_afetch_raises_cancelled(scheme, make_sender, make_receiver, p
 # -- malformed frames on the raw socket (socket-based transports) ----------------------------------
 def _raw_connect(url: str) -> socket.socket:
     u = urlsplit(url)
-    if u.scheme == "tcp":
+    if u.scheme in ("tcp", "ucx"):
         s = socket.create_connection((u.hostname, u.port), timeout=5)
     else:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
