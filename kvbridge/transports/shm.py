@@ -35,8 +35,8 @@ from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
 from .sockets import SocketClient, SocketServer, connector
 from .staging import copy_slices, device_slices
 from .tcp import _claim_of
-from .wire import (FENCE, HEADER, LAYERS, FrameReader, Kind, decode_error, decode_layers, decode_request, encode_layers, encode_request,
-                   map_os_error, pack, recv_exact, unpack_header)
+from .wire import (FENCE, HEADER, LAYERS, FrameReader, Kind, decode_error, decode_layers, decode_request,
+                   encode_layers, encode_request, map_os_error, pack, recv_exact, unpack_header)
 
 __all__ = ["ShmTransport"]
 

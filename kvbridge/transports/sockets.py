@@ -18,8 +18,9 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
-from .wire import (FENCE, HEADER, MAX_CONTROL, Budget, FrameReader, Kind, RateGuard, decode_error, decode_request, encode_error,
-                   encode_layers, map_os_error, pack, recv_exact, send_iter, set_os_timeouts, unpack_header)
+from .wire import (FENCE, HEADER, MAX_CONTROL, Budget, FrameReader, Kind, RateGuard, decode_error, decode_request,
+                   encode_error, encode_layers, map_os_error, pack, recv_exact, send_iter, set_os_timeouts,
+                   unpack_header)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 

@@ -17,7 +17,6 @@ import time
 from typing import Any, Optional
 
 import pytest
-import torch
 
 from kvbridge import KVPool, KVReceiver, KVSender, Transfer, TransferState
 from kvbridge.workers.engine import Engine

@@ -12,7 +12,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from typing import Iterator
 
