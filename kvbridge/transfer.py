@@ -123,13 +123,13 @@ class Transfer:
         assert self._job is not None
         try:
             res = self._job(self)
-        except BaseException as exc:   # a job reports failures in its result; this is a bug
+        except BaseException:   # a job reports failures in its result; this is a bug
             log.exception("transfer %s crashed", self.request_id)
-            self._fail_crashed(exc)
+            self._fail_crashed()
             raise
         self._finish(res)
 
-    def _fail_crashed(self, exc: BaseException) -> None:
+    def _fail_crashed(self) -> None:
         with self._cv:
             self._state = TransferState.FAILED
             self._cv.notify_all()
@@ -290,12 +290,11 @@ class Workers:
         while True:
             with self._cv:
                 self._waiting += 1
-                got = self._cv.wait_for(lambda: self._queue or self._closed, self._idle)
+                self._cv.wait_for(lambda: self._queue or self._closed, self._idle)
                 self._waiting -= 1
-                if not self._queue:
-                    if got or self._closed or not self._queue:
-                        self._threads -= 1
-                        return
+                if not self._queue:             # idle for a while, or closed: the thread goes away
+                    self._threads -= 1
+                    return
                 t = self._queue.popleft()
             t._run()
 

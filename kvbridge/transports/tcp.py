@@ -34,10 +34,11 @@ PIPELINE_WINDOW = 16
 _RINGS = RingPool()
 
 
-def parse_tcp_url(url: str) -> tuple[str, int]:
+def parse_tcp_url(url: str, scheme: str = "tcp") -> tuple[str, int]:
+    """(host, port) of a ``scheme://host:port`` URL (port 0 when absent)."""
     u = urlsplit(url)
-    if u.scheme != "tcp" or not u.hostname:
-        raise ConfigError(f"expected tcp://host:port, got {url!r}")
+    if u.scheme != scheme or not u.hostname:
+        raise ConfigError(f"expected {scheme}://host:port, got {url!r}")
     try:
         port = u.port or 0
     except ValueError:

@@ -52,7 +52,6 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
-from urllib.parse import urlsplit
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")   # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 ignores
 
@@ -71,6 +70,7 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, ReadGrant, Server, Spans, SpansFor, Transport
 from .sockets import SocketServer, connector, tune
+from .tcp import parse_tcp_url
 from .staging import copy_slices, device_slices
 from .wire import (F_LAYERS, HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, decode_request,
                    encode_error, encode_layers, encode_request, map_os_error, pack, recv_exact, unpack_header)
@@ -115,14 +115,7 @@ def _tag(kind: int, cid: int, rid: int) -> int:
 
 
 def parse_ucx_url(url: str) -> tuple[str, int]:
-    u = urlsplit(url)
-    if u.scheme != "ucx" or not u.hostname:
-        raise ConfigError(f"expected ucx://host:port, got {url!r}")
-    try:
-        port = u.port or 0
-    except ValueError:
-        raise ConfigError(f"bad port in {url!r}") from None
-    return u.hostname, port
+    return parse_tcp_url(url, "ucx")
 
 
 # -- one UCX context per process, workers per server / client ---------------------------------
