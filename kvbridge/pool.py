@@ -38,6 +38,7 @@ from .layout import KVLayout, KVOrder
 __all__ = ["KVPool", "SharedSegment", "sweep_dead_segments"]
 
 _ALIGN = 4096
+GEN_SIZE = 4   # bytes per block in a shared pool's generation table (native-endian u32)
 TensorOrPair = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -153,7 +154,7 @@ class KVPool:
 
     def __init__(self, layout: KVLayout, buffers: Sequence[torch.Tensor], num_blocks: int,
                  segment: Optional[SharedSegment] = None, buffer_offsets: Sequence[int] = (),
-                 allocator: str = "kvbridge") -> None:
+                 allocator: str = "kvbridge", gen_offset: Optional[int] = None) -> None:
         if allocator not in ("kvbridge", "engine"):
             raise ConfigError(f"allocator must be 'kvbridge' or 'engine', got {allocator!r}")
         self.engine_allocated = allocator == "engine"
@@ -167,6 +168,12 @@ class KVPool:
         self._free: deque[int] = deque(() if self.engine_allocated else range(num_blocks))
         self._refs = [0] * num_blocks
         self._gens = [0] * num_blocks
+        # A shared pool mirrors each generation (u32) into its segment at ``gen_offset``, so a
+        # reader that maps the segment checks generations with no message (shm:// one-sided reads).
+        self.gen_offset = gen_offset if segment is not None else None
+        self._shared_gens: Optional[memoryview] = None
+        if segment is not None and gen_offset is not None:
+            self._shared_gens = segment.view[gen_offset:gen_offset + GEN_SIZE * num_blocks].cast("I")
         self._views: Optional[list[memoryview]] = None
         self._staged = False
         self.on_free: list[Callable[[list[int]], None]] = []
@@ -192,13 +199,16 @@ class KVPool:
         parts_per_buffer = 2 if layout.kv_order in (KVOrder.KV_FIRST, KVOrder.BLOCK_FIRST) else 1
         nbytes = num_blocks * layout.part_nbytes * parts_per_buffer
         stride = -(-nbytes // _ALIGN) * _ALIGN
-        seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", stride * layout.num_buffers, create=True)
+        gen_offset = stride * layout.num_buffers          # the generation table follows the buffers
+        seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", gen_offset + GEN_SIZE * num_blocks,
+                            create=True)
         bufs, offs = [], []
         for i in range(layout.num_buffers):
             raw = torch.frombuffer(seg.mmap, dtype=torch.uint8, count=nbytes, offset=i * stride)
             bufs.append(raw.view(layout.torch_dtype).view(shape))
             offs.append(i * stride)
-        return cls(layout, bufs, num_blocks, segment=seg, buffer_offsets=offs, allocator=allocator)
+        return cls(layout, bufs, num_blocks, segment=seg, buffer_offsets=offs, allocator=allocator,
+                   gen_offset=gen_offset)
 
     @classmethod
     def wrap(cls, layout: KVLayout, tensors: Sequence[TensorOrPair], allocator: str = "kvbridge") -> "KVPool":
@@ -327,10 +337,13 @@ class KVPool:
         gens, refs, n = self._gens, self._refs, self.num_blocks
         pinned: list[int] = []
         with self._lock:
+            shared = self._shared_gens
             for b in block_ids:
                 if not 0 <= b < n:
                     raise PoolError(f"block id {b!r} outside pool of {n} blocks")
                 gens[b] = (gens[b] + 1) & 0xFFFFFFFF
+                if shared is not None:
+                    shared[b] = gens[b]    # before the engine may write the block again
                 if refs[b]:
                     pinned.append(b)
         if pinned:
@@ -357,6 +370,8 @@ class KVPool:
                     freed.append(b)
                     if not self.engine_allocated:   # the engine retires its own blocks
                         self._gens[b] = (self._gens[b] + 1) & 0xFFFFFFFF
+                        if self._shared_gens is not None:
+                            self._shared_gens[b] = self._gens[b]   # published before the block is reusable
                         self._free.append(b)
         if freed:
             for cb in list(self.on_free):
@@ -376,6 +391,9 @@ class KVPool:
     def close(self) -> None:
         self._views = None
         self.buffers = []
+        if self._shared_gens is not None:
+            self._shared_gens.release()
+            self._shared_gens = None
         if self.segment is not None:
             self.segment.close()
 

@@ -276,6 +276,9 @@ class KVSender:
             else:
                 closed = False
                 self._records[handle.handle_id] = rec
+                if not layerwise and frames is None:   # under the lock: never after its end
+                    for srv in self.servers:
+                        srv.published(handle.handle_id, rec.raw)
                 if handle.lease_id:
                     self._by_lease[handle.lease_id] = rec
                 if self.pool.engine_allocated:
@@ -550,6 +553,8 @@ class KVSender:
             rec.live = False
             rec.reason = reason
             self._records.pop(rec.handle.handle_id, None)
+            for srv in self.servers:
+                srv.ended(rec.handle.handle_id)    # one-sided readers see the end before any free
             self._by_lease.pop(rec.handle.lease_id, None)
             if self._by_block:
                 for b in rec.block_ids:

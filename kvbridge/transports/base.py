@@ -239,6 +239,13 @@ class BlockSink(Protocol):
 class Server(abc.ABC):
     url: str
 
+    def published(self, handle_id: bytes, raw: bytes) -> None:
+        """The source published a whole, raw handle (``raw``: its bytes). A server that serves
+        reads without the source's help (shm:// one-sided reads) indexes it here."""
+
+    def ended(self, handle_id: bytes) -> None:
+        """That handle ended; called before any of its blocks is freed."""
+
     @abc.abstractmethod
     def close(self) -> None: ...
 

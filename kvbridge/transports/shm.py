@@ -8,6 +8,13 @@ segment read-only, copies, then DONE asks whether the handle is still valid -- t
 server holds an in-flight count between MAP and DONE, so the blocks cannot be freed
 under the copy, and a stale answer discards the bytes.
 
+One-sided reads (whole raw handles, host destinations, x86-64): the first read from a
+sender sends OPEN, which is authorized like a MAP and answers where the sender's pool, its
+block generations and its live-handle table are; the receiver maps them read-only and
+from then on reads with no message at all -- check, copy, re-check, seqlock-style (see
+:mod:`.shmtable` for the safety argument). Leased handles are claimed by the receiver in
+the lease store and validated there after the read, as for any transport.
+
 Push: the receiver's pool must live in shared memory. WMAP asks for the reserved
 blocks of some layers; the writer maps that segment writable, copies, and WDONE hands
 over the checksums, which the receiver verifies over what landed before answering OK.
@@ -17,13 +24,14 @@ pages under the copy.
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
 import struct
 import threading
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle
@@ -32,6 +40,8 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from ..pool import SharedSegment
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
+from .shmcopy import copy_into
+from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
 from .sockets import SocketClient, SocketServer, connector
 from .staging import copy_slices, device_slices
 from .tcp import _claim_of
@@ -73,13 +83,35 @@ def _mapped_body(grant: Any, layers: tuple[int, int], sums: bytes, what: str) ->
 
 class ShmServer(SocketServer):
     def __init__(self, *a: Any, **kw: Any) -> None:
-        super().__init__(*a, **kw)
         self._open: dict[socket.socket, dict[int, Any]] = {}
         self._glock = threading.Lock()
+        self._watchers: set[socket.socket] = set()   # connections OPEN came on: their readers' liveness signal
+        self.table: Optional[HandleTable] = None
+        super().__init__(*a, **kw)
+        pool = getattr(self.endpoint, "pool", None)
+        if (ONE_SIDED and hasattr(self.endpoint, "open_read") and pool is not None
+                and getattr(pool, "segment", None) is not None and getattr(pool, "gen_offset", None) is not None):
+            self.table = HandleTable(pool.num_blocks)
+
+    def published(self, handle_id: bytes, raw: bytes) -> None:
+        if self.table is not None:
+            self.table.add(handle_id, raw)
+
+    def ended(self, handle_id: bytes) -> None:
+        if self.table is not None:
+            self.table.remove(handle_id)
+
+    def close(self) -> None:
+        super().close()
+        if self.table is not None:
+            self.table.close()
 
     def idle_timeout(self, conn: socket.socket) -> float:
-        # A peer holding a mapping must finish its copy within the transfer timeout.
-        return self.timeout.transfer if self._open.get(conn) else super().idle_timeout(conn)
+        # A peer holding a mapping must finish its copy within the transfer timeout; a reader's
+        # OPEN connection stays (parked, no thread) as long as the reader keeps it.
+        if self._open.get(conn):
+            return self.timeout.transfer
+        return float("inf") if conn in self._watchers else super().idle_timeout(conn)
 
     def can_park(self, conn: socket.socket) -> bool:
         return not self._open.get(conn)
@@ -87,6 +119,7 @@ class ShmServer(SocketServer):
     def connection_closed(self, conn: socket.socket) -> None:
         with self._glock:
             grants = self._open.pop(conn, {})
+            self._watchers.discard(conn)
         for g in grants.values():
             g.close()
 
@@ -99,6 +132,20 @@ class ShmServer(SocketServer):
             return self._open.get(conn, {}).pop(req_id, None)
 
     def handle(self, conn: socket.socket, reader: FrameReader, kind: Kind, req_id: int, payload: bytes) -> bool:
+        if kind is Kind.OPEN:
+            if self.table is None:
+                conn.sendall(pack(Kind.OK, req_id))       # not offered: the reader uses MAP/DONE
+                return True
+            try:   # authorized like a MAP of a live handle; holds nothing
+                req = decode_request(payload)
+                self.source.open_read(req.ticket, req.indices, req.claim).close()
+            except KVBridgeError as exc:
+                self._reply_error(conn, req_id, exc)
+                return True
+            with self._glock:
+                self._watchers.add(conn)
+            conn.sendall(pack(Kind.MAPPED, req_id, open_info(self.source.pool, self.table)))  # type: ignore[attr-defined]
+            return True
         if kind in (Kind.MAP, Kind.WMAP):
             grant = None
             try:
@@ -157,13 +204,17 @@ def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]
 
 class ShmTransport(Transport):
     scheme = "shm"
-    claims_on_read = True
+    # One-sided reads carry no message to claim in: the receiver claims in the lease store itself.
+    claims_on_read = not ONE_SIDED
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
         self._clients: dict[str, SocketClient] = {}
         self._maps: OrderedDict[tuple[str, bool], SharedSegment] = OrderedDict()
+        self._senders: dict[str, Optional[SenderMap]] = {}   # url -> mapped sender (None: MAP/DONE only)
         self._lock = threading.Lock()
+        self._open_lock = threading.Lock()
+        self.after_copy: Optional[Callable[[KVHandle], None]] = None   # fault injection: runs between copy and re-check
 
     @classmethod
     def serve(cls, url: str, source: Any, timeout: Timeout = Timeout()) -> Server:
@@ -257,8 +308,113 @@ class ShmTransport(Transport):
         whole = seg.tensor()   # a device pool: host-to-device straight from the mapped segment
         return copy_slices(device_slices(dst), [whole[o:o + k] for o, k in runs])
 
+    def _sender(self, url: str, handle: KVHandle, claim: Optional[Claim]) -> Optional[SenderMap]:
+        """The sender at ``url`` mapped for one-sided reads: OPEN once (a refusal of the
+        handle is raised, as MAP would); None where the sender does not offer them."""
+        try:
+            return self._senders[url]
+        except KeyError:
+            pass
+        with self._open_lock:          # one OPEN per sender, even when reads race
+            if url in self._senders:
+                return self._senders[url]
+            return self._open_sender(url, handle, claim)
+
+    def _open_sender(self, url: str, handle: KVHandle, claim: Optional[Claim]) -> Optional[SenderMap]:
+        client = self._client(url)
+        what = f"open {url}"
+        sock, k, _, length = client.call(Kind.OPEN, encode_request(handle.to_bytes(), None, claim), what)
+        try:
+            body = recv_exact(sock, length) if length else b""
+        except BaseException as exc:
+            sock.close()
+            raise map_os_error(exc, what) from None
+        if k is Kind.ERROR:
+            client.put_back(sock)
+            raise decode_error(body)
+        m: Optional[SenderMap] = None
+        if k is Kind.MAPPED:
+            try:
+                info = json.loads(body)
+                seg = SharedSegment(info["segment"], writable=False)
+                try:
+                    table = SharedSegment(info["table"], writable=False)
+                except BaseException:
+                    seg.close()
+                    raise
+            except ConfigError as exc:
+                sock.close()
+                raise StaleHandle(f"the peer's shared memory is gone: {exc}") from None
+            except (ValueError, KeyError, TypeError):
+                sock.close()
+                raise ProtocolError("OPEN reply is malformed") from None
+            try:
+                m = SenderMap(body, seg, table)
+            except BaseException:
+                seg.close()
+                table.close()
+                sock.close()
+                raise
+            sock.setblocking(False)
+            m.watch = sock                     # kept: its EOF says the sender is gone
+        else:
+            client.put_back(sock)
+        with self._lock:
+            self._senders[url] = m
+        return m
+
+    def _forget(self, url: str, m: SenderMap) -> None:
+        """Stop reading one-sided from a sender that went away. The mapping is left to the
+        garbage collector: another thread may still be copying out of it."""
+        with self._lock:
+            if self._senders.get(url) is m:
+                del self._senders[url]
+        m.watch.close()
+
+    def _read_one_sided(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans,
+                        indices: Optional[list[int]]) -> Optional[int]:
+        """Check, copy, re-check; None when the fast path cannot vouch for the read (the
+        MAP/DONE exchange then answers, with the sender's own refusal if there is one)."""
+        hit = m.lookup(handle.to_bytes())
+        if hit is None:
+            return None
+        ids, want, gens, nb = handle.block_ids, handle.generations, m.gens, m.num_blocks
+        for b, g in zip(ids, want):
+            if not 0 <= b < nb or gens[b] != g:
+                return None
+        if indices is None:
+            sel = ids
+        else:
+            n = len(ids)
+            if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
+                return None
+            sel = tuple(ids[i] for i in indices)
+        nbytes = copy_into(dst.views(), m.view, m.source_runs(tuple(sel)), dst.on_landed)
+        if self.after_copy is not None:
+            self.after_copy(handle)
+        if not m.still(*hit) or any(gens[b] != g for b, g in zip(ids, want)):
+            raise StaleHandle("blocks were freed during the copy; bytes discarded")
+        try:
+            alive = m.watch.recv(1, socket.MSG_PEEK) != b""
+        except BlockingIOError:
+            alive = True
+        except OSError:
+            alive = False
+        if not alive:                         # the sender closed or died: let MAP/DONE say which
+            self._forget(url, m)
+            return None
+        return nbytes
+
     def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
              claim: Optional[Claim] = None) -> int:
+        if ONE_SIDED and dst.pool.is_host and not handle.layerwise and handle.codec == "raw" and (
+                claim is None or claim.epoch != 0):
+            m = self._sender(url, handle, claim)
+            if m is not None:
+                n = self._read_one_sided(url, m, handle, dst, indices)
+                if n is not None:
+                    return n
+
         def move(body: bytes) -> tuple[int, bytes]:
             dst.claimed = _claim_of(body, claim)
             seg, runs = self._runs(body, FENCE.size + LAYERS.size, False)
@@ -305,9 +461,13 @@ class ShmTransport(Transport):
     def close(self) -> None:
         with self._lock:
             clients, maps = list(self._clients.values()), list(self._maps.values())
+            senders = [m for m in self._senders.values() if m is not None]
             self._clients.clear()
             self._maps.clear()
+            self._senders.clear()
         for c in clients:
             c.close()
         for m in maps:
             m.close()
+        for s in senders:
+            s.close()

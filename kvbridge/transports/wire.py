@@ -50,6 +50,7 @@ class Kind(enum.IntEnum):
     WMAP = 14      # shm push: reservation + layers -> MAPPED (the receiver's segment runs) | ERROR
     WDONE = 15     # shm push: the copy finished (checksums) -> OK | ERROR
     WABORT = 16    # push: the writer gives up -> OK | ERROR
+    OPEN = 17      # shm: handle -> MAPPED (where to read one-sided, once per peer) | OK (not offered) | ERROR
 
 
 def pack(kind: Kind, req_id: int, payload: bytes = b"", length: Optional[int] = None) -> bytes:

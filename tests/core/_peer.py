@@ -251,6 +251,15 @@ class SenderHost:
             return _SlowGrant(orig_open(self_, *a, **k), done_delay)
         _socket.socket.sendmsg = slow_sendmsg  # type: ignore[method-assign]
         KVSender.open_read = slow_open  # type: ignore[method-assign]
+        # shm:// one-sided reads never reach this process: withdraw them, so reads take the
+        # (slowed) MAP/DONE exchange
+        for snd in self.senders.values():
+            for srv in snd.servers:
+                table = getattr(srv, "table", None)
+                if table is not None:
+                    for hid in list(table._slots):
+                        table.remove(hid)
+                    table.add = lambda handle_id, raw: False
 
     def close(self) -> None:
         for sid in list(self.senders):

@@ -87,7 +87,9 @@ def test_shm_reader_maps_the_sender_read_only():
     src.alloc(4)
     with KVSender(src, "shm://", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         assert rcv.fetch(snd.publish("r", [0, 1], 4), [2, 3]).ok
-        segs = list(rcv.transport(snd.url)._maps.values())
+        tr = rcv.transport(snd.url)
+        segs = list(tr._maps.values()) + [seg for m in tr._senders.values() if m is not None
+                                          for seg in (m.segment, m.table)]   # MAP/DONE and one-sided maps
         assert segs and all(not seg.writable and seg.view.readonly for seg in segs)
         with pytest.raises(TypeError):
             segs[0].view[0] = 1

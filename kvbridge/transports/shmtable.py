@@ -1,0 +1,202 @@
+"""shm:// one-sided reads: the live-handle table and the reader's view of a sender.
+
+A sender's shm endpoint keeps, in a shared-memory segment of its own, a table of the
+whole raw handles it serves: one 32-byte slot per live handle, holding a 16-byte BLAKE2b
+digest of the handle's exact bytes and a sequence number (odd: live). Together with the
+per-block generations that a shared :class:`~kvbridge.pool.KVPool` mirrors into its
+segment, it lets a reader that mapped both (once, over the control channel) do what a
+MAP/DONE exchange did, with no message:
+
+1. the handle's digest is in the table and live (the bytes are exactly what the sender
+   issued -- token and MAC included -- and the handle has not ended), and every block's
+   generation equals the handle's;
+2. copy the blocks out of the mapped pool;
+3. the slot's sequence number and every generation are unchanged, and the sender's
+   control connection is still open.
+
+A block's memory is rewritten only after its generation moved on (``KVPool.free`` and
+``KVPool.retire`` publish the new generation before the block can be reused), and the
+sender clears a handle's slot when the handle ends, before it frees anything. So if
+step 3 sees the same values as step 1, no byte copied in step 2 came from a reuse; if
+it does not, the bytes are discarded (:class:`~kvbridge.errors.StaleHandle`, as DONE
+answered). The argument needs stores to become visible in program order and loads not
+to pass loads (x86-64's TSO); elsewhere :data:`ONE_SIDED` is False and every read takes
+the MAP/DONE exchange.
+
+Anything the fast path cannot vouch for -- a handle not in the table (layer-wise, coded,
+table full, ended, forged), a generation already moved, a bad index -- goes to the
+MAP/DONE exchange, so refusals keep their exact error from the sender.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import secrets
+import struct
+import threading
+from typing import Any, Optional
+
+from ..errors import ConfigError, ProtocolError
+from ..layout import KVLayout
+from ..pool import GEN_SIZE, SharedSegment
+
+__all__ = ["ONE_SIDED", "HandleTable", "SenderMap", "digest"]
+
+ONE_SIDED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+MAGIC = b"KVBTAB1\0"
+HEAD = struct.Struct("=8sI")
+HEAD_SIZE = 64
+SLOT = 32            # u32 seq | u32 pad | 16-byte digest | pad
+SEQ_STRIDE = SLOT // 4
+PROBE = 8            # slots a handle may sit in, from its home slot
+MIN_SLOTS = 4096     # 128 KiB: a few thousand live handles, whatever the pool's size
+MAX_SLOTS = 1 << 20
+
+
+def digest(raw: bytes) -> bytes:
+    return hashlib.blake2b(raw, digest_size=16).digest()
+
+
+def _home(d: bytes, n: int) -> int:
+    return int.from_bytes(d[:4], "little") & (n - 1)
+
+
+class HandleTable:
+    """The sender's side: publish and end handles in the shared table (thread-safe)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        n = MIN_SLOTS
+        while n < 4 * num_blocks and n < MAX_SLOTS:
+            n *= 2
+        self.nslots = n
+        self.segment = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", HEAD_SIZE + n * SLOT,
+                                     create=True)
+        view = self.segment.view
+        view[:HEAD.size] = HEAD.pack(MAGIC, n)
+        self._view = view
+        self._seq = view[HEAD_SIZE:].cast("I")
+        self._slots: dict[bytes, int] = {}        # handle id -> slot
+        self._lock = threading.Lock()
+        self.full = 0                             # handles left to MAP/DONE because the table was full
+
+    def add(self, handle_id: bytes, raw: bytes) -> bool:
+        d = digest(raw)
+        n, seq = self.nslots, self._seq
+        with self._lock:
+            if handle_id in self._slots or self._seq is None:
+                return False
+            home = _home(d, n)
+            for k in range(PROBE):
+                i = (home + k) & (n - 1)
+                s = seq[i * SEQ_STRIDE]
+                if not s & 1:                     # free: write the digest, then make it live
+                    off = HEAD_SIZE + i * SLOT + 8
+                    self._view[off:off + 16] = d
+                    seq[i * SEQ_STRIDE] = (s + 1) & 0xFFFFFFFF
+                    self._slots[handle_id] = i
+                    return True
+            self.full += 1
+            return False
+
+    def remove(self, handle_id: bytes) -> None:
+        with self._lock:
+            i = self._slots.pop(handle_id, None)
+            if i is not None and self._seq is not None:
+                j = i * SEQ_STRIDE
+                self._seq[j] = (self._seq[j] + 1) & 0xFFFFFFFF    # even: ended
+
+    def close(self) -> None:
+        """End every slot (readers fall back to the control channel), then unmap."""
+        with self._lock:
+            if self._seq is None:
+                return
+            for i in self._slots.values():
+                self._seq[i * SEQ_STRIDE] = (self._seq[i * SEQ_STRIDE] + 1) & 0xFFFFFFFF
+            self._slots.clear()
+            self._seq.release()
+            self._seq = None
+        self.segment.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"table": self.segment.name}
+
+
+def open_info(pool: Any, table: HandleTable) -> bytes:
+    """What OPEN answers: where the pool, its generations and the handle table are."""
+    return json.dumps({"segment": pool.segment.name, "gen_offset": pool.gen_offset, "num_blocks": pool.num_blocks,
+                       "buffer_offsets": list(pool.buffer_offsets), "layout": pool.layout.to_dict(),
+                       "table": table.segment.name}).encode()
+
+
+class SenderMap:
+    """The reader's side: one sender's pool, generations and handle table, mapped read-only."""
+
+    def __init__(self, info: bytes, segment: SharedSegment, table: SharedSegment) -> None:
+        try:
+            d = json.loads(info)
+            self.layout = KVLayout.from_dict(d["layout"])
+            self.num_blocks = int(d["num_blocks"])
+            self.offsets = [int(o) for o in d["buffer_offsets"]]
+            gen_offset = int(d["gen_offset"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ProtocolError(f"OPEN reply is malformed: {exc}") from None
+        if (len(self.offsets) != self.layout.num_buffers or gen_offset < 0
+                or gen_offset + GEN_SIZE * self.num_blocks > segment.size):
+            raise ProtocolError("OPEN reply names memory outside the segment")
+        magic, n = HEAD.unpack_from(table.view, 0)
+        if magic != MAGIC or n & (n - 1) or HEAD_SIZE + n * SLOT > table.size:
+            raise ProtocolError("peer's handle table is malformed")
+        self.segment, self.table = segment, table
+        self.view = segment.view
+        self.gens = segment.view[gen_offset:gen_offset + GEN_SIZE * self.num_blocks].cast("I")
+        self.tview = table.view
+        self.seq = table.view[HEAD_SIZE:HEAD_SIZE + n * SLOT].cast("I")
+        self.nslots = n
+        self.runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}   # block ids -> source runs (small LRU)
+        self.watch: Any = None                    # the control connection OPEN came on: EOF = sender gone
+
+    def lookup(self, raw: bytes) -> Optional[tuple[int, int]]:
+        """(slot, seq) of a live handle with exactly these bytes, or None."""
+        d = digest(raw)
+        n, seq, tv = self.nslots, self.seq, self.tview
+        home = _home(d, n)
+        for k in range(PROBE):
+            i = (home + k) & (n - 1)
+            s = seq[i * SEQ_STRIDE]
+            if s & 1:
+                off = HEAD_SIZE + i * SLOT + 8
+                if tv[off:off + 16] == d and seq[i * SEQ_STRIDE] == s:
+                    return i, s
+        return None
+
+    def still(self, slot: int, s: int) -> bool:
+        return bool(self.seq[slot * SEQ_STRIDE] == s)
+
+    def source_runs(self, ids: tuple[int, ...]) -> list[tuple[int, int]]:
+        runs = self.runs.get(ids)
+        if runs is None:
+            offs, size = self.offsets, self.segment.size
+            try:
+                runs = [(offs[b] + o, k) for b, o, k in self.layout.segments(list(ids), self.num_blocks)]
+            except IndexError:
+                raise ProtocolError("handle names blocks outside the sender's pool") from None
+            if any(o + k > size for o, k in runs):
+                raise ProtocolError("handle names bytes outside the sender's segment")
+            if len(self.runs) >= 256:
+                self.runs.pop(next(iter(self.runs)))
+            self.runs[ids] = runs
+        return runs
+
+    def close(self) -> None:
+        for v in (self.gens, self.seq):
+            v.release()
+        for seg in (self.segment, self.table):
+            try:
+                seg.close()
+            except (BufferError, ConfigError):
+                pass
+        if self.watch is not None:
+            self.watch.close()
