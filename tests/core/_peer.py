@@ -137,7 +137,8 @@ class SenderHost:
 
     def op_new_sender(self, layout: dict, num_blocks: int, listen: str, seed: int, ttl: float = 60.0,
                       secret: Optional[str] = None, reserve_all: bool = False,
-                      timeout: Optional[dict] = None, allocator: str = "kvbridge", normal: bool = False) -> dict:
+                      timeout: Optional[dict] = None, allocator: str = "kvbridge", normal: bool = False,
+                      leases: bool = True) -> dict:
         self._n += 1
         sid = f"s{self._n}"
         L = KVLayout.from_dict(layout)
@@ -150,7 +151,7 @@ class SenderHost:
         def on_free(h: Any, reason: str) -> None:
             ev.append([h.request_id, reason, list(h.block_ids)])
         s = KVSender(pool, listen, secret=bytes.fromhex(secret) if secret else None, ttl=ttl,
-                     timeout=Timeout(**(timeout or {})), on_free=on_free)
+                     timeout=Timeout(**(timeout or {})), on_free=on_free, **({} if leases else {"leases": False}))
         self.senders[sid], self.pools[sid], self.events[sid] = s, pool, ev
         return {"sid": sid, "url": s.url}
 

@@ -1,0 +1,217 @@
+"""shm:// one-sided reads: no message per read, and the seqlock-style checks that make that safe.
+
+The sender lives in this process (its server threads still talk to the receiver over the
+unix control socket), so a test can count the frames the server handles and free, retire
+or corrupt blocks at an exact point of a read (``ShmTransport.after_copy`` runs between
+the copy and the re-check).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+from collections import Counter
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Timeout
+from kvbridge.errors import Action, IntegrityError, RetryableError, StaleHandle
+from kvbridge.transports.shmtable import ONE_SIDED
+from kvbridge.transports.wire import Kind
+
+from ._peer import LISTEN, RemotePeer, fill_pool, mismatched_blocks, reference_pool
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not ONE_SIDED, reason="one-sided shm reads need x86-64 memory ordering")]
+
+L = KVLayout.vllm_flash(2, 2, 32, block_size=4, dtype="float16")
+
+
+class Pair:
+    def __init__(self, allocator: str = "kvbridge", leases: bool = False) -> None:
+        self.src = KVPool.allocate(L, 16, shared=True, allocator=allocator)
+        fill_pool(self.src, 11)
+        if allocator == "kvbridge":
+            self.src.alloc(16)
+        self.dst = KVPool.allocate(L, 16)
+        fill_pool(self.dst, 12)
+        kw: dict[str, Any] = {} if leases else {"leases": False}
+        self.snd = KVSender(self.src, "shm://", **kw)
+        self.rcv = KVReceiver(self.dst, timeout=Timeout(connect=2, transfer=5), **kw)
+        self.frames: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        srv = self.snd.servers[0]
+        handle = srv.handle
+
+        def counting(conn: Any, reader: Any, kind: Kind, req_id: int, payload: bytes) -> bool:
+            with self._lock:
+                self.frames[kind.name] += 1
+            return handle(conn, reader, kind, req_id, payload)
+        srv.handle = counting  # type: ignore[method-assign]
+        self.tr = self.rcv.transport(self.snd.url)
+
+    def publish(self, ids: list[int]) -> KVHandle:
+        if not self.src.engine_allocated:
+            self.src.ref(ids)
+        return self.snd.publish("r", ids, len(ids) * L.block_size)
+
+    def settled_frames(self) -> Counter[str]:
+        time.sleep(0.2)               # frames already sent reach the server thread
+        with self._lock:
+            return Counter(self.frames)
+
+    def close(self) -> None:
+        self.rcv.close()
+        self.snd.close()
+        self.dst.close()
+        self.src.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_reads_send_no_control_message(pair: Pair) -> None:
+    src, dst = [9, 2, 14, 5], [1, 3, 5, 7]
+    assert pair.rcv.fetch(pair.publish(src), dst).ok            # the first read OPENs the mapping
+    first = pair.settled_frames()
+    assert first["OPEN"] == 1 and first["MAP"] == 0, first
+    for _ in range(50):
+        res = pair.rcv.fetch(pair.publish(src), dst, release=False)
+        assert res.ok, res.error
+    assert pair.settled_frames() == first                         # nothing at all per read
+    for _ in range(20):
+        assert pair.rcv.fetch(pair.publish(src), dst).ok
+    got = pair.settled_frames() - first
+    assert got == Counter({"RELEASE_NOREPLY": 20}), got           # a release is one one-way frame
+    assert mismatched_blocks(pair.dst, dst, pair.src, src) == []
+
+
+def test_indices_bad_or_good_and_forgeries(pair: Pair) -> None:
+    h = pair.publish([4, 6, 8])
+    assert pair.rcv.fetch(h, [0, 1], indices=[2, 0], release=False).ok
+    assert mismatched_blocks(pair.dst, [0, 1], pair.src, [8, 4]) == []
+    before = pair.settled_frames()
+    from kvbridge.transports.base import Spans
+    from kvbridge.errors import ProtocolError
+    with pytest.raises(ProtocolError):          # refused by the sender, as a MAP would be
+        pair.tr.read(pair.snd.url, h, Spans.of_blocks(pair.dst, [0, 1]), [0, 0])
+    with pytest.raises(ProtocolError):
+        pair.tr.read(pair.snd.url, h, Spans.of_blocks(pair.dst, [0]), [3])
+    assert pair.settled_frames()["MAP"] == before["MAP"] + 2
+
+
+@pytest.mark.parametrize("how", ["freed_and_reused", "retired", "revoked_engine"])
+def test_block_changing_under_the_copy_is_detected(how: str) -> None:
+    p = Pair(allocator="engine" if how != "freed_and_reused" else "kvbridge")
+    try:
+        src, dst = [3, 7], [0, 1]
+        h = p.publish(src)
+        assert p.rcv.fetch(p.publish([5]), [9]).ok                 # mapping open
+        hit: list[int] = []
+
+        def change(handle: KVHandle) -> None:
+            hit.append(1)
+            if how == "freed_and_reused":          # freed, allocated again and overwritten mid-read
+                assert p.snd.revoke(h)             # drops the handle's reference
+                p.src.free([3, 7])                 # and the engine's: generations move on
+                assert sorted(p.src.alloc(2)) == [3, 7]
+                for t in p.src.buffers:
+                    t.view(-1).view(torch.uint8).fill_(0xAB)
+            elif how == "retired":                  # the engine reused the blocks and said so
+                p.src.retire([7])
+            else:                                   # the handle ended (engine pool: unpinned, not freed)
+                assert p.snd.revoke(h)
+        p.tr.after_copy = change
+        res = p.rcv.fetch(h, dst)
+        p.tr.after_copy = None
+        assert hit == [1]
+        assert isinstance(res.error, StaleHandle), repr(res.error)
+        assert not res.ok and res.action is Action.REPREFILL and res.failed_block_ids == dst
+        assert p.settled_frames()["DONE"] == 0
+    finally:
+        p.close()
+
+
+def test_corrupted_byte_caught_with_verification(pair: Pair) -> None:
+    src, dst = [9, 2, 14, 5], [1, 3, 5, 7]
+    assert pair.rcv.fetch(pair.publish(src), dst).ok
+    h = pair.publish(src)
+    pair.src.block(1, 14)[1].view(-1).view(torch.uint8)[5] ^= 0x01   # after its checksum
+    res = pair.rcv.fetch(h, dst)
+    assert isinstance(res.error, IntegrityError), repr(res.error)
+    assert res.action is Action.REFETCH and res.failed_block_ids == [5]
+    assert pair.rcv.stats.refetches == 1 and pair.rcv.stats.integrity_failures == 1
+    assert pair.settled_frames()["MAP"] == 0                       # the refetch was one-sided too
+
+
+def test_leased_fetch_one_sided() -> None:
+    p = Pair(leases=True)
+    try:
+        src, dst = [1, 2], [3, 4]
+        assert p.rcv.fetch(p.publish(src), dst).ok
+        first = p.settled_frames()
+        for _ in range(5):
+            res = p.rcv.fetch(p.publish(src), dst)
+            assert res.ok, res.error
+        assert p.settled_frames() == first       # claim and release go to the lease store, not the sender
+        # a stale claim: the read is local, but validate-after-read refuses it
+        h = p.publish(src)
+        c = p.rcv.claim(h)
+        store = p.rcv.lease_store(h)
+        store.abort(h.lease_id, c.claimer, c.fence)
+        fill_pool(p.dst, 12)
+        res = p.rcv.fetch(h, dst)
+        assert not res.ok and res.failed_block_ids == dst, res
+    finally:
+        p.close()
+
+
+def test_sender_closed_or_killed_after_mapping() -> None:
+    p = Pair()
+    try:
+        h1 = p.publish([1])
+        assert p.rcv.fetch(p.publish([1]), [0]).ok
+        p.snd.close()                                # a clean close ends every slot first
+        res = p.rcv.fetch(h1, [5])
+        assert not res.ok and isinstance(res.error, (RetryableError, StaleHandle)), res.error
+        assert res.failed_block_ids == [5]
+    finally:
+        p.close()
+    victim = RemotePeer()
+    dst = KVPool.allocate(L, 4)
+    rcv = KVReceiver(dst, leases=False, timeout=Timeout(connect=1, transfer=3))
+    try:
+        info = victim.new_sender(layout=L.to_dict(), num_blocks=8, listen=LISTEN["shm"], seed=1,
+                                 reserve_all=True, leases=False)
+        hs = [KVHandle.from_bytes(base64.b64decode(victim.publish(sid=info["sid"], request_id=f"k{i}",
+                                                                  block_ids=[i], num_tokens=4)))
+              for i in range(2)]
+        assert rcv.fetch(hs[0], [0]).ok
+        victim.kill()
+        t0 = time.monotonic()
+        res = rcv.fetch(hs[1], [1])
+        assert time.monotonic() - t0 < 10
+        assert not res.ok and isinstance(res.error, RetryableError), repr(res.error)
+        assert res.action is Action.RETRY and res.failed_block_ids == [1]
+    finally:
+        rcv.close()
+        dst.close()
+        victim.kill()
+        victim.reap_orphans()
+
+
+def test_one_sided_bytes_equal_reference() -> None:
+    p = Pair()
+    try:
+        ids = list(range(15, -1, -1))
+        assert p.rcv.fetch(p.publish(ids), list(range(16))).ok
+        assert mismatched_blocks(p.dst, list(range(16)), reference_pool(L, 16, 11), ids) == []
+    finally:
+        p.close()
