@@ -626,6 +626,18 @@ def memcpy(dst: Any, src: Any, n: int) -> None:
     ctypes.memmove(dst.data_ptr(), src.data_ptr(), n)
 
 
+def scattered_pairs(src_pool: Any, src_ids: list[int], dst_pool: Any,
+                    dst_ids: list[int]) -> list[tuple[memoryview, memoryview]]:
+    """(destination, source) memoryviews of every part of the blocks, in stream order: a copy
+    loop by hand does ``d[:] = s`` for each (one memcpy; fewer Python calls than ctypes.memmove)."""
+    from kvbridge.transports.base import Spans
+    s = Spans.of_blocks(src_pool, src_ids).views()
+    d = Spans.of_blocks(dst_pool, dst_ids).views()
+    if [len(v) for v in s] != [len(v) for v in d]:
+        raise ValueError("source and destination runs do not pair up")
+    return list(zip(d, s))
+
+
 def summarize(xs: list[float]) -> dict[str, float]:
     s = sorted(xs)
     q = statistics.quantiles(s, n=4) if len(s) >= 2 else [s[0]] * 3
@@ -649,6 +661,7 @@ class Bench:
             ["tcp", "shm", "ucx"] if ucx_available() else ["tcp", "shm"])
         self.ucx_client: Optional[BareUCXClient] = None
         self.nixl = "ucx" in self.transports and nixl_available()
+        self.nixl_shm = "shm" in self.transports and nixl_available()   # NIXL over UCX, same host
         self.reps = reps
         self.quick = quick
         self.lat_iters = lat_iters
@@ -785,9 +798,22 @@ class Bench:
         src, dst = host_buffer(case.nbytes, seed=3), host_buffer(case.nbytes, value=0)
         recv_v, recv_nv = KVReceiver(pool), KVReceiver(pool, verify=False)
         last: dict[str, Any] = {}
+        ceiling_name = "memcpy"
+        extra: list[Any] = []
         try:
             def ceiling(i: int) -> None:
                 memcpy(dst, src, case.nbytes)
+            if case.group == "blocks":
+                # the same scattered copies by hand: one memcpy per part, between two pools of the
+                # same layout, source and destination parts where kvbridge finds them
+                ceiling_name = "scattered memcpy"
+                src_pool, dst_pool = self._recv_pool(case), self._recv_pool(case)
+                extra += [src_pool, dst_pool]
+                pairs = scattered_pairs(src_pool, case.src_ids, dst_pool, case.dst_ids)
+
+                def ceiling(i: int) -> None:   # noqa: F811
+                    for d, s in pairs:
+                        d[:] = s
 
             def variant(receiver: KVReceiver) -> Callable[[int], Callable[[int], None]]:
                 def prep(iters: int) -> Callable[[int], None]:
@@ -802,7 +828,7 @@ class Bench:
                             raise RuntimeError(f"fetch failed: {r.error!r}")
                     return run
                 return prep
-            self._compare(case, "shm", "memcpy", ceiling,
+            self._compare(case, "shm", ceiling_name, ceiling,
                           {"shm (verify)": variant(recv_v), "shm (verify=False)": variant(recv_nv)},
                           {"shm (verify)": target, "shm (verify=False)": target} if target else {})
             self._check_dst(pool, case, last["h"])
@@ -810,6 +836,8 @@ class Bench:
             recv_v.close()
             recv_nv.close()
             pool.close()
+            for p in extra:
+                p.close()
 
     def _ucx_client(self) -> BareUCXClient:
         if self.ucx_client is None:
@@ -920,8 +948,48 @@ class Bench:
             rnv.close()
             pool.close()
 
+    def run_latency_shm(self) -> None:
+        """4 KiB over shm: one-sided read, fetch without and with release, against a 4 KiB memcpy
+        and (when nixl is installed) a NIXL READ of 4 KiB between two processes of this host."""
+        from kvbridge.receiver import KVReceiver
+        from kvbridge.transports.base import Spans
+        case = contig_case(4 * KiB)
+        info = self._setup(case, "shm", plain=False)
+        pool = self._recv_pool(case)
+        src, dst_buf = host_buffer(4096, seed=3), host_buffer(4096, value=0)
+        rv, rnv = KVReceiver(pool), KVReceiver(pool, verify=False)
+        url = info["url"]
+        nixl = NixlPair(4096, [(0, 4096)], [(0, 4096)]) if self.nixl_shm else None
+        try:
+            long_h = self._handles(case, 1)[0]
+            spans = Spans.of_blocks(pool, case.dst_ids)
+            tr = rv.transport(url)
+            dst = case.dst_ids
+
+            def fetch_release(h: Any) -> None:
+                if not rv.fetch(h, dst).ok:
+                    raise RuntimeError("fetch failed")
+            variants: dict[str, Callable[[Any], None]] = {
+                "memcpy 4 KiB": lambda _: memcpy(dst_buf, src, 4096),
+                "shm read only (transport.read)": lambda _: tr.read(url, long_h, spans),
+                "shm fetch(release=False), verify": lambda _: rv.fetch(long_h, dst, release=False),
+                "shm fetch(release=False), verify=False": lambda _: rnv.fetch(long_h, dst, release=False),
+                "shm fetch (with release), verify": fetch_release,
+            }
+            if nixl is not None:
+                n = nixl
+                variants["NIXL READ 4 KiB (UCX, same host)"] = lambda _: n.run()
+            self._latency_rounds(case, variants, "shm fetch (with release), verify", None, "memcpy 4 KiB")
+            self._check_dst(pool, case, long_h)
+        finally:
+            if nixl is not None:
+                nixl.close()
+            rv.close()
+            rnv.close()
+            pool.close()
+
     def _latency_rounds(self, case: Case, variants: dict[str, Callable[[Any], None]], fresh_name: str,
-                        target_ratio: float, base_name: str) -> None:
+                        target_ratio: Optional[float], base_name: str) -> None:
         names = list(variants)
         n_it, chunk = self.lat_iters, 10
         for name in names:
@@ -964,7 +1032,7 @@ class Bench:
                 "p99_us": sorted(v for x in samples[n] for v in x)[int(0.99 * n_it * self.lat_reps) - 1] / 1e3,
                 "ratio_vs_pingpong": rs, "ratios": ratios, "target": target,
                 "pass": None if target is None else rs["median"] <= target,
-                "pinned_to_one_core": False,
+                "pinned_to_one_core": False, "is_base": n == names[0],
                 "samples_ns": samples[n],
             })
         peer = next((n for n in names if n.startswith("NIXL")), None)
@@ -1131,6 +1199,8 @@ class Bench:
                     self.run_latency()
                 if "ucx" in self.transports:
                     self.run_latency_ucx()
+                if "shm" in self.transports:
+                    self.run_latency_shm()
             self.sender.call("teardown")
         finally:
             if self.ucx_client is not None:
@@ -1193,6 +1263,11 @@ class Bench:
                     lines.append(f"| {r['case']} (peer) | {r['median_us']['median']:.1f} | {base:.1f} | "
                                  f"{rt['median']:.2f} [{rt['min']:.2f}–{rt['max']:.2f}] | — | — |")
                     continue
+                if r["target"] is None and not r.get("is_base", True):   # no target of its own
+                    rt = r["ratio_vs_pingpong"]
+                    lines.append(f"| {r['case']} | {r['median_us']['median']:.1f} | {base:.1f} | "
+                                 f"{rt['median']:.2f} [{rt['min']:.2f}–{rt['max']:.2f}] | — | — |")
+                    continue
                 if r["target"] is None:
                     base = r["median_us"]["median"]
                     lines.append(f"| {r['case']} (baseline) | {base:.1f} | {base:.1f} | 1.00 | — | — |")
@@ -1234,7 +1309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               blocks=not a.no_blocks, latency=not a.no_latency, max_iters=a.max_iters,
               transports=a.transports.split(",") if a.transports else None)
     if a.no_nixl:
-        b.nixl = False
+        b.nixl = b.nixl_shm = False
     b.run()
     emit(b, a.out, a.md)
     return 0

@@ -1,6 +1,12 @@
 """The copy loop of shm:// reads: memoryview slice assignment (one C memcpy, less call
 overhead than ``ctypes.memmove``), in chunks small enough to stay in L2, each chunk hashed
-by the verifier right after it lands -- so verification reads it from cache, not memory."""
+by the verifier right after it lands -- so verification reads it from cache, not memory.
+
+Chunking pays even without a verifier: on the machines measured (AMD EPYC VMs) one large
+memcpy out of a shared mapping ran at a fraction of the speed of the same bytes copied in
+128-256 KiB pieces (1 MiB: ~107 us in one call, ~19 us in 128 KiB pieces). Chunk sizes
+from 16 KiB to 1 MiB were measured at 1, 16, 64 and 256 MiB, copy alone and copy+hash;
+128-256 KiB was best at every size."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from ..errors import ProtocolError
 
 __all__ = ["CHUNK", "copy_into"]
 
-CHUNK = 128 << 10   # bytes copied between two verifier calls (measured: bench/transport.py --chunk)
+CHUNK = 256 << 10   # bytes per memcpy, and between two verifier calls
 
 
 def copy_into(dst: Sequence[memoryview], src: memoryview, runs: Sequence[tuple[int, int]],
@@ -18,34 +24,29 @@ def copy_into(dst: Sequence[memoryview], src: memoryview, runs: Sequence[tuple[i
     """Copy the stream of ``src[o:o + n]`` for each run in ``runs`` into the ``dst`` views (the
     same total); with ``landed``, call ``landed(bytes so far)`` after every ``chunk`` bytes."""
     chunk = chunk or CHUNK
-    total = 0
-    for _, n in runs:
-        total += n
-    if total != sum(len(v) for v in dst):
-        raise ProtocolError(f"size mismatch: destination {sum(len(v) for v in dst)} bytes, source {total} bytes")
-    if len(dst) == len(runs):
-        if landed is None:
+    dl = [len(d) for d in dst]
+    sl = [n for _, n in runs]
+    total = sum(sl)
+    if total != sum(dl):
+        raise ProtocolError(f"size mismatch: destination {sum(dl)} bytes, source {total} bytes")
+    if dl == sl and max(sl, default=0) <= chunk:
+        if landed is None:                       # scattered blocks on both sides: the tightest loop
             for d, (o, n) in zip(dst, runs):
-                if len(d) != n:
-                    break
                 d[:] = src[o:o + n]
-            else:
-                return total
-        elif all(len(d) == n <= chunk for d, (_, n) in zip(dst, runs)):
-            moved = since = 0
-            for d, (o, n) in zip(dst, runs):     # scattered blocks on both sides: the tightest loop
-                d[:] = src[o:o + n]
-                moved += n
-                since += n
-                if since >= chunk:
-                    landed(moved)
-                    since = 0
-            if since:
+            return total
+        moved = since = 0
+        for d, (o, n) in zip(dst, runs):
+            d[:] = src[o:o + n]
+            moved += n
+            since += n
+            if since >= chunk:
                 landed(moved)
-            return moved
-    i = doff = soff = moved = 0
-    j = 0
-    step = chunk if landed is not None else 1 << 62
+                since = 0
+        if since:
+            landed(moved)
+        return moved
+    i = j = doff = soff = moved = 0
+    step = chunk
     while i < len(dst) and j < len(runs):
         d = dst[i]
         so, sn = runs[j]
