@@ -383,13 +383,13 @@ class ShmTransport(Transport):
             if not 0 <= b < nb or gens[b] != g:
                 return None
         if indices is None:
-            sel = ids
+            sel = list(ids)
         else:
             n = len(ids)
             if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
                 return None
-            sel = tuple(ids[i] for i in indices)
-        nbytes = copy_into(dst.views(), m.view, m.source_runs(tuple(sel)), dst.on_landed)
+            sel = [ids[i] for i in indices]
+        nbytes = copy_into(dst.views(), m.view, m.source_runs(sel), dst.on_landed)
         if self.after_copy is not None:
             self.after_copy(handle)
         if not m.still(*hit) or any(gens[b] != g for b, g in zip(ids, want)):

@@ -77,16 +77,17 @@ class HandleTable:
         view = self.segment.view
         view[:HEAD.size] = HEAD.pack(MAGIC, n)
         self._view = view
-        self._seq = view[HEAD_SIZE:].cast("I")
+        self._seq: Optional[memoryview] = view[HEAD_SIZE:].cast("I")
         self._slots: dict[bytes, int] = {}        # handle id -> slot
         self._lock = threading.Lock()
         self.full = 0                             # handles left to MAP/DONE because the table was full
 
     def add(self, handle_id: bytes, raw: bytes) -> bool:
         d = digest(raw)
-        n, seq = self.nslots, self._seq
+        n = self.nslots
         with self._lock:
-            if handle_id in self._slots or self._seq is None:
+            seq = self._seq
+            if handle_id in self._slots or seq is None:
                 return False
             home = _home(d, n)
             for k in range(PROBE):
@@ -104,24 +105,23 @@ class HandleTable:
     def remove(self, handle_id: bytes) -> None:
         with self._lock:
             i = self._slots.pop(handle_id, None)
-            if i is not None and self._seq is not None:
+            seq = self._seq
+            if i is not None and seq is not None:
                 j = i * SEQ_STRIDE
-                self._seq[j] = (self._seq[j] + 1) & 0xFFFFFFFF    # even: ended
+                seq[j] = (seq[j] + 1) & 0xFFFFFFFF    # even: ended
 
     def close(self) -> None:
         """End every slot (readers fall back to the control channel), then unmap."""
         with self._lock:
-            if self._seq is None:
+            seq = self._seq
+            if seq is None:
                 return
             for i in self._slots.values():
-                self._seq[i * SEQ_STRIDE] = (self._seq[i * SEQ_STRIDE] + 1) & 0xFFFFFFFF
+                seq[i * SEQ_STRIDE] = (seq[i * SEQ_STRIDE] + 1) & 0xFFFFFFFF
             self._slots.clear()
-            self._seq.release()
+            seq.release()
             self._seq = None
         self.segment.close()
-
-    def describe(self) -> dict[str, Any]:
-        return {"table": self.segment.name}
 
 
 def open_info(pool: Any, table: HandleTable) -> bytes:
@@ -155,7 +155,6 @@ class SenderMap:
         self.tview = table.view
         self.seq = table.view[HEAD_SIZE:HEAD_SIZE + n * SLOT].cast("I")
         self.nslots = n
-        self.runs: dict[tuple[int, ...], list[tuple[int, int]]] = {}   # block ids -> source runs (small LRU)
         self.watch: Any = None                    # the control connection OPEN came on: EOF = sender gone
 
     def lookup(self, raw: bytes) -> Optional[tuple[int, int]]:
@@ -175,19 +174,15 @@ class SenderMap:
     def still(self, slot: int, s: int) -> bool:
         return bool(self.seq[slot * SEQ_STRIDE] == s)
 
-    def source_runs(self, ids: tuple[int, ...]) -> list[tuple[int, int]]:
-        runs = self.runs.get(ids)
-        if runs is None:
-            offs, size = self.offsets, self.segment.size
-            try:
-                runs = [(offs[b] + o, k) for b, o, k in self.layout.segments(list(ids), self.num_blocks)]
-            except IndexError:
-                raise ProtocolError("handle names blocks outside the sender's pool") from None
-            if any(o + k > size for o, k in runs):
-                raise ProtocolError("handle names bytes outside the sender's segment")
-            if len(self.runs) >= 256:
-                self.runs.pop(next(iter(self.runs)))
-            self.runs[ids] = runs
+    def source_runs(self, ids: list[int]) -> list[tuple[int, int]]:
+        """(offset in the segment, bytes) of the blocks' parts, in canonical order."""
+        offs = self.offsets
+        try:
+            runs = [(offs[b] + o, k) for b, o, k in self.layout.segments(ids, self.num_blocks)]
+        except IndexError:
+            raise ProtocolError("handle names blocks outside the sender's pool") from None
+        if runs and max(o + k for o, k in runs) > self.segment.size:
+            raise ProtocolError("handle names bytes outside the sender's segment")
         return runs
 
     def close(self) -> None:
