@@ -389,7 +389,7 @@ class ShmTransport(Transport):
             if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
                 return None
             sel = [ids[i] for i in indices]
-        nbytes = copy_into(dst.views(), m.view, m.source_runs(sel), dst.on_landed)
+        nbytes = copy_into(dst.views(), m.source_views(sel), dst.on_landed)
         if self.after_copy is not None:
             self.after_copy(handle)
         if not m.still(*hit) or any(gens[b] != g for b, g in zip(ids, want)):

@@ -19,47 +19,45 @@ __all__ = ["CHUNK", "copy_into"]
 CHUNK = 256 << 10   # bytes per memcpy, and between two verifier calls
 
 
-def copy_into(dst: Sequence[memoryview], src: memoryview, runs: Sequence[tuple[int, int]],
+def copy_into(dst: Sequence[memoryview], src: Sequence[memoryview],
               landed: Optional[Callable[[int], None]] = None, chunk: int = 0) -> int:
-    """Copy the stream of ``src[o:o + n]`` for each run in ``runs`` into the ``dst`` views (the
-    same total); with ``landed``, call ``landed(bytes so far)`` after every ``chunk`` bytes."""
+    """Copy the stream of ``src`` views into the ``dst`` views (the same total); with
+    ``landed``, call ``landed(bytes so far)`` after every ``chunk`` bytes."""
     chunk = chunk or CHUNK
     dl = [len(d) for d in dst]
-    sl = [n for _, n in runs]
+    sl = [len(s) for s in src]
     total = sum(sl)
     if total != sum(dl):
         raise ProtocolError(f"size mismatch: destination {sum(dl)} bytes, source {total} bytes")
     if dl == sl and max(sl, default=0) <= chunk:
         if landed is None:                       # scattered blocks on both sides: the tightest loop
-            for d, (o, n) in zip(dst, runs):
-                d[:] = src[o:o + n]
+            for d, s in zip(dst, src):
+                d[:] = s
             return total
         moved = since = 0
-        for d, (o, n) in zip(dst, runs):
-            d[:] = src[o:o + n]
-            moved += n
-            since += n
+        for d, s in zip(dst, src):
+            d[:] = s
+            since += len(s)
             if since >= chunk:
-                landed(moved)
+                moved += since
                 since = 0
+                landed(moved)
         if since:
-            landed(moved)
-        return moved
+            landed(total)
+        return total
     i = j = doff = soff = moved = 0
-    step = chunk
-    while i < len(dst) and j < len(runs):
-        d = dst[i]
-        so, sn = runs[j]
-        n = min(len(d) - doff, sn - soff, step)
+    while i < len(dst) and j < len(src):
+        d, s = dst[i], src[j]
+        n = min(dl[i] - doff, sl[j] - soff, chunk)
         if n:
-            d[doff:doff + n] = src[so + soff:so + soff + n]
+            d[doff:doff + n] = s[soff:soff + n]
             moved += n
             if landed is not None:
                 landed(moved)
         doff += n
         soff += n
-        if doff == len(d):
+        if doff == dl[i]:
             i, doff = i + 1, 0
-        if soff == sn:
+        if soff == sl[j]:
             j, soff = j + 1, 0
     return moved

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import secrets
@@ -143,8 +144,10 @@ class SenderMap:
             gen_offset = int(d["gen_offset"])
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"OPEN reply is malformed: {exc}") from None
-        if (len(self.offsets) != self.layout.num_buffers or gen_offset < 0
-                or gen_offset + GEN_SIZE * self.num_blocks > segment.size):
+        buf_nbytes = math.prod(self.layout.buffer_shape(self.num_blocks)) * self.layout.itemsize
+        if (len(self.offsets) != self.layout.num_buffers or gen_offset < 0 or self.num_blocks < 0
+                or gen_offset + GEN_SIZE * self.num_blocks > segment.size
+                or any(not 0 <= o <= segment.size - buf_nbytes for o in self.offsets)):
             raise ProtocolError("OPEN reply names memory outside the segment")
         magic, n = HEAD.unpack_from(table.view, 0)
         if magic != MAGIC or n & (n - 1) or HEAD_SIZE + n * SLOT > table.size:
@@ -174,16 +177,15 @@ class SenderMap:
     def still(self, slot: int, s: int) -> bool:
         return bool(self.seq[slot * SEQ_STRIDE] == s)
 
-    def source_runs(self, ids: list[int]) -> list[tuple[int, int]]:
-        """(offset in the segment, bytes) of the blocks' parts, in canonical order."""
-        offs = self.offsets
+    def source_views(self, ids: list[int]) -> list[memoryview]:
+        """The blocks' parts in the mapped pool, in canonical order. Inside the segment by
+        construction: ``segments`` refuses ids past ``num_blocks``, and every buffer was
+        checked to fit when the sender was mapped."""
+        offs, view = self.offsets, self.view
         try:
-            runs = [(offs[b] + o, k) for b, o, k in self.layout.segments(ids, self.num_blocks)]
+            return [view[offs[b] + o:offs[b] + o + k] for b, o, k in self.layout.segments(ids, self.num_blocks)]
         except IndexError:
             raise ProtocolError("handle names blocks outside the sender's pool") from None
-        if runs and max(o + k for o, k in runs) > self.segment.size:
-            raise ProtocolError("handle names bytes outside the sender's segment")
-        return runs
 
     def close(self) -> None:
         for v in (self.gens, self.seq):
