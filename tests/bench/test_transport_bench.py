@@ -122,6 +122,20 @@ def test_shm_fetch_contiguous(benchmark, bench: bt.Bench) -> None:
     assert_blocks_equal(pool, expected_pool(case), case)
 
 
+def test_scattered_memcpy_ceiling_moves_the_same_parts() -> None:
+    """The block-shaped shm ceiling copies exactly the parts kvbridge moves, part by part."""
+    from kvbridge.integrity import block_checksums
+    case = small_blocks_case()
+    L = KVLayout.from_dict(case.layout)
+    src, dst = KVPool.allocate(L, case.pool_blocks), KVPool.allocate(L, case.pool_blocks)
+    bt.fill_pool(src, 5)
+    pairs = bt.scattered_pairs(src, case.src_ids, dst, case.dst_ids)
+    assert len(pairs) == case.segments
+    for d, s in pairs:
+        d[:] = s
+    assert block_checksums(dst, case.dst_ids) == block_checksums(src, case.src_ids)
+
+
 def test_tcp_read_only_4k(benchmark, bench: bt.Bench) -> None:
     """The latency path: transport.read alone, no checks, no release."""
     case = bt.contig_case(4 * bt.KiB)
@@ -141,6 +155,7 @@ def test_driver_smoke(tmp_path: Path, capsys, bench: bt.Bench) -> None:
     out, md = tmp_path / "t.json", tmp_path / "t.md"
     b = bt.Bench(reps=2, quick=True, lat_iters=30, lat_reps=2, sizes=[bt.MiB], blocks=False, max_iters=10,
                  transports=["tcp", "shm"])      # ucx: test_driver_smoke_ucx
+    b.nixl_shm = False                                # the NIXL peer: not in a smoke test
     b.run(sender=bench.sender)
     bt.emit(b, str(out), str(md))
     data = json.loads(out.read_text())
@@ -150,10 +165,12 @@ def test_driver_smoke(tmp_path: Path, capsys, bench: bt.Bench) -> None:
     for r in rows:
         assert len(r["kvbridge_s"]) == len(r["ceiling_s"]) == len(r["ratios"]) == 2
         assert r["target"] in (bt.TCP_TARGET_CONTIG, bt.SHM_TARGET) and r["pass"] in (True, False)
-    assert len(data["latency"]) == 5 and all(len(x) == 30 for x in data["latency"][0]["samples_ns"])
+    assert len(data["latency"]) == 5 + 5 and all(len(x) == 30 for x in data["latency"][0]["samples_ns"])
+    assert [r["case"] for r in data["latency"][5:]][:2] == ["memcpy 4 KiB", "shm read only (transport.read)"]
     table = md.read_text()
     assert table in capsys.readouterr().out
     assert "| 1 MiB | tcp (verify) |" in table and "4 KiB latency" in table
+    assert "| shm fetch (with release), verify |" in table
 
 
 def test_cli_args() -> None:
