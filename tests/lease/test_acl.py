@@ -28,7 +28,7 @@ def test_readme_acl_line_suffices(own_server: EmbeddedRedis) -> None:
         assert [e.kind for e in store.events("owner", timeout_s=0.5)] == ["released"]
         assert store.sweep("owner", ["lease-a"])
         store.publish("lease-b", "owner", 5)
-        assert {x.lease_id for x in store.list("owner")} >= {"lease-b"}
+        assert {x.ref for x in store.list("owner")} >= {store.ref("lease-b")}
         assert store.revoke("lease-b", "owner") is not None
         assert lease.fence > Fence.ZERO
     user = redis.Redis.from_url(url)
