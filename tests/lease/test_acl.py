@@ -12,6 +12,13 @@ import redis
 from kvbridge.lease import EmbeddedRedis, Fence, RedisLeaseStore
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+LEASES_DOC = Path(__file__).resolve().parents[2] / "docs" / "LEASES.md"
+
+
+def test_docs_carry_the_same_acl_line() -> None:
+    pat = r"`(ACL SETUSER kvbridge [^`]+)`"
+    got = [re.search(pat, p.read_text()) for p in (README, LEASES_DOC)]
+    assert got[0] and got[1] and got[0].group(1) == got[1].group(1)
 
 
 def test_readme_acl_line_suffices(own_server: EmbeddedRedis) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -88,7 +89,15 @@ def test_keyspace_holds_no_lease_or_request_ids(scene: tuple[EmbeddedRedis, KVSe
 def test_keyspace_reader_cannot_act(scene: tuple[EmbeddedRedis, KVSender, list[str]]) -> None:
     srv, snd, lease_ids = scene
     raw = redis.Redis.from_url(srv.auth_url, decode_responses=True)
-    keys, values = _harvest(raw)
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "LEASES.md").read_text()
+    line = re.search(r"`(ACL SETUSER monitor [^`]+)`", doc.replace("\n", " "))
+    assert line, "docs/LEASES.md lost its read-only ACL line"
+    raw.execute_command(*line.group(1).replace("PASSWORD", "m0n").split())
+    reader = redis.Redis(host="127.0.0.1", port=srv.port, username="monitor", password="m0n",
+                         decode_responses=True)
+    keys, values = _harvest(reader)                       # the documented read-only user sees it all
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        reader.evalsha("0" * 40, 0)
     with RedisLeaseStore(srv.url, namespace="kvb") as honest, RedisLeaseStore(srv.url, namespace="kvb") as evil:
         before, ttls = _states(honest, lease_ids), _ttls(honest, lease_ids)
         hashes = [raw.hgetall(k) for k in keys if ":lease:" in k]
