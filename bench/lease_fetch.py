@@ -207,6 +207,7 @@ def main() -> None:
         with open(args.md, "w") as f:
             f.write(table + "\n")
     if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
             f.write("\n")
