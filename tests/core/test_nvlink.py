@@ -21,8 +21,10 @@ from kvbridge import (Action, BackendUnavailable, ConfigError, IntegrityError, K
 from kvbridge.transports import get_transport_class, nvlink
 
 pytestmark = pytest.mark.timeout(60)
-LAYOUTS = [KVLayout.vllm_flash(3, 2, 64, 8, dtype="float16"), KVLayout.split_kv(2, 2, 4, block_size=4, dtype="bfloat16"),
-           KVLayout.mla(3, 16, block_size=4, dtype="bfloat16"), KVLayout.flashinfer(2, 1, 8, block_size=2, dtype="float32")]
+LAYOUTS = [KVLayout.vllm_flash(3, 2, 64, 8, dtype="float16"),
+           KVLayout.split_kv(2, 2, 4, block_size=4, dtype="bfloat16"),
+           KVLayout.mla(3, 16, block_size=4, dtype="bfloat16"),
+           KVLayout.flashinfer(2, 1, 8, block_size=2, dtype="float32")]
 
 
 def _device_pool(layout: KVLayout, n: int, seed: int = 0) -> KVPool:

@@ -216,6 +216,8 @@ def test_cuda_pools_move_exact_bytes(listen):
     _fill(src, ids, 11)
     with KVSender(src, listen, leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         out = random.Random(4).sample(range(40), 9)
-        res = rcv.fetch(snd.publish("cuda", ids, 9 * 8), out)
+        h = snd.publish("cuda", ids, 9 * 8)
+        assert len(h.checksums) == 9
+        res = rcv.fetch(h, out)
         assert res.ok, res.error
         assert _same(src, ids, dst, out)
