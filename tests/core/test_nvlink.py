@@ -147,3 +147,13 @@ def test_bad_urls():
         nvlink._path_of("shm://@x")
     with pytest.raises(ConfigError):
         nvlink._path_of("nvlink://@")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine bench.gpu runs for real")
+def test_bench_gpu_says_no_gpu_and_exits_0():
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "bench.gpu"], cwd=root, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0 and "no CUDA device" in r.stdout
