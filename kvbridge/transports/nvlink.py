@@ -244,7 +244,7 @@ class NVLinkServer(ShmServer):
     def handle(self, conn: socket.socket, reader: Any, kind: Kind, req_id: int, payload: bytes) -> bool:
         if kind not in (Kind.MAP, Kind.WMAP):
             return super().handle(conn, reader, kind, req_id, payload)   # DONE / WDONE and the rest: shm's
-        grant = None
+        grant: Any = None
         try:
             req = decode_request(payload)
             if kind is Kind.MAP:
