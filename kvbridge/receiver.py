@@ -129,7 +129,7 @@ class KVReceiver:
         self.secret = secret
         self.retry = retry
         self.timeout = timeout
-        self.verify = verify and pool.is_host
+        self.verify = verify
         self.stats = ReceiverStats()
         self._stores = StoreCache(leases, lease_namespace)
         self._transports: dict[str, Transport] = {}

@@ -146,7 +146,7 @@ class KVSender:
         self.retry = retry
         self.claim_ttl = claim_ttl
         self.on_free = on_free
-        self.checksums = checksums and pool.is_host
+        self.checksums = checksums
         self._key = secret if secret is not None else os.urandom(32)
         self._records: dict[bytes, _Record] = {}
         self._by_lease: dict[str, _Record] = {}

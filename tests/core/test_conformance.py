@@ -1,4 +1,5 @@
-"""One conformance suite that every transport passes (``scheme`` in inproc, tcp, shm).
+"""One conformance suite that every transport passes (``scheme`` in inproc, tcp, shm, ucx, nvlink;
+nvlink's senders hold CUDA pools and it runs only where a CUDA device and CuPy are).
 
 The sender runs in a child process for tcp/shm (see conftest), in this process for
 inproc. Every test asserts outcomes: bytes equal block by block, error types and
@@ -557,7 +558,7 @@ def test_malformed_frames(case, scheme, make_receiver, monkeypatch):
         pytest.skip("inproc has no wire")
     crashes: list = []
     monkeypatch.setattr(threading, "excepthook", lambda args: crashes.append(args.exc_value))
-    pool = KVPool.allocate(SMALL, 8, shared=(scheme == "shm"))
+    pool = KVPool.allocate(SMALL, 8, shared=(scheme == "shm"), device="cuda" if scheme == "nvlink" else "cpu")
     fill_pool(pool, 99)
     pool.alloc(8)
     with KVSender(pool, LISTEN[scheme], timeout=Timeout(transfer=1.0), leases=False) as snd:
