@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import platform
 import random
@@ -50,6 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import transport as bt  # noqa: E402
+from bench._report import emit, log, summarize  # noqa: E402
 
 SCRATCH = "/tmp/kvbridge-bench/api_overhead"
 PERCALL_TARGET_US = 10.0
@@ -57,13 +57,8 @@ LAG_TARGET_MS = 1.0
 PROBE_SLEEP = 1e-4
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
-def summarize(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "n": len(s)}
 
 
 def pctl(xs: Sequence[float], q: float) -> float:
@@ -305,15 +300,6 @@ class Bench:
         return "\n".join(lines) + "\n"
 
 
-def emit(b: Bench, out: str) -> None:
-    md = b.markdown()
-    sys.stdout.write(md)
-    base = out[:-5] if out.endswith(".json") else out
-    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
-    for path, text in ((base + ".json", json.dumps(b.to_json(), indent=1)), (base + ".md", md)):
-        with open(path, "w") as f:
-            f.write(text)
-        log(f"wrote {path}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -329,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     b = Bench(a.quick, a.reps or (2 if a.quick else 5), a.iters or (200 if a.quick else 2000), a.blocks, a.layers,
               a.fetches or (2 if a.quick else 10))
     b.run()
-    emit(b, a.out)
+    emit(b.markdown(), b.to_json(), a.out)
     return 0
 
 

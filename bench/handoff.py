@@ -67,7 +67,6 @@ import os
 import platform
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -76,6 +75,8 @@ from typing import Any, Optional
 
 from kvbridge.codecs import is_lossless
 from kvbridge.frames import check_codec
+
+from bench._report import emit, log, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES: tuple[str, ...] = ("whole", "layerwise", "push")   # plus "whole:<codec>", "layerwise:<codec>" (--codecs)
@@ -87,13 +88,8 @@ LAYERWISE_MIN_TOKENS = 2048
 LAYER_WAIT_WORKAROUND = 0.0     # seconds; 0 keeps the library's value (see the module doc)
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
-def summarize(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {"median": statistics.median(s), "min": s[0], "max": s[-1], "n": len(s)}
 
 
 # ============================================================================== the link
@@ -507,15 +503,6 @@ class Bench:
         return "\n".join(lines) + "\n"
 
 
-def emit(b: Bench, out: str) -> None:
-    md = b.markdown()
-    sys.stdout.write(md)
-    base = out[:-5] if out.endswith(".json") else out
-    os.makedirs(os.path.dirname(base) or ".", exist_ok=True)
-    for path, text in ((base + ".json", json.dumps(b.to_json(), indent=1)), (base + ".md", md)):
-        with open(path, "w") as f:
-            f.write(text)
-        log(f"wrote {path}")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -551,7 +538,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     b = Bench(buckets, reps, a.model, a.link, a.rate, a.burst, a.latency, a.threads, a.pings,
               a.sender_layer_wait, a.slow_start_after_idle)
     b.run()
-    emit(b, a.out)
+    emit(b.markdown(), b.to_json(), a.out)
     return 0
 
 

@@ -238,7 +238,7 @@ def _run_leases(a: argparse.Namespace) -> int:
         store.close()
     if a.json:
         for ls in leases:
-            print(json.dumps({"lease_id": ls.lease_id, "owner": ls.owner, "state": ls.state.value,
+            print(json.dumps({"ref": ls.ref, "owner": ls.owner, "state": ls.state.value,
                               "live": _is_live(ls), "fence": str(ls.fence), "claimer": ls.claimer,
                               "ttl_ms_left": ls.ttl_ms_left, "num_blocks": ls.num_blocks, "meta": ls.meta}))
         return 0
@@ -260,10 +260,12 @@ def _is_live(ls: Any) -> bool:
 def _lease_table(leases: Sequence[Any]) -> None:
     if not leases:
         return
-    print(f"{'lease':34} {'state':10} {'blocks':>6} {'ttl ms':>7}  {'owner':40} request")
+    # A lease is listed by its ref (a one-way hash of its id: the server never holds the id, and
+    # nothing here lets an operator act on it); the owner's logs and `LeaseStore.ref` map ids to refs.
+    print(f"{'lease ref':40} {'state':10} {'blocks':>6} {'ttl ms':>7}  {'owner':40} claimer")
     for ls in leases:
-        print(f"{ls.lease_id:34} {ls.state.value:10} {ls.num_blocks:>6} {ls.ttl_ms_left:>7}  "
-              f"{ls.owner[:40]:40} {ls.meta.get('request_id', '')}")
+        print(f"{ls.ref:40} {ls.state.value:10} {ls.num_blocks:>6} {ls.ttl_ms_left:>7}  "
+              f"{ls.owner[:40]:40} {ls.claimer or ''}")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

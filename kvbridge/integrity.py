@@ -5,6 +5,12 @@ its layers (:func:`block_checksums`); a layer-wise handle's checksums are comput
 (layer, block) as each layer becomes ready and travel with the bytes
 (:func:`layer_checksums`). Both hash each part in (layer, part) order, which is the order
 bytes arrive in, so :class:`StreamVerifier` computes either while the bytes land.
+
+Device pools (CUDA) have the same checksums, computed over their bytes as they pass through
+host memory: :func:`block_checksums` stages the blocks (one gather and one device-to-host
+copy per ring slot, :func:`~kvbridge.transports.staging.stage_out`) and hashes each slot;
+a receiver hashes a staged transfer's bytes in the host slot they land in
+(:meth:`StreamVerifier.consume`), and otherwise stages the landed blocks once more.
 """
 
 from __future__ import annotations
@@ -26,8 +32,25 @@ def _plan(pool: KVPool, layers: range) -> list[tuple[memoryview, int, int]]:
             for layer in layers for part in range(L.num_parts)]
 
 
+def _staged_checksums(pool: KVPool, block_ids: Sequence[int], layers: range, per_layer: bool) -> list[int]:
+    """Checksums of a device pool's blocks, hashed slot by slot as they are staged to the host."""
+    from .transports.base import Spans
+    from .transports.staging import RINGS, stage_out
+
+    v = StreamVerifier(pool, block_ids, layers, per_layer)
+    ring = RINGS.take()
+    try:
+        stage_out(Spans.of_blocks(pool, list(block_ids), layers), ring, v.consume)
+    finally:
+        RINGS.give(ring)
+    return v.digests()
+
+
 def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[range] = None) -> list[int]:
-    """One 64-bit xxh3 per block over ``layers`` (default all) and parts (host pools only)."""
+    """One 64-bit xxh3 per block over ``layers`` (default all) and parts, in (layer, part) order."""
+    if not pool.is_host:
+        return _staged_checksums(pool, block_ids, layers if layers is not None else range(pool.layout.num_layers),
+                                 False)
     n = pool.layout.part_nbytes
     plan = _plan(pool, layers if layers is not None else range(pool.layout.num_layers))
     out = []
@@ -42,6 +65,8 @@ def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[ran
 
 def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> list[int]:
     """One xxh3 per (layer, block), layer-major: ``len(layers) * len(block_ids)`` values."""
+    if not pool.is_host:
+        return _staged_checksums(pool, block_ids, layers, True)
     out: list[int] = []
     for layer in layers:
         out += block_checksums(pool, block_ids, range(layer, layer + 1))
@@ -63,6 +88,11 @@ class StreamVerifier:
     block) has its own hash (layer-wise transfers); otherwise each block's hash runs over
     all its parts in (layer, part) order, exactly :func:`block_checksums`' order. Hashing
     right after each chunk lands reads it from cache instead of a second pass over DRAM.
+
+    :meth:`advance` hashes the destination pool's own memory (host pools); :meth:`consume`
+    hashes the next bytes of the stream from wherever they are (a staging slot). For a
+    device pool only :meth:`consume` can feed it; a verifier nobody fed stays incomplete and
+    the receiver checksums the landed blocks instead.
     """
 
     def __init__(self, pool: KVPool, block_ids: Sequence[int], layers: Optional[range] = None,
@@ -72,13 +102,15 @@ class StreamVerifier:
         # the cyclic garbage collector busy, holding the GIL, for the whole transfer).
         L = pool.layout
         layers = layers if layers is not None else range(L.num_layers)
-        views = pool.host_views()
+        views: Optional[list[memoryview]] = pool.host_views() if pool.is_host else None
         self.part = L.part_nbytes
         self.ids = list(block_ids)
         self.nb = len(self.ids)
         self.nparts = L.num_parts
-        self.planes = [(views[L.buffer_index(layer, p)], *L.part_base_stride(p, pool.num_blocks))
+        self.planes = [(views[L.buffer_index(layer, p)] if views is not None else None,
+                        *L.part_base_stride(p, pool.num_blocks))
                        for layer in layers for p in range(L.num_parts)]    # plane j: parts [j*nb, (j+1)*nb)
+        self.host = views is not None
         self.per_layer = per_layer
         self.total = self.part * self.nb * len(self.planes)
         self._num_hashes = self.nb * len(layers) if per_layer else self.nb
@@ -94,16 +126,33 @@ class StreamVerifier:
     def started(self) -> bool:
         return self._done > 0
 
+    def _hasher(self, i: int) -> "xxhash.xxh3_64":
+        j, k = divmod(i, self.nb)
+        return self.hashers[(j // self.nparts) * self.nb + k if self.per_layer else k]
+
     def _feed(self, i: int, lo: int, hi: int) -> None:
         """Hash bytes [lo, hi) of stream part ``i``."""
         j, k = divmod(i, self.nb)
         view, base, stride = self.planes[j]
+        assert view is not None
         off = base + self.ids[k] * stride
-        h = self.hashers[(j // self.nparts) * self.nb + k if self.per_layer else k]
-        h.update(view[off + lo:off + hi])
+        self._hasher(i).update(view[off + lo:off + hi])
+
+    def consume(self, data: memoryview) -> None:
+        """Hash ``data`` as the next bytes of the stream (e.g. a staging slot as it lands)."""
+        n, pos, end = self.part, self._done, min(self._done + len(data), self.total)
+        while pos < end:
+            i = pos // n
+            k = min(end, (i + 1) * n) - pos
+            self._hasher(i).update(data[pos - self._done:pos - self._done + k])
+            pos += k
+        self._i, self._done = end // n, end
 
     def advance(self, upto: int) -> None:
-        """Hash everything between the last call and byte ``upto`` of the stream."""
+        """Hash everything between the last call and byte ``upto`` of the stream (host pools;
+        for a device pool the destination is not host memory and this does nothing)."""
+        if not self.host:
+            return
         n = self.part
         upto = min(upto, self.total)
         i, done = self._i, self._done

@@ -68,6 +68,7 @@ class _Job:
     gens: list[int]
     t0: float = field(default_factory=time.perf_counter)
     claim: Optional[Claim] = None
+    released: Any = None          # fetch_many: the outcome of this job's release, sent in one batch
 
 
 @dataclass
@@ -128,7 +129,7 @@ class KVReceiver:
         self.secret = secret
         self.retry = retry
         self.timeout = timeout
-        self.verify = verify and pool.is_host
+        self.verify = verify
         self.stats = ReceiverStats()
         self._stores = StoreCache(leases, lease_namespace)
         self._transports: dict[str, Transport] = {}
@@ -407,7 +408,10 @@ class KVReceiver:
             # before the owner could have revoked it and freed the blocks.
             try:
                 if j.release:
-                    self.retry.call(lambda: store.release(h.lease_id, c.claimer, c.fence), self._on_retry)
+                    if isinstance(j.released, KVBridgeError):
+                        raise j.released
+                    if j.released is None:
+                        self.retry.call(lambda: store.release(h.lease_id, c.claimer, c.fence), self._on_retry)
                     self.stats.add(released=1)
                 else:
                     self.retry.call(lambda: store.validate(h.lease_id, c.claimer, c.fence), self._on_retry)
@@ -488,6 +492,7 @@ class KVReceiver:
                     self._verify_whole(j, op.dst)
                 except KVBridgeError as exc:
                     j.res.error = exc
+        self._release_batch([j for j in jobs if not (j.h.layerwise or j.h.codec != "raw")])
         out = []
         for j in jobs:
             if j.res.error is None and (j.h.layerwise or j.h.codec != "raw"):
@@ -495,6 +500,25 @@ class KVReceiver:
             else:
                 out.append(self._settle(j))
         return out
+
+    def _release_batch(self, jobs: list[_Job]) -> None:
+        """The releases (validates-after-read) of read jobs, one pipelined round trip per store."""
+        by_store: dict[int, list[_Job]] = {}
+        for j in jobs:
+            c = j.claim
+            if j.res.error is None and j.release and j.store is not None and c is not None and c.epoch:
+                by_store.setdefault(id(j.store), []).append(j)
+        for js in by_store.values():
+            many = getattr(js[0].store, "release_many", None)
+            if many is None or len(js) < 2:
+                continue                                   # released one by one in _settle
+            items = [(j.h.lease_id, c.fence) for j in js if (c := j.claim) is not None]
+            try:
+                got = self.retry.call(lambda: many(self.claimer, items), self._on_retry)
+            except KVBridgeError as exc:
+                got = [exc] * len(js)
+            for j, r in zip(js, got):
+                j.released = r if isinstance(r, KVBridgeError) else True
 
     def _claim_batch(self, jobs: list[_Job]) -> None:
         by_store: dict[int, list[_Job]] = {}

@@ -57,6 +57,7 @@ log = logging.getLogger("kvbridge.sender")
 _limited = RateLimitedLog(log)
 FreeReason = str   # "released" | "aborted" | "expired" | "revoked" | "retired" | "pushed" | "closed"
 SWEEP_INTERVAL = 1.0
+EVENT_BATCH = 0.005   # seconds the lease watcher waits after a batch of events before reading more
 LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
 
 
@@ -145,7 +146,7 @@ class KVSender:
         self.retry = retry
         self.claim_ttl = claim_ttl
         self.on_free = on_free
-        self.checksums = checksums and pool.is_host
+        self.checksums = checksums
         self._key = secret if secret is not None else os.urandom(32)
         self._records: dict[bytes, _Record] = {}
         self._by_lease: dict[str, _Record] = {}
@@ -256,8 +257,7 @@ class KVSender:
             sent_at = time.monotonic()
             expires_at_ms = int((time.time() + ttl) * 1000)
             if self.leases is not None and leased:
-                lease = self.leases.publish(bare.lease_digest(), self.owner, ttl, num_blocks=len(ids),
-                                            meta={"request_id": request_id[:200]})
+                lease = self.leases.publish(bare.lease_digest(), self.owner, ttl, num_blocks=len(ids))
                 bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
                                fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
         except BaseException:
@@ -280,7 +280,7 @@ class KVSender:
                     for srv in self.servers:
                         srv.published(handle.handle_id, rec.raw)
                 if handle.lease_id:
-                    self._by_lease[handle.lease_id] = rec
+                    self._by_lease[self._lease_ref(handle.lease_id)] = rec
                 if self.pool.engine_allocated:
                     for b in ids:
                         self._by_block[b] = rec
@@ -555,7 +555,8 @@ class KVSender:
             self._records.pop(rec.handle.handle_id, None)
             for srv in self.servers:
                 srv.ended(rec.handle.handle_id)    # one-sided readers see the end before any free
-            self._by_lease.pop(rec.handle.lease_id, None)
+            if rec.handle.lease_id:
+                self._by_lease.pop(self._lease_ref(rec.handle.lease_id), None)
             if self._by_block:
                 for b in rec.block_ids:
                     if self._by_block.get(b) is rec:
@@ -634,16 +635,22 @@ class KVSender:
             for r in due:
                 self._end(r, "expired")
 
+    def _lease_ref(self, lease_id: str) -> str:
+        return self.leases.ref(lease_id) if self.leases is not None else lease_id
+
     def _lease_loop(self) -> None:
         """Learn of releases/aborts from the owner's event stream; sweep as the fallback."""
         assert self.leases is not None
         next_sweep = time.monotonic() + SWEEP_INTERVAL
         while not self._closed:
             try:
-                for ev in self.leases.events(self.owner, timeout_s=0.2):
-                    rec = self._by_lease.get(ev.lease_id)
+                evs = self.leases.events(self.owner, timeout_s=0.2)
+                for ev in evs:
+                    rec = self._by_lease.get(ev.ref)
                     if rec is not None and ev.kind in ("released", "aborted"):
                         self._end(rec, ev.kind)
+                if evs:   # let the next releases gather: one wake-up per batch, not one per release
+                    time.sleep(EVENT_BATCH)
                 if time.monotonic() >= next_sweep:
                     next_sweep = time.monotonic() + SWEEP_INTERVAL
                     self._sweep_leases()

@@ -71,4 +71,6 @@ def refusal(reply: Sequence[Any], lease_id: str, who: str) -> LeaseError:
     if code == "EPOCH":
         return StaleFence(f"fence of lease {lease_id!r} is from an older lease-server epoch "
                           "(the server lost its data)")
+    if code == "BADKEY":
+        return LeaseNotFound(f"lease {lease_id!r}: the key passed is not the one this lease id names")
     return LeaseError(f"lease {lease_id!r}: unexpected reply {list(reply)!r}")

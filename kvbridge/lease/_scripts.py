@@ -4,8 +4,14 @@ Common calling convention::
 
     KEYS[1] epoch   KEYS[2] fence counter   KEYS[3] index zset   KEYS[4..] lease hash(es)
     ARGV[1] epoch candidate (fresh random u63 per call; used only if the epoch key is absent)
-    ARGV[2] tombstone grace ms   ARGV[3] events key prefix   ARGV[4] events MAXLEN
+    ARGV[2] tombstone grace ms   ARGV[3] namespace prefix ``{ns}:``   ARGV[4] events MAXLEN
     ARGV[5] lease id             ARGV[6..] operation arguments
+
+A lease hash is named ``{ns}:lease:<ref>``, where ``ref = sha1hex("{ns}:lease:" .. lease id)``:
+the key name does not give the lease id, and every script that acts on one lease first checks
+that its key is the one its lease id names (``BADKEY`` otherwise), so a caller who only read
+key names from the keyspace cannot act through these scripts. The index and the events carry
+the ref, never the lease id.
 
 Lease hash fields: st (P published, C claimed, R released, A aborted, V revoked,
 X expired), ow owner, cl claimer, ep epoch, fc fence counter, cu claim expiry ms,
@@ -15,9 +21,9 @@ passed is effectively X. Terminal records stay ``grace`` ms as tombstones, so a
 late caller learns "expired/released" rather than "not found".
 
 Replies: a lease view is one JSON string (cheap to parse: one bulk reply)
-``[id, state, owner, claimer, epoch, fence counter, lease ms left, claim ms left,
+``[ref, state, owner, claimer, epoch, fence counter, lease ms left, claim ms left,
 blocks, meta json]``; other replies are arrays ``{'OK', ...}`` or ``{CODE, detail}``, CODE one of
-EXISTS NOTFOUND EXPIRED REVOKED ENDED CONFLICT STALE LAPSED EPOCH NOTOWNER.
+EXISTS NOTFOUND EXPIRED REVOKED ENDED CONFLICT STALE LAPSED EPOCH NOTOWNER BADKEY.
 The events stream key (prefix .. owner) and the lease keys built by ``list``
 are not passed in KEYS: they share the namespace hash tag, hence the slot.
 """
@@ -27,7 +33,9 @@ from __future__ import annotations
 PRELUDE = r"""
 local K_EPOCH, K_FENCE, K_IDX, K_LEASE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local GRACE = tonumber(ARGV[2])
-local EVPREFIX, EVMAX, ID = ARGV[3], ARGV[4], ARGV[5]
+local LPREFIX, EVPREFIX = ARGV[3] .. 'lease:', ARGV[3] .. 'events:'
+local EVMAX, ID = ARGV[4], ARGV[5]
+local REF = ''   -- set by ONE: the public name of the lease (sha1 of its key's id)
 local EVTTL = 3600000
 local t = redis.call('TIME')
 local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -54,7 +62,7 @@ end
 
 local function emit(owner, kind)
   local k = EVPREFIX .. owner
-  redis.call('XADD', k, 'MAXLEN', '~', EVMAX, '*', 'k', kind, 'id', ID)
+  redis.call('XADD', k, 'MAXLEN', '~', EVMAX, '*', 'k', kind, 'id', REF)
   redis.call('PEXPIRE', k, EVTTL)
 end
 
@@ -69,15 +77,15 @@ end
 
 local function keep_until(at)
   redis.call('PEXPIREAT', K_LEASE, at)
-  redis.call('ZADD', K_IDX, at, ID)
+  redis.call('ZADD', K_IDX, at, REF)
 end
 
-local function view(id, h, s)
+local function view(ref, h, s)
   local cl, left, cleft = h.cl, 0, 0
   if s == 'P' then cl = '' end
   if s == 'P' or s == 'C' then left = h.ex - NOW end
   if s == 'C' then cleft = h.cu - NOW end
-  return cjson.encode({id, s, h.ow, cl, h.ep, string.format('%d', h.fc),
+  return cjson.encode({ref, s, h.ow, cl, h.ep, string.format('%d', h.fc),
                        string.format('%d', left), string.format('%d', cleft), h.nb, h.mt})
 end
 
@@ -102,15 +110,22 @@ local function holder()
 end
 """
 
+# Scripts on one lease (all but SWEEP and LIST, which only read) start with this check:
+# the lease's key must be the one its id names -- knowing a key name is not knowing the id.
+ONE = PRELUDE + r"""
+REF = redis.sha1hex(LPREFIX .. ID)
+if K_LEASE ~= LPREFIX .. REF then return {'BADKEY'} end
+"""
+
 # ARGV[6] owner, [7] ttl ms, [8] num blocks, [9] meta json, [10] nonce
-PUBLISH = PRELUDE + r"""
+PUBLISH = ONE + r"""
 local h = load(K_LEASE)
 if h then
   if h.ow == ARGV[6] and h.pn == ARGV[10] and h.ep == EPOCH then
     local s = settle(h)
     local g = gone(s)
     if g then return g end
-    return view(ID, h, s)
+    return view(REF, h, s)
   end
   return {'EXISTS', h.ow}
 end
@@ -121,11 +136,11 @@ redis.call('HSET', K_LEASE, 'st', 'P', 'ow', ARGV[6], 'cl', '', 'ep', EPOCH, 'fc
 keep_until(ex + GRACE)
 redis.call('ZREMRANGEBYSCORE', K_IDX, '-inf', NOW)
 h = {st='P', ow=ARGV[6], cl='', ep=EPOCH, fc=c, cu=0, ex=ex, nb=ARGV[8], mt=ARGV[9]}
-return view(ID, h, 'P')
+return view(REF, h, 'P')
 """
 
 # ARGV[6] claimer, [7] claim ttl ms
-CLAIM = PRELUDE + r"""
+CLAIM = ONE + r"""
 local h = load(K_LEASE)
 if not h then return {'NOTFOUND'} end
 local s = settle(h)
@@ -139,16 +154,16 @@ if s == 'C' then
     h.cu = cu
     redis.call('HSET', K_LEASE, 'cu', cu)
   end
-  return view(ID, h, 'C')
+  return view(REF, h, 'C')
 end
 local c = redis.call('INCR', K_FENCE)
 h.st, h.cl, h.fc, h.cu = 'C', ARGV[6], c, cu
 redis.call('HSET', K_LEASE, 'st', 'C', 'cl', ARGV[6], 'fc', c, 'cu', cu)
-return view(ID, h, 'C')
+return view(REF, h, 'C')
 """
 
 # ARGV[6..8] claimer, fence
-VALIDATE = PRELUDE + r"""
+VALIDATE = ONE + r"""
 local h, s, err = holder()
 if err then return err end
 if s ~= 'C' then return {'ENDED', s} end
@@ -157,7 +172,7 @@ return {'OK'}
 
 
 def _finish(code: str, kind: str) -> str:
-    return PRELUDE + f"""
+    return ONE + f"""
 local h, s, err = holder()
 if err then return err end
 if s == 'R' or s == 'A' then return {{'OK', s}} end
@@ -172,7 +187,7 @@ RELEASE = _finish("R", "released")
 ABORT = _finish("A", "aborted")
 
 # ARGV[6..8] claimer, fence; ARGV[9] claim ttl ms
-RENEW_CLAIM = PRELUDE + r"""
+RENEW_CLAIM = ONE + r"""
 local h, s, err = holder()
 if err then return err end
 if s ~= 'C' then return {'ENDED', s} end
@@ -181,11 +196,11 @@ if cu > h.cu then
   h.cu = cu
   redis.call('HSET', K_LEASE, 'cu', cu)
 end
-return view(ID, h, s)
+return view(REF, h, s)
 """
 
 # ARGV[6] owner, [7] ttl ms
-RENEW_OWNER = PRELUDE + r"""
+RENEW_OWNER = ONE + r"""
 local h = load(K_LEASE)
 if not h then return {'NOTFOUND'} end
 if h.ow ~= ARGV[6] then return {'NOTOWNER', h.ow} end
@@ -200,11 +215,11 @@ if s == 'P' or s == 'C' then
     keep_until(ex + GRACE)
   end
 end
-return view(ID, h, s)
+return view(REF, h, s)
 """
 
 # ARGV[6] owner
-REVOKE = PRELUDE + r"""
+REVOKE = ONE + r"""
 local h = load(K_LEASE)
 if not h then return {'OK', ''} end
 if h.ow ~= ARGV[6] then return {'NOTOWNER', h.ow} end
@@ -217,12 +232,12 @@ end
 return {'OK', s}
 """
 
-GET = PRELUDE + r"""
+GET = ONE + r"""
 local h = load(K_LEASE)
 if not h then return {'NOTFOUND'} end
 local s = eff(h)
 if gone(s) then return {'NOTFOUND'} end
-return view(ID, h, s)
+return view(REF, h, s)
 """
 
 # KEYS[4..] lease keys; ARGV[6] owner. Reply: one state letter per key ('' = gone/not owned).
@@ -240,17 +255,17 @@ end
 return out
 """
 
-# ARGV[6] owner ('' = all), [7] limit, [8] lease key prefix. Reply: list of views.
+# ARGV[6] owner ('' = all), [7] limit. Reply: list of views (index members are refs).
 LIST = PRELUDE + r"""
 redis.call('ZREMRANGEBYSCORE', K_IDX, '-inf', NOW)
 local ids = redis.call('ZRANGE', K_IDX, 0, -1)
 local out, limit = {}, tonumber(ARGV[7])
-for _, id in ipairs(ids) do
+for _, ref in ipairs(ids) do
   if #out >= limit then break end
-  local h = load(ARGV[8] .. id)
+  local h = load(LPREFIX .. ref)
   if h and (ARGV[6] == '' or h.ow == ARGV[6]) then
     local s = eff(h)
-    if not gone(s) then out[#out + 1] = view(id, h, s) end
+    if not gone(s) then out[#out + 1] = view(ref, h, s) end
   end
 end
 return out

@@ -90,7 +90,9 @@ class Claim(NamedTuple):
 
 @dataclass
 class Lease:
-    """A snapshot of one lease. ``ttl_ms_left``: lease TTL; ``claim_ms_left``: claim TTL."""
+    """A snapshot of one lease. ``ttl_ms_left``: lease TTL; ``claim_ms_left``: claim TTL.
+    ``ref``: the lease's public name (:meth:`LeaseStore.ref`); ``lease_id`` is empty in
+    :meth:`LeaseStore.list`, which sees only refs."""
 
     lease_id: str
     owner: str
@@ -101,14 +103,16 @@ class Lease:
     num_blocks: int
     meta: dict[str, str] = field(default_factory=dict)
     claim_ms_left: int = 0
+    ref: str = ""
 
 
 @dataclass(frozen=True)
 class LeaseEvent:
-    """A notification to an owner: ``kind`` is one of :data:`EVENT_KINDS`."""
+    """A notification to an owner: ``kind`` is one of :data:`EVENT_KINDS`; ``ref`` names the
+    lease as :meth:`LeaseStore.ref` does (an event never carries the lease id)."""
 
     kind: str
-    lease_id: str
+    ref: str
 
 
 @dataclass
@@ -152,6 +156,11 @@ class LeaseStore(abc.ABC):
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
             setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    def ref(self, lease_id: str) -> str:
+        """The lease's public name, as events and :meth:`list` give it: a one-way function of
+        the lease id, so whoever sees refs (or the server's key names) cannot name the lease."""
+        return lease_id
 
     # -- owner side --------------------------------------------------------
     @abc.abstractmethod

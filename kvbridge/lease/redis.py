@@ -6,9 +6,14 @@ shared by all leases and every script touches them)::
 
     {ns}:epoch            random u63 per dataset, created with the first script run
     {ns}:fence            fence counter (INCR)
-    {ns}:index            zset lease id -> time its hash expires (for ``list``)
-    {ns}:lease:<id>       hash per lease, PEXPIREAT lease expiry + tombstone grace
-    {ns}:events:<owner>   stream of release/abort/expire/revoke events (MAXLEN ~)
+    {ns}:index            zset ref -> time its hash expires (for ``list``)
+    {ns}:lease:<ref>      hash per lease, PEXPIREAT lease expiry + tombstone grace
+    {ns}:events:<owner>   stream of release/abort/expire/revoke events, by ref (MAXLEN ~)
+
+``ref = sha1hex("{ns}:lease:" + lease_id)`` (:meth:`RedisLeaseStore.ref`): lease ids are
+secret 128-bit digests (``KVHandle.lease_digest``), so a key name, an index member or an
+event does not give the lease id that every operation needs, and the scripts refuse a
+lease key that is not the one their lease id names. Request ids are not stored.
 
 In Cluster mode a namespace therefore lives on one shard; use several namespaces
 to spread load. The server must not evict keys (``maxmemory-policy noeviction``).
@@ -53,9 +58,9 @@ SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_RETRY = Retry(attempts=4, backoff=Backoff(base=0.05, cap=0.5), deadline=5.0)
 
 
-def _lease(view: str) -> Lease:
-    lid, s, ow, cl, ep, fc, left, cleft, nb, mt = json.loads(view)
-    return Lease(lease_id=lid, owner=ow, state=_STATES[s], fence=Fence(int(ep), int(fc)),
+def _lease(view: str, lease_id: str = "") -> Lease:
+    ref, s, ow, cl, ep, fc, left, cleft, nb, mt = json.loads(view)
+    return Lease(lease_id=lease_id, ref=ref, owner=ow, state=_STATES[s], fence=Fence(int(ep), int(fc)),
                  claimer=cl or None, ttl_ms_left=max(0, int(left)), num_blocks=int(nb),
                  meta=json.loads(mt) if mt else {}, claim_ms_left=max(0, int(cleft)))
 
@@ -102,6 +107,7 @@ class RedisLeaseStore(LeaseStore):
         self._socket_timeout = socket_timeout
         tag = "{" + namespace + "}"
         self._common_keys = [f"{tag}:epoch", f"{tag}:fence", f"{tag}:index"]
+        self._prefix = f"{tag}:"
         self._lease_prefix = f"{tag}:lease:"
         self._events_prefix = f"{tag}:events:"
         self._grace_ms = _ms(tombstone_s, "tombstone_s")
@@ -124,12 +130,21 @@ class RedisLeaseStore(LeaseStore):
     def __repr__(self) -> str:
         return f"RedisLeaseStore({redact(self.url)!r}, namespace={self.namespace!r})"
 
+    def ref(self, lease_id: str) -> str:
+        """The public name of a lease: its key is ``{ns}:lease:<ref>``, its events and index
+        entries carry the ref. One-way: the ref does not give the lease id."""
+        return hashlib.sha1((self._lease_prefix + lease_id).encode()).hexdigest()
+
     # -- building script calls ---------------------------------------------
     def _keys(self, lease_id: str) -> list[str]:
-        return self._common_keys + [self._lease_prefix + lease_id]
+        return self._common_keys + [self._lease_prefix + self.ref(lease_id)]
 
     def _head(self, lease_id: str) -> list[Any]:
-        return [self._grace_ms, self._events_prefix, self._maxlen, lease_id]
+        return [self._grace_ms, self._prefix, self._maxlen, lease_id]
+
+    @staticmethod
+    def _view(lease_id: str) -> Callable[[Any], Lease]:
+        return lambda r: _lease(r, lease_id)
 
     def _counted(self, stat: Optional[str], lease_id: str, who: str,
                  ok: Callable[[Any], T]) -> Callable[[Any], T]:
@@ -152,14 +167,14 @@ class RedisLeaseStore(LeaseStore):
         args = self._head(lease_id) + [owner, _ms(ttl_s, "ttl_s"), int(num_blocks), mt,
                                        secrets.token_hex(8)]
         return _Op("publish", self._keys(lease_id), args,
-                   self._counted("published", lease_id, owner, _lease))
+                   self._counted("published", lease_id, owner, self._view(lease_id)))
 
     def _op_claim(self, lease_id: str, claimer: str, claim_ttl_s: float) -> _Op:
         _check_name(lease_id, "lease_id")
         _check_name(claimer, "claimer")
         args = self._head(lease_id) + [claimer, _ms(claim_ttl_s, "claim_ttl_s")]
         return _Op("claim", self._keys(lease_id), args,
-                   self._counted("claimed", lease_id, claimer, _lease))
+                   self._counted("claimed", lease_id, claimer, self._view(lease_id)))
 
     def _op_holder(self, script: str, stat: Optional[str], lease_id: str, claimer: str,
                    fence: Fence, extra: Sequence[Any] = (),
@@ -183,11 +198,11 @@ class RedisLeaseStore(LeaseStore):
     def _op_renew(self, lease_id: str, who: str, ttl_s: float, fence: Optional[Fence]) -> _Op:
         ms = _ms(ttl_s, "ttl_s")
         if fence is not None:
-            return self._op_holder("renew_claim", None, lease_id, who, fence, [ms], _lease)
+            return self._op_holder("renew_claim", None, lease_id, who, fence, [ms], self._view(lease_id))
         _check_name(lease_id, "lease_id")
         _check_name(who, "owner")
         return _Op("renew_owner", self._keys(lease_id), self._head(lease_id) + [who, ms],
-                   self._counted(None, lease_id, who, _lease))
+                   self._counted(None, lease_id, who, self._view(lease_id)))
 
     def _op_revoke(self, lease_id: str, owner: str) -> _Op:
         _check_name(lease_id, "lease_id")
@@ -203,16 +218,16 @@ class RedisLeaseStore(LeaseStore):
     def _op_get(self, lease_id: str) -> _Op:
         _check_name(lease_id, "lease_id")
         return _Op("get", self._keys(lease_id), self._head(lease_id),
-                   lambda r: _lease(r) if isinstance(r, str) else None)
+                   lambda r: _lease(r, lease_id) if isinstance(r, str) else None)
 
     def _op_sweep(self, owner: str, lease_ids: Sequence[str]) -> _Op:
         ids = [_check_name(i, "lease_id") for i in lease_ids]
-        keys = self._common_keys + [self._lease_prefix + i for i in ids]
+        keys = self._common_keys + [self._lease_prefix + self.ref(i) for i in ids]
         return _Op("sweep", keys, self._head("") + [owner],
                    lambda r: {i: _STATES.get(s) for i, s in zip(ids, r)})
 
     def _op_list(self, owner: Optional[str], limit: int) -> _Op:
-        args = self._head("") + [owner or "", int(limit), self._lease_prefix]
+        args = self._head("") + [owner or "", int(limit)]
         return _Op("list", self._common_keys, args, lambda r: [_lease(v) for v in r])
 
     # -- running script calls ----------------------------------------------
@@ -481,9 +496,9 @@ class RedisLeaseStore(LeaseStore):
         for _key, entries in raw or []:
             for eid, fields in entries:
                 self._cursors[owner] = eid
-                kind, lid = fields.get("k", ""), fields.get("id", "")
+                kind, ref = fields.get("k", ""), fields.get("id", "")
                 if kind in EVENT_KINDS:
-                    out.append(LeaseEvent(kind, lid))
+                    out.append(LeaseEvent(kind, ref))
         return out
 
 

@@ -22,10 +22,11 @@ known_implementations: dict[str, dict[str, str]] = {
     "shm": {"class": "kvbridge.transports.shm:ShmTransport"},
     "ucx": {"class": "kvbridge.transports.ucx:UCXTransport",
             "err": "ucx:// needs ucxx: pip install 'kvbridge[ucx]' (installs ucxx-cu12)"},
-    # Named so that asking for it says what is missing; not in this release.
+    # CUDA IPC through CuPy: the module imports without it; serving or mapping a CUDA pool
+    # without CuPy raises BackendUnavailable naming the extra.
     "nvlink": {"class": "kvbridge.transports.nvlink:NVLinkTransport",
-               "err": "nvlink:// (CUDA IPC through CuPy, extra kvbridge[cupy]) is not in this release; "
-                      "use tcp:// (device pools are staged through host memory)"},
+               "err": "nvlink:// needs CuPy: pip install 'kvbridge[cupy]' (cupy-cuda12x or cupy-cuda13x, "
+                      "matching the CUDA of your torch)"},
 }
 
 _loaded: dict[str, type[Transport]] = {}

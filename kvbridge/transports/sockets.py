@@ -3,7 +3,9 @@ server and pooled client connections. Frames are defined in :mod:`.wire`."""
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import queue
 import selectors
 import socket
@@ -34,6 +36,7 @@ CONTROL_BUDGET = 64 << 20  # control-frame bytes all connections of a server may
 MAX_PING = 64              # PING payload echoed back, at most
 MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
 RATE_GRACE = 2.0
+RELEASE_LINGER = 0.002  # seconds a deferred release waits for a request to ride on
 
 
 def tune(sock: socket.socket) -> None:
@@ -408,6 +411,7 @@ class SocketClient:
         self._lock = threading.Lock()
         self._req = 0
         self.opened = 0
+        self._pending: list[bytes] = []   # RELEASE_NOREPLY frames riding on the next request
 
     def acquire(self) -> socket.socket:
         with self._lock:
@@ -432,23 +436,51 @@ class SocketClient:
             return self._req
 
     def close(self) -> None:
+        self.flush()
         with self._lock:
             idle, self._idle = self._idle, []
         for s in idle:
             s.close()
 
     def release(self, handle: KVHandle, wait: bool, what: str) -> None:
-        """RELEASE (and read the answer), or RELEASE_NOREPLY: one send, no round trip."""
+        """RELEASE (and read the answer), or RELEASE_NOREPLY without a send of its own: the
+        frame rides behind this client's next request, or goes alone after ``RELEASE_LINGER``."""
         if not wait:
-            sock = self.acquire()
-            try:
-                sock.sendall(pack(Kind.RELEASE_NOREPLY, self.next_id(), handle.to_bytes()))
-            except BaseException as exc:
-                sock.close()
-                raise map_os_error(exc, what) from None
-            self.put_back(sock)
+            frame = pack(Kind.RELEASE_NOREPLY, self.next_id(), handle.to_bytes())
+            with self._lock:
+                self._pending.append(frame)
+                first = len(self._pending) == 1
+            if first:
+                _FLUSHER.schedule(self)
             return
         self.control(Kind.RELEASE, handle.to_bytes(), what)
+
+    def frames(self, frame: bytes) -> bytes:
+        """``frame`` followed by the deferred releases (served after it: they never delay it)."""
+        if not self._pending:
+            return frame
+        with self._lock:
+            pending, self._pending = self._pending, []
+        return b"".join((frame, *pending))
+
+    def flush(self) -> None:
+        """Send the deferred releases now. A failure is logged: the sender frees at expiry."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        try:
+            sock = self.acquire()
+        except KVBridgeError as exc:
+            log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
+            return
+        try:
+            sock.sendall(b"".join(pending))
+        except OSError as exc:
+            sock.close()
+            log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
+            return
+        self.put_back(sock)
 
     def control(self, kind: Kind, payload: bytes, what: str) -> tuple[Kind, bytes]:
         """One control round trip: the reply's kind and body; an ERROR reply is raised."""
@@ -468,7 +500,7 @@ class SocketClient:
         sock = self.acquire()
         try:
             rid = self.next_id()
-            sock.sendall(pack(kind, rid, payload))
+            sock.sendall(self.frames(pack(kind, rid, payload)))
             k, got_id, length = unpack_header(recv_exact(sock, HEADER.size))
             if got_id != rid and k is not Kind.ERROR:
                 raise ProtocolError(f"{what}: reply for request {got_id}, expected {rid}")
@@ -478,3 +510,46 @@ class SocketClient:
             raise map_os_error(exc, what) from None
 
 
+
+
+class _Flusher:
+    """One daemon thread per process that sends deferred releases no request has carried
+    within ``RELEASE_LINGER``: a released handle's blocks are freed at most that much later."""
+
+    def __init__(self, linger: float = RELEASE_LINGER) -> None:
+        self.linger = linger
+        self._lock = threading.Lock()
+        self._due: list[SocketClient] = []
+        self._wake = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def schedule(self, client: SocketClient) -> None:
+        with self._lock:
+            self._due.append(client)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="kvbridge-release-flush", daemon=True)
+                self._thread.start()
+        self._wake.set()
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            time.sleep(self.linger)
+            self._wake.clear()
+            self.flush_all()
+
+    def flush_all(self) -> None:
+        with self._lock:
+            due, self._due = self._due, []
+        for c in dict.fromkeys(due):
+            c.flush()
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._due, self._thread = [], None
+        self._wake = threading.Event()
+
+
+_FLUSHER = _Flusher()
+os.register_at_fork(after_in_child=_FLUSHER._after_fork)
+atexit.register(_FLUSHER.flush_all)

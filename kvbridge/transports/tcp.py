@@ -175,7 +175,8 @@ class TCPTransport(Transport):
                     rid = client.next_id()
                     ids.append(rid)
                     o = ops[sent]
-                    sock.sendall(pack(Kind.READ, rid, encode_request(o.handle.to_bytes(), o.indices, o.claim)))
+                    sock.sendall(client.frames(pack(Kind.READ, rid, encode_request(o.handle.to_bytes(), o.indices,
+                                                                                  o.claim))))
                     sent += 1
                 kind, rid, length = unpack_header(recv_exact(sock, HEADER.size))
                 if rid != ids[i]:

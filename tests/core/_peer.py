@@ -23,7 +23,8 @@ import torch
 from kvbridge import KVLayout, KVPool, KVSender, Timeout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-LISTEN = {"inproc": "inproc://", "tcp": "tcp://127.0.0.1:0", "shm": "shm://", "ucx": "ucx://127.0.0.1:0"}
+LISTEN = {"inproc": "inproc://", "tcp": "tcp://127.0.0.1:0", "shm": "shm://", "ucx": "ucx://127.0.0.1:0",
+          "nvlink": "nvlink://"}
 
 
 # -- pool contents ----------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def _parts(pool: KVPool, layer: int) -> list[torch.Tensor]:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """(n_blocks, nbytes) uint8 view of a gathered (n_blocks, *part) tensor."""
-    t = t.contiguous()
+    t = t.contiguous().cpu()
     return t.reshape(t.shape[0], -1).view(torch.uint8)
 
 
@@ -70,7 +71,7 @@ def mismatched_blocks(dst_pool: KVPool, dst_ids: Sequence[int], src_pool: KVPool
     bad = torch.zeros(len(dst_ids), dtype=torch.bool)
     for layer in range(dst_pool.layout.num_layers):
         for dp, sp in zip(_parts(dst_pool, layer), _parts(src_pool, layer), strict=True):
-            a, b = _bytes_of(dp.index_select(0, d)), _bytes_of(sp.index_select(0, s))
+            a, b = _bytes_of(dp.index_select(0, d.to(dp.device))), _bytes_of(sp.index_select(0, s.to(sp.device)))
             bad |= (a != b).any(dim=1)
     return [int(dst_ids[k]) for k in torch.nonzero(bad).flatten().tolist()]
 
@@ -142,7 +143,8 @@ class SenderHost:
         self._n += 1
         sid = f"s{self._n}"
         L = KVLayout.from_dict(layout)
-        pool = KVPool.allocate(L, num_blocks, shared=listen.startswith("shm:"), allocator=allocator)
+        pool = KVPool.allocate(L, num_blocks, shared=listen.startswith("shm:"), allocator=allocator,
+                               device="cuda" if listen.startswith("nvlink:") else "cpu")   # nvlink: device pools
         fill_pool(pool, seed, normal)
         if reserve_all and allocator == "kvbridge":
             pool.alloc(num_blocks)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import pytest
+import torch
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, Retry, Timeout
 from kvbridge.policy import Backoff
@@ -25,7 +26,16 @@ try:
 except (ImportError, ValueError):   # blocked (sys.modules["ucxx"] = None) counts as missing
     _HAVE_UCXX = False
 _NO_UCX = "" if _HAVE_UCXX else "ucx:// needs ucxx: pip install 'kvbridge[ucx]'"
-SCHEMES = ["inproc", "tcp", "shm", pytest.param("ucx", marks=pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX))]
+try:
+    _HAVE_CUPY = importlib.util.find_spec("cupy") is not None
+except (ImportError, ValueError):
+    _HAVE_CUPY = False
+_NO_NVLINK = ("" if _HAVE_CUPY and torch.cuda.is_available() else
+              "nvlink:// needs " + " and ".join(w for w, ok in [("a CUDA device", torch.cuda.is_available()),
+                                                             ("CuPy (pip install 'kvbridge[cupy]')", _HAVE_CUPY)]
+                                                 if not ok))
+SCHEMES = ["inproc", "tcp", "shm", pytest.param("ucx", marks=pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX)),
+           pytest.param("nvlink", marks=[pytest.mark.gpu, pytest.mark.skipif(bool(_NO_NVLINK), reason=_NO_NVLINK)])]
 
 
 FAST_RETRY = Retry(attempts=2, backoff=Backoff(base=0.01, cap=0.05), deadline=10.0)

@@ -1,4 +1,5 @@
-"""One conformance suite that every transport passes (``scheme`` in inproc, tcp, shm).
+"""One conformance suite that every transport passes (``scheme`` in inproc, tcp, shm, ucx, nvlink;
+nvlink's senders hold CUDA pools and it runs only where a CUDA device and CuPy are).
 
 The sender runs in a child process for tcp/shm (see conftest), in this process for
 inproc. Every test asserts outcomes: bytes equal block by block, error types and
@@ -528,6 +529,28 @@ MALFORMED = {
 }
 
 
+def check_malformed_answered(s: socket.socket, case: str) -> None:
+    """Send ``MALFORMED[case]`` on ``s`` (then closed): within 3 s the server answers an ERROR
+    or closes; where framing survives, the connection keeps working."""
+    try:
+        s.sendall(MALFORMED[case])
+        if case.startswith("truncated"):
+            s.shutdown(socket.SHUT_WR)
+        t0 = time.monotonic()
+        rep = _reply(s)
+        assert time.monotonic() - t0 < 3
+        if rep != "closed":
+            kind, err = rep
+            assert kind is Kind.ERROR, f"{case}: answered {kind.name}"
+            assert err.code in (27, 28, 21, 25, 26), repr(err)
+            if case in ("bad_read_payload", "bad_handle", "reply_kind_from_client"):
+                # framing intact: the connection keeps working
+                s.sendall(pack(Kind.PING, 7, b"hi"))
+                assert _reply(s) == (Kind.PONG, b"hi")
+    finally:
+        s.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("case", list(MALFORMED))
 def test_malformed_frames(case, scheme, make_receiver, monkeypatch):
@@ -535,28 +558,11 @@ def test_malformed_frames(case, scheme, make_receiver, monkeypatch):
         pytest.skip("inproc has no wire")
     crashes: list = []
     monkeypatch.setattr(threading, "excepthook", lambda args: crashes.append(args.exc_value))
-    pool = KVPool.allocate(SMALL, 8, shared=(scheme == "shm"))
+    pool = KVPool.allocate(SMALL, 8, shared=(scheme == "shm"), device="cuda" if scheme == "nvlink" else "cpu")
     fill_pool(pool, 99)
     pool.alloc(8)
     with KVSender(pool, LISTEN[scheme], timeout=Timeout(transfer=1.0), leases=False) as snd:
-        s = _raw_connect(snd.url)
-        try:
-            s.sendall(MALFORMED[case])
-            if case.startswith("truncated"):
-                s.shutdown(socket.SHUT_WR)
-            t0 = time.monotonic()
-            rep = _reply(s)
-            assert time.monotonic() - t0 < 3
-            if rep != "closed":
-                kind, err = rep
-                assert kind is Kind.ERROR, f"{case}: answered {kind.name}"
-                assert err.code in (27, 28, 21, 25, 26), repr(err)
-                if case in ("bad_read_payload", "bad_handle", "reply_kind_from_client"):
-                    # framing intact: the connection keeps working
-                    s.sendall(pack(Kind.PING, 7, b"hi"))
-                    assert _reply(s) == (Kind.PONG, b"hi")
-        finally:
-            s.close()
+        check_malformed_answered(_raw_connect(snd.url), case)
         # the server keeps serving other clients
         recv, dpool = make_receiver(SMALL, 8)
         h = snd.publish("after", [4, 1], num_tokens=5)

@@ -83,18 +83,21 @@ def test_leases_separates_live_from_released(lease_url: str, capsys: pytest.Capt
     src, dst = KVPool.allocate(layout, 16), KVPool.allocate(layout, 16)
     with KVSender(src, ["tcp://127.0.0.1:0"], leases=lease_url) as snd, KVReceiver(dst, leases=lease_url) as rcv:
         done = snd.publish("req-done", src.alloc(2), 8)
-        snd.publish("req-waiting", src.alloc(2), 8)
+        waiting = snd.publish("req-waiting", src.alloc(2), 8)
         assert rcv.fetch(done, dst.alloc(2)).ok
         url = lease_url
         capsys.readouterr()
         assert main(["leases", "--url", url, "--owner", snd.owner]) == 0
         out = capsys.readouterr().out
         live, _, ended = out.partition("ended lease(s)")
-        assert out.startswith("1 live lease(s)") and "req-waiting" in live and "req-done" not in live
-        assert "req-done" in ended and "released" in ended
+        assert snd.leases is not None
+        ref_done, ref_waiting = snd.leases.ref(done.lease_id), snd.leases.ref(waiting.lease_id)
+        assert out.startswith("1 live lease(s)") and ref_waiting in live and ref_done not in live
+        assert ref_done in ended and "released" in ended
+        assert "req-" not in out and done.lease_id not in out     # neither request ids nor lease ids
         assert main(["leases", "--url", url, "--owner", snd.owner, "--json"]) == 0
         rows = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-        assert {r["meta"].get("request_id"): r["live"] for r in rows} == {"req-done": False, "req-waiting": True}
+        assert {r["ref"]: r["live"] for r in rows} == {ref_done: False, ref_waiting: True}
 
 
 def test_e2e_bench_writes_to_scratch_unless_told() -> None:

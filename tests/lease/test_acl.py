@@ -12,6 +12,13 @@ import redis
 from kvbridge.lease import EmbeddedRedis, Fence, RedisLeaseStore
 
 README = Path(__file__).resolve().parents[2] / "README.md"
+LEASES_DOC = Path(__file__).resolve().parents[2] / "docs" / "LEASES.md"
+
+
+def test_docs_carry_the_same_acl_line() -> None:
+    pat = r"`(ACL SETUSER kvbridge [^`]+)`"
+    got = [re.search(pat, p.read_text()) for p in (README, LEASES_DOC)]
+    assert got[0] and got[1] and got[0].group(1) == got[1].group(1)
 
 
 def test_readme_acl_line_suffices(own_server: EmbeddedRedis) -> None:
@@ -28,7 +35,7 @@ def test_readme_acl_line_suffices(own_server: EmbeddedRedis) -> None:
         assert [e.kind for e in store.events("owner", timeout_s=0.5)] == ["released"]
         assert store.sweep("owner", ["lease-a"])
         store.publish("lease-b", "owner", 5)
-        assert {x.lease_id for x in store.list("owner")} >= {"lease-b"}
+        assert {x.ref for x in store.list("owner")} >= {store.ref("lease-b")}
         assert store.revoke("lease-b", "owner") is not None
         assert lease.fence > Fence.ZERO
     user = redis.Redis.from_url(url)

@@ -33,11 +33,11 @@ def test_async_lifecycle(server: EmbeddedRedis, ns: str) -> None:
             r = await s.arenew("a", "dec", 5, fence=c.fence)
             assert r.fence == c.fence
             await s.arenew("a", "owner", 20)
-            assert [x.lease_id for x in await s.alist("owner")] == ["a"]
+            assert [x.ref for x in await s.alist("owner")] == [s.ref("a")]
             assert await s.asweep("owner", ["a", "b"]) == {"a": LeaseState.CLAIMED, "b": None}
             await s.arelease("a", "dec", c.fence)
             await s.arelease("a", "dec", c.fence)
-            assert await s.aevents("owner", timeout_s=1) == [LeaseEvent("released", "a")]
+            assert await s.aevents("owner", timeout_s=1) == [LeaseEvent("released", s.ref("a"))]
             got = await s.aget("a")
             assert got is not None and got.state is LeaseState.RELEASED
             with pytest.raises(LeaseNotFound):
@@ -50,7 +50,7 @@ def test_async_lifecycle(server: EmbeddedRedis, ns: str) -> None:
             with pytest.raises(LeaseExpired):
                 await s.aclaim("c", "dec", 5)
             assert await s.aevents("owner", timeout_s=1) == [
-                LeaseEvent("aborted", "b"), LeaseEvent("revoked", "c")]
+                LeaseEvent("aborted", s.ref("b")), LeaseEvent("revoked", s.ref("c"))]
             t0 = time.monotonic()
             assert await s.aevents("owner", timeout_s=0.2) == []
             assert time.monotonic() - t0 < 2

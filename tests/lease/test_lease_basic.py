@@ -76,7 +76,7 @@ def test_double_release_ok_then_everything_refused(store: RedisLeaseStore) -> No
         store.claim("a", "other", 5)
     with pytest.raises(LeaseConflict):
         store.release("a", "stranger", c.fence)
-    assert store.events("owner") == [LeaseEvent("released", "a")]  # one event, not two
+    assert store.events("owner") == [LeaseEvent("released", store.ref("a"))]  # one event, not two
 
 
 def test_release_by_stranger_or_wrong_fence_refused(store: RedisLeaseStore) -> None:
@@ -102,7 +102,7 @@ def test_abort(store: RedisLeaseStore) -> None:
     assert got is not None and got.state is LeaseState.ABORTED
     with pytest.raises(LeaseExpired, match="aborted"):
         store.validate("a", "dec", c.fence)
-    assert store.events("owner") == [LeaseEvent("aborted", "a")]
+    assert store.events("owner") == [LeaseEvent("aborted", store.ref("a"))]
 
 
 def test_revoke_then_validate_fails(store: RedisLeaseStore) -> None:
@@ -121,7 +121,7 @@ def test_revoke_then_validate_fails(store: RedisLeaseStore) -> None:
     assert store.get("a") is None
     assert store.revoke("a", "owner") is None  # idempotent: already gone
     assert store.revoke("never", "owner") is None
-    assert store.events("owner") == [LeaseEvent("revoked", "a")]
+    assert store.events("owner") == [LeaseEvent("revoked", store.ref("a"))]
     assert store.stats.revoked == 1
 
 
@@ -146,7 +146,7 @@ def test_lease_expiry_then_validate_fails(store: RedisLeaseStore) -> None:
         store.claim("a", "other", 5)
     assert store.get("a") is None
     assert store.sweep("owner", ["a"]) == {"a": None}
-    assert store.events("owner") == [LeaseEvent("expired", "a")]
+    assert store.events("owner") == [LeaseEvent("expired", store.ref("a"))]
 
 
 def test_renew_by_owner(store: RedisLeaseStore) -> None:
@@ -195,10 +195,11 @@ def test_events_order_and_cursor(store: RedisLeaseStore) -> None:
     store.abort("l1", "dec", fences[1])
     store.revoke("l2", "owner")
     assert store.events("owner", timeout_s=1) == [
-        LeaseEvent("released", "l0"), LeaseEvent("aborted", "l1"), LeaseEvent("revoked", "l2")]
+        LeaseEvent("released", store.ref("l0")), LeaseEvent("aborted", store.ref("l1")),
+        LeaseEvent("revoked", store.ref("l2"))]
     assert store.events("owner") == []
     store.release("l3", "dec", fences[3])
-    assert store.events("owner", timeout_s=1) == [LeaseEvent("released", "l3")]
+    assert store.events("owner", timeout_s=1) == [LeaseEvent("released", store.ref("l3"))]
     assert store.events("someone-else") == []
 
 
@@ -224,8 +225,8 @@ def test_list(store: RedisLeaseStore) -> None:
     store.publish("b0", "bob", ttl_s=10)
     store.publish("gone", "bob", ttl_s=10)
     store.revoke("gone", "bob")
-    assert sorted(x.lease_id for x in store.list()) == ["a0", "a1", "a2", "b0"]
-    assert sorted(x.lease_id for x in store.list("alice")) == ["a0", "a1", "a2"]
+    assert sorted(x.ref for x in store.list()) == sorted(store.ref(i) for i in ["a0", "a1", "a2", "b0"])
+    assert sorted(x.ref for x in store.list("alice")) == sorted(store.ref(i) for i in ["a0", "a1", "a2"])
     assert [x.owner for x in store.list("bob")] == ["bob"]
     assert len(store.list(limit=2)) == 2
 

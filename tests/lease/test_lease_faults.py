@@ -39,7 +39,7 @@ def test_claimer_death_takeover_and_late_calls_refused(store: RedisLeaseStore) -
         store.claim("a", "A", 10)
     store.validate("a", "B", second.fence)
     store.release("a", "B", second.fence)
-    assert store.events("owner") == [LeaseEvent("released", "a")]
+    assert store.events("owner") == [LeaseEvent("released", store.ref("a"))]
 
 
 def test_lapsed_claimer_without_takeover_is_stale(store: RedisLeaseStore) -> None:

@@ -1,0 +1,552 @@
+"""nvlink:// -- device pools of processes on one host: CUDA IPC mappings and batched device copies.
+
+The control channel is shm://'s (a unix socket; ``nvlink:///path.sock`` or, by default,
+``nvlink://@name`` in Linux's abstract namespace) with the same checks: MAP names a live
+handle with its token (and the claim and fence of a leased one); the server holds an
+in-flight count until DONE, so the blocks cannot be freed under the copy, and DONE
+answers whether the handle is still valid (validate-after-read: a stale answer discards
+the bytes). Push is WMAP / WDONE into the blocks a receiver reserved, verified there.
+
+What MAPPED carries instead of a shared-memory name: for each pool buffer the read
+touches, an export id, its CUDA IPC memory handle (``cudaIpcGetMemHandle`` of the
+allocation that holds it) and the buffer's offset in that allocation; an interprocess
+event the server records on its current stream at MAP time (the client's copy waits on
+it, so it is ordered after every write the sender's stream had queued); and the byte runs.
+The client opens each export once (``cudaIpcOpenMemHandle``, about 0.14 ms) and keeps it
+open for the life of the transport (per (sender, buffer); closed with
+``cudaIpcCloseMemHandle`` on :meth:`NVLinkTransport.close`), then moves the runs with
+row gathers (:func:`~kvbridge.transports.staging.copy_pieces`: one or two kernels per run
+of pieces between the same two buffers, never one launch per block) on the current CUDA
+stream of the destination device, and waits for that copy before it sends DONE: when a
+fetch returns, the bytes are in the destination pool for every stream.
+
+A server and a client in one process (CUDA IPC cannot open a process's own exports) use
+the buffers directly. Peer GPUs use the same code (``cudaIpcMemLazyEnablePeerAccess``).
+
+Needs CuPy for the CUDA runtime calls (``pip install 'kvbridge[cupy]'``); without it a
+CUDA pool cannot be served or mapped and the error names the extra. Host pools are
+refused (use shm:// or tcp://).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import os
+import secrets
+import socket
+import struct
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Optional
+from urllib.parse import urlsplit
+
+import torch
+
+from ..errors import BackendUnavailable, ConfigError, KVBridgeError, ProtocolError, StaleHandle
+from ..handle import KVHandle
+from ..lease.base import Claim
+from ..policy import Timeout
+from .base import Server, Spans
+from .shm import ShmServer, ShmTransport
+from .sockets import SocketClient, connector
+from .staging import Piece, copy_pieces, flat_buffers
+from .wire import FENCE, Kind, decode_layers, decode_request, encode_layers, encode_request, pack
+
+__all__ = ["NVLinkTransport", "cupy_or_error"]
+
+_PROC = struct.Struct("!16sI")        # process token, pid
+_EVENT = struct.Struct("!16s64s")     # event id, CUDA IPC event handle
+_BUF = struct.Struct("!16s64sQQ")     # export id, CUDA IPC memory handle, offset in the allocation, nbytes
+_RUN = struct.Struct("!QQ")           # offset in the concatenation of the buffers, nbytes
+_TOKEN = os.urandom(16)               # with the pid: "this process" (a forked child has another pid)
+_NO_EVENT = bytes(16)
+MAX_OPEN = 64                         # IPC mappings a client keeps open (least recently used closed first)
+_EVENT_FLAGS = 0x02 | 0x04            # cudaEventDisableTiming | cudaEventInterprocess
+CUPY_HINT = ("pip install 'kvbridge[cupy]' (CuPy for the CUDA of your torch: cupy-cuda12x for CUDA 12, "
+             "cupy-cuda13x for CUDA 13)")
+
+# Exports of servers in this process, for clients in this process: export id -> flat buffer.
+_LOCAL: dict[bytes, torch.Tensor] = {}
+_LOCAL_EVENTS: dict[bytes, int] = {}
+_local_lock = threading.Lock()
+
+
+def cupy_or_error() -> Any:
+    """CuPy, or :class:`BackendUnavailable` naming the extra (and a missing CUDA device)."""
+    try:
+        import cupy  # type: ignore[import-not-found,unused-ignore]
+    except ImportError as exc:
+        raise BackendUnavailable(f"nvlink:// needs CuPy for CUDA IPC ({exc})", hint=CUPY_HINT) from None
+    if not torch.cuda.is_available():
+        raise BackendUnavailable("nvlink:// needs a CUDA device; torch sees none",
+                                 hint="use tcp:// or shm:// on machines without a GPU")
+    return cupy
+
+
+def _cuda_errors(cp: Any) -> tuple[type[BaseException], ...]:
+    errs: list[type[BaseException]] = [OSError]
+    for mod, name in ((cp.cuda.runtime, "CUDARuntimeError"), (cp.cuda.driver, "CUDADriverError")):
+        cls = getattr(mod, name, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            errs.append(cls)
+    return tuple(errs)
+
+
+_libcuda: Optional[ctypes.CDLL] = None
+
+
+def _allocation_base(ptr: int) -> int:
+    """Base address of the CUDA allocation holding ``ptr`` (``cuMemGetAddressRange``): an IPC
+    handle names the whole allocation, and PyTorch's caching allocator carves tensors out of
+    larger ones."""
+    global _libcuda
+    if _libcuda is None:
+        _libcuda = ctypes.CDLL("libcuda.so.1")
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = _libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise OSError(f"cuMemGetAddressRange failed with CUresult {rc}")
+    return int(base.value)
+
+
+def _path_of(url: str) -> str:
+    u = urlsplit(url)
+    if u.scheme != "nvlink":
+        raise ConfigError(f"expected nvlink:///path/to/control.sock or nvlink://@name, got {url!r}")
+    if u.netloc.startswith("@"):
+        if len(u.netloc) < 2:
+            raise ConfigError(f"empty abstract socket name in {url!r}")
+        return "\0" + u.netloc[1:]
+    return u.path
+
+
+def check_pool(pool: Any) -> None:
+    """Refuse what nvlink:// cannot serve: host pools; CUDA pools without CuPy."""
+    if pool.is_host:
+        raise ConfigError("nvlink:// serves device (CUDA) pools; this pool is in host memory",
+                          hint="use shm:// (KVPool.allocate(..., shared=True)) or tcp://")
+    if pool.device.type == "cuda":
+        cupy_or_error()
+
+
+@dataclass
+class _Export:
+    eid: bytes
+    flat: torch.Tensor
+    ipc: bytes          # b"" for memory CUDA IPC cannot name (a CPU stand-in for a device pool)
+    offset: int         # of the buffer in its allocation
+
+
+class _Exports:
+    """A server's exports: one per pool buffer, made on first use and kept (the server holds the
+    buffer, so its memory is not freed or reused while peers may have it mapped)."""
+
+    def __init__(self) -> None:
+        self._by_ptr: dict[tuple[int, int], _Export] = {}
+        self._events: dict[int, tuple[bytes, int, bytes]] = {}   # device -> (id, event, IPC handle)
+        self._lock = threading.Lock()
+
+    def get(self, buf: torch.Tensor) -> _Export:
+        flat = buf.reshape(-1).view(torch.uint8)
+        key = (flat.data_ptr(), flat.numel())
+        with self._lock:
+            e = self._by_ptr.get(key)
+            if e is not None:
+                return e
+        ipc, offset = b"", 0
+        if flat.device.type == "cuda":
+            cp = cupy_or_error()
+            try:
+                with cp.cuda.Device(flat.device.index or 0):
+                    ipc = bytes(cp.cuda.runtime.ipcGetMemHandle(flat.data_ptr()))
+                    offset = flat.data_ptr() - _allocation_base(flat.data_ptr())
+            except _cuda_errors(cp) as exc:
+                raise ConfigError(f"cannot export the pool's CUDA memory for IPC: {exc}",
+                                  hint="memory from expandable segments or cudaMallocAsync pools cannot be "
+                                       "shared with cudaIpcGetMemHandle; allocate the KV cache with PyTorch's "
+                                       "default caching allocator") from None
+        e = _Export(os.urandom(16), flat, ipc, offset)
+        with self._lock:
+            e = self._by_ptr.setdefault(key, e)
+        with _local_lock:
+            _LOCAL[e.eid] = e.flat
+        return e
+
+    def record(self, device: torch.device) -> tuple[bytes, bytes]:
+        """Record this device's interprocess event on the current stream; (id, IPC handle)."""
+        if device.type != "cuda":
+            return _NO_EVENT, bytes(64)
+        cp = cupy_or_error()
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            with cp.cuda.Device(idx):
+                with self._lock:
+                    ev = self._events.get(idx)
+                    if ev is None:
+                        ptr = cp.cuda.runtime.eventCreateWithFlags(_EVENT_FLAGS)
+                        ev = self._events[idx] = (os.urandom(16), ptr, bytes(cp.cuda.runtime.ipcGetEventHandle(ptr)))
+                        with _local_lock:
+                            _LOCAL_EVENTS[ev[0]] = ptr
+                cp.cuda.runtime.eventRecord(ev[1], torch.cuda.current_stream(idx).cuda_stream)
+        except _cuda_errors(cp) as exc:
+            raise ConfigError(f"cannot record an interprocess CUDA event: {exc}") from None
+        return ev[0], ev[2]
+
+    def close(self) -> None:
+        with self._lock:
+            exports, events = list(self._by_ptr.values()), list(self._events.items())
+            self._by_ptr.clear()
+            self._events.clear()
+        with _local_lock:
+            for e in exports:
+                _LOCAL.pop(e.eid, None)
+            for _, (eid, _, _) in events:
+                _LOCAL_EVENTS.pop(eid, None)
+        if events:
+            cp = cupy_or_error()
+            for idx, (_, ptr, _) in events:
+                try:
+                    with cp.cuda.Device(idx):
+                        cp.cuda.runtime.eventDestroy(ptr)
+                except _cuda_errors(cp):
+                    pass
+
+
+class NVLinkServer(ShmServer):
+    """shm://'s server with MAPPED bodies that name CUDA IPC exports instead of a segment."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.exports = _Exports()
+
+    def _body(self, grant: Any, layers: tuple[int, int], sums: bytes) -> bytes:
+        spans: Spans = grant.spans
+        pool = spans.pool
+        check_pool(pool)
+        used = sorted({b for b, _, _ in spans.segments})
+        exports = [self.exports.get(pool.buffers[b]) for b in used]
+        base, bases = 0, {}
+        for b, e in zip(used, exports):
+            bases[b] = base
+            base += e.flat.numel()
+        eid, ehandle = self.exports.record(pool.device)
+        c = getattr(grant, "claim", None)
+        body = [FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0),
+                encode_layers(*layers, sums), _PROC.pack(_TOKEN, os.getpid()), _EVENT.pack(eid, ehandle),
+                struct.pack("!H", len(exports))]
+        body += [_BUF.pack(e.eid, e.ipc.ljust(64, b"\0"), e.offset, e.flat.numel()) for e in exports]
+        body.append(struct.pack("!I", len(spans.segments)))
+        body += [_RUN.pack(bases[b] + o, n) for b, o, n in spans.segments]
+        return b"".join(body)
+
+    def handle(self, conn: socket.socket, reader: Any, kind: Kind, req_id: int, payload: bytes) -> bool:
+        if kind not in (Kind.MAP, Kind.WMAP):
+            return super().handle(conn, reader, kind, req_id, payload)   # DONE / WDONE and the rest: shm's
+        grant: Any = None
+        try:
+            req = decode_request(payload)
+            if kind is Kind.MAP:
+                grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
+                layers = grant.layers if req.layers is not None else (0, 0)
+                body = self._body(grant, layers, grant.sums if req.layers is not None else b"")
+            else:
+                if req.layers is None:
+                    raise ProtocolError("WMAP frame names no layers")
+                grant = self.sink.open_write(req.ticket, req.layers, req.claim)
+                body = self._body(grant, grant.layers, b"")
+        except KVBridgeError as exc:
+            if grant is not None:
+                grant.close()
+            self._reply_error(conn, req_id, exc)
+            return True
+        self._hold(conn, req_id, grant)
+        conn.sendall(pack(Kind.MAPPED, req_id, body))
+        return True
+
+
+@dataclass
+class _Mapped:
+    """A parsed MAPPED body: whose exports, which event, which buffers (not opened yet)."""
+
+    local: bool
+    event: tuple[bytes, bytes]
+    buffers: list[tuple[bytes, bytes, int, int]]     # (export id, IPC handle, offset, nbytes)
+    bases: list[int]
+
+    def pieces(self, runs: list[tuple[int, int]]) -> list[Piece]:
+        out: list[Piece] = []
+        i = 0
+        for off, n in runs:                 # runs ascend within a buffer but may jump back between them
+            while i + 1 < len(self.bases) and off >= self.bases[i + 1]:
+                i += 1
+            while i > 0 and off < self.bases[i]:
+                i -= 1
+            out.append((i, off - self.bases[i], n))
+        return out
+
+
+def _parse_mapped(body: bytes, pos: int) -> tuple[_Mapped, list[tuple[int, int]]]:
+    try:
+        token, pid = _PROC.unpack_from(body, pos)
+        eid, ehandle = _EVENT.unpack_from(body, pos + _PROC.size)
+        p = pos + _PROC.size + _EVENT.size
+        (nbuf,) = struct.unpack_from("!H", body, p)
+        p += 2
+        bufs = [_BUF.unpack_from(body, p + k * _BUF.size) for k in range(nbuf)]
+        p += nbuf * _BUF.size
+        (nruns,) = struct.unpack_from("!I", body, p)
+        p += 4
+        if len(body) != p + nruns * _RUN.size:
+            raise ProtocolError("MAPPED frame has the wrong length")
+        runs = [_RUN.unpack_from(body, p + k * _RUN.size) for k in range(nruns)]
+    except struct.error:
+        raise ProtocolError("MAPPED frame is malformed") from None
+    bases, total = [], 0
+    for _, _, _, n in bufs:
+        bases.append(total)
+        total += n
+    for off, n in runs:                    # every run inside one buffer
+        k = bisect.bisect_right(bases, off) - 1
+        if k < 0 or off + n > bases[k] + bufs[k][3]:
+            raise ProtocolError("peer named bytes outside the buffers it exported")
+    local = token == _TOKEN and pid == os.getpid()
+    return _Mapped(local, (eid, ehandle), [(e, h, o, n) for e, h, o, n in bufs], bases), runs
+
+
+class _DeviceMemory:
+    """A device pointer as ``__cuda_array_interface__`` (no ownership), for ``torch.as_tensor``."""
+
+    def __init__(self, ptr: int, nbytes: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
+                                         "strides": None, "version": 2}
+
+
+class NVLinkTransport(ShmTransport):
+    """CUDA IPC between processes on one host (and direct copies within one process)."""
+
+    scheme = "nvlink"
+    claims_on_read = True
+
+    def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
+        super().__init__(timeout, secret)
+        self._ipc: OrderedDict[bytes, tuple[int, int]] = OrderedDict()   # export id -> (device, opened base)
+        self._ipc_events: dict[bytes, tuple[int, int]] = {}              # event id -> (device, opened event)
+        self._busy: dict[bytes, int] = {}
+        self.opened = 0          # cudaIpcOpenMemHandle calls made (the cache's misses)
+
+    @classmethod
+    def serve(cls, url: str, source: Any, timeout: Timeout = Timeout()) -> Server:
+        pool = getattr(source, "pool", None)
+        if pool is not None:
+            check_pool(pool)
+        path = _path_of(url) or f"\0kvb-nv-{os.getpid()}-{secrets.token_hex(6)}"
+        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            lst.bind(path)
+            lst.listen(128)
+        except OSError as exc:
+            lst.close()
+            raise ConfigError(f"cannot listen on {path!r}: {exc}") from None
+        abstract = path.startswith("\0")
+        srv = NVLinkServer(lst, f"nvlink://@{path[1:]}" if abstract else f"nvlink://{path}", source, timeout)
+        close = srv.close
+
+        def close_all() -> None:
+            close()
+            srv.exports.close()
+            if not abstract:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        srv.close = close_all  # type: ignore[method-assign]
+        return srv
+
+    def _client(self, url: str) -> SocketClient:
+        path = _path_of(url)
+        with self._lock:
+            c = self._clients.get(path)
+            if c is None:
+                c = self._clients[path] = SocketClient(connector(socket.AF_UNIX, path, url), self.timeout)
+        return c
+
+    def _runs(self, body: bytes, pos: int, writable: bool) -> tuple[Any, list[tuple[int, int]]]:
+        return _parse_mapped(body, pos)
+
+    # -- mappings ------------------------------------------------------------------------------
+    def _device_of(self, pool: Any) -> int:
+        if pool.device.type == "cuda":
+            return int(pool.device.index if pool.device.index is not None else torch.cuda.current_device())
+        return torch.cuda.current_device()
+
+    def _flats(self, m: _Mapped, device: int) -> list[torch.Tensor]:
+        """The peer's buffers as flat uint8 tensors: its own tensors in this process, else IPC
+        mappings opened on ``device`` (once per export, cached)."""
+        if m.local:
+            with _local_lock:
+                try:
+                    return [_LOCAL[eid] for eid, _, _, _ in m.buffers]
+                except KeyError:
+                    raise StaleHandle("the sender's exports are gone (its server closed)") from None
+        if any(not any(h) for _, h, _, _ in m.buffers):
+            raise ConfigError("the peer's pool is not CUDA memory; nvlink:// maps such a pool only "
+                              "within its own process")
+        cp = cupy_or_error()
+        out: list[torch.Tensor] = []
+        held: list[bytes] = []
+        try:
+            for eid, handle, offset, nbytes in m.buffers:
+                base = self._open(cp, eid, handle, device)
+                held.append(eid)
+                out.append(torch.as_tensor(_DeviceMemory(base + offset, nbytes)) if nbytes
+                           else torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}"))
+        except BaseException:
+            self._release(held)
+            raise
+        return out
+
+    def _open(self, cp: Any, eid: bytes, handle: bytes, device: int) -> int:
+        with self._lock:
+            got = self._ipc.get(eid)
+            if got is not None:
+                self._ipc.move_to_end(eid)
+                self._busy[eid] = self._busy.get(eid, 0) + 1
+                return got[1]
+        try:
+            with cp.cuda.Device(device):
+                base = int(cp.cuda.runtime.ipcOpenMemHandle(handle))
+        except _cuda_errors(cp) as exc:
+            raise StaleHandle(f"cannot open the sender's CUDA memory: {exc}",
+                              hint="the sender process may have exited") from None
+        evict: list[tuple[bytes, tuple[int, int]]] = []
+        with self._lock:
+            old = self._ipc.get(eid)
+            if old is not None:               # another thread opened it meanwhile: keep one
+                evict.append((eid, (device, base)))
+                base = old[1]
+            else:
+                self._ipc[eid] = (device, base)
+                self.opened += 1
+            self._busy[eid] = self._busy.get(eid, 0) + 1
+            for k in list(self._ipc):
+                if len(self._ipc) <= MAX_OPEN:
+                    break
+                if not self._busy.get(k):
+                    evict.append((k, self._ipc.pop(k)))
+        for _, (dev, ptr) in evict:
+            self._close_ipc(cp, dev, ptr)
+        return base
+
+    def _release(self, eids: list[bytes]) -> None:
+        with self._lock:
+            for eid in eids:
+                n = self._busy.get(eid, 0) - 1
+                if n > 0:
+                    self._busy[eid] = n
+                else:
+                    self._busy.pop(eid, None)
+
+    @staticmethod
+    def _close_ipc(cp: Any, device: int, ptr: int) -> None:
+        try:
+            with cp.cuda.Device(device):
+                cp.cuda.runtime.ipcCloseMemHandle(ptr)
+        except _cuda_errors(cp):
+            pass
+
+    def _wait_event(self, m: _Mapped, device: int) -> None:
+        """Order this device's current stream after the writes the peer's stream had queued at MAP."""
+        eid, handle = m.event
+        if eid == _NO_EVENT:
+            return
+        cp = cupy_or_error()
+        try:
+            with cp.cuda.Device(device):
+                if m.local:
+                    with _local_lock:
+                        ptr = _LOCAL_EVENTS.get(eid)
+                    if ptr is None:
+                        raise StaleHandle("the sender's server closed")
+                else:
+                    with self._lock:
+                        got = self._ipc_events.get(eid)
+                    if got is None:
+                        ptr = int(cp.cuda.runtime.ipcOpenEventHandle(handle))
+                        with self._lock:
+                            self._ipc_events.setdefault(eid, (device, ptr))
+                            ptr = self._ipc_events[eid][1]
+                    else:
+                        ptr = got[1]
+                cp.cuda.runtime.streamWaitEvent(torch.cuda.current_stream(device).cuda_stream, ptr)
+        except _cuda_errors(cp) as exc:
+            raise StaleHandle(f"cannot wait on the sender's CUDA event: {exc}") from None
+
+    def _move(self, m: _Mapped, device_pool: Any, into_peer: bool, mine: list[Piece],
+              theirs: list[Piece]) -> int:
+        """Copy between this side's pool and the peer's mapped buffers; complete on return."""
+        cuda = device_pool.device.type == "cuda" or not m.local
+        dev = self._device_of(device_pool) if cuda else -1
+        peer = self._flats(m, dev)
+        held = [] if m.local else [eid for eid, _, _, _ in m.buffers]
+        try:
+            if cuda:
+                self._wait_event(m, dev)
+            own = flat_buffers(device_pool.buffers)
+            if into_peer:
+                n = copy_pieces(peer, theirs, own, mine)
+            else:
+                n = copy_pieces(own, mine, peer, theirs)
+            if cuda:                                       # the copy is done before DONE says so
+                for d in {t.device for t in peer + own if t.device.type == "cuda"}:
+                    ev = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    ev.record(torch.cuda.current_stream(d))
+                    ev.synchronize()
+        finally:
+            del peer
+            self._release(held)
+        return n
+
+    def _copy_in(self, dst: Spans, m: Any, runs: list[tuple[int, int]]) -> int:  # type: ignore[override]
+        return self._move(m, dst.pool, False, list(dst.segments), m.pieces(runs))
+
+    def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
+              sums: bytes, last: bool) -> int:
+        def move(body: bytes) -> tuple[int, bytes]:
+            lo, hi, _, used = decode_layers(body[FENCE.size:], ticket.num_blocks, layers)
+            if (lo, hi) != layers:
+                raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
+            m, runs = _parse_mapped(body, FENCE.size + used)
+            if sum(n for _, n in runs) != src.nbytes:
+                raise ProtocolError(f"receiver mapped {sum(n for _, n in runs)} bytes for {src.nbytes}")
+            n = self._move(m, src.pool, True, list(src.segments), m.pieces(runs))
+            return n, encode_request(b"", last=last, nbytes=0, sums=sums)
+        return int(self._exchange(url, Kind.WMAP, encode_request(ticket.to_bytes(), None, claim, layers), move,
+                                  Kind.WDONE, f"write to {url}"))
+
+    def extra(self, name: str, default: Any = None) -> Any:
+        if name == "ipc_mappings":
+            return len(self._ipc)
+        if name == "ipc_opened":
+            return self.opened
+        return super().extra(name, default)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, events = list(self._ipc.values()), list(self._ipc_events.values())
+            self._ipc.clear()
+            self._ipc_events.clear()
+            self._busy.clear()
+        if maps or events:
+            cp = cupy_or_error()
+            for dev, ptr in maps:
+                self._close_ipc(cp, dev, ptr)
+            for dev, ptr in events:
+                try:
+                    with cp.cuda.Device(dev):
+                        cp.cuda.runtime.eventDestroy(ptr)
+                except _cuda_errors(cp):
+                    pass
+        super().close()
+

@@ -1,0 +1,66 @@
+"""A release without a reply rides behind the client's next request or, with none, goes
+alone after ``RELEASE_LINGER``; closing the receiver sends what is still waiting."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
+from kvbridge.transports import sockets
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUT = KVLayout(num_layers=2, block_size=4, num_kv_heads=1, head_dim=8, dtype="float16")
+
+
+@pytest.fixture(params=["tcp://127.0.0.1:0", "shm://"])
+def pair(request):
+    src = KVPool.allocate(LAYOUT, 8, shared=request.param.startswith("shm"))
+    dst = KVPool.allocate(LAYOUT, 8)
+    for b in src.buffers:
+        b.copy_(torch.randn_like(b))
+    freed: list[str] = []
+    ev = threading.Event()
+
+    def on_free(h, reason):
+        freed.append(f"{h.request_id}:{reason}")
+        ev.set()
+
+    snd = KVSender(src, request.param, on_free=on_free, leases=False)
+    rcv = KVReceiver(dst, leases=False)
+    yield snd, rcv, freed, ev
+    rcv.close()
+    snd.close()
+
+
+def test_release_rides_on_the_next_request(pair, monkeypatch):
+    snd, rcv, freed, ev = pair
+    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # only a request can carry it
+    a, b = snd.publish("a", snd.pool.alloc(2), 8), snd.publish("b", snd.pool.alloc(2), 8)
+    assert rcv.fetch(a, [0, 1]).ok
+    time.sleep(0.2)
+    assert freed == []                 # waiting for a request to ride on
+    assert rcv.fetch(b, [2, 3], release=False).ok
+    assert ev.wait(5) and freed == ["a:released"]
+
+
+def test_release_goes_alone_after_the_linger(pair):
+    snd, rcv, freed, ev = pair
+    h = snd.publish("c", snd.pool.alloc(2), 8)
+    t0 = time.monotonic()
+    assert rcv.fetch(h, [4, 5]).ok
+    assert ev.wait(5) and freed == ["c:released"]
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_close_sends_waiting_releases(pair, monkeypatch):
+    snd, rcv, freed, ev = pair
+    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))
+    h = snd.publish("d", snd.pool.alloc(2), 8)
+    assert rcv.fetch(h, [6, 7]).ok
+    rcv.close()
+    assert ev.wait(5) and freed == ["d:released"]

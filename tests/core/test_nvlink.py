@@ -1,0 +1,159 @@
+"""nvlink:// on this machine: the control channel, grants, row copies, checksums and errors.
+
+Without a GPU the transport runs in one process with pools marked as device memory
+(``_staged``, as in test_staging.py): the server and client then share the buffers
+directly, which is also what nvlink:// does for a sender and receiver in one process.
+The CUDA IPC path (two processes, one GPU) is in ``tests/gpu/test_nvlink_cuda.py`` and in
+the conformance suite, both skipped without a CUDA device and CuPy.
+"""
+
+from __future__ import annotations
+
+import random
+import struct
+import sys
+
+import pytest
+import torch
+
+from kvbridge import (Action, BackendUnavailable, ConfigError, IntegrityError, KVLayout, KVPool, KVReceiver,
+                      KVSender, ProtocolError, StaleHandle)
+from kvbridge.transports import get_transport_class, nvlink
+
+pytestmark = pytest.mark.timeout(60)
+LAYOUTS = [KVLayout.vllm_flash(3, 2, 64, 8, dtype="float16"),
+           KVLayout.split_kv(2, 2, 4, block_size=4, dtype="bfloat16"),
+           KVLayout.mla(3, 16, block_size=4, dtype="bfloat16"),
+           KVLayout.flashinfer(2, 1, 8, block_size=2, dtype="float32")]
+
+
+def _device_pool(layout: KVLayout, n: int, seed: int = 0) -> KVPool:
+    pool = KVPool.allocate(layout, n)
+    g = torch.Generator().manual_seed(seed)
+    for b in pool.buffers:
+        b.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (b.numel() * b.element_size(),),
+                                                         dtype=torch.uint8, generator=g))
+    pool._staged = True
+    return pool
+
+
+def _same(a: KVPool, ai: list[int], b: KVPool, bi: list[int]) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for layer in range(a.layout.num_layers)
+               for i, j in zip(ai, bi) for x, y in zip(a.block(layer, i), b.block(layer, j)))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda L: f"{L.kv_order.value}-{L.dtype}")
+@pytest.mark.parametrize("leases", [False, None])
+def test_fetch_moves_exact_bytes_and_verifies(layout, leases):
+    src, dst = _device_pool(layout, 40, 1), _device_pool(layout, 40, 2)
+    src.alloc(40)
+    ids, out = random.Random(3).sample(range(40), 11), random.Random(4).sample(range(40), 11)
+    with KVSender(src, "nvlink://", leases=leases) as snd, KVReceiver(dst, leases=leases) as rcv:
+        h = snd.publish("r", ids, 11 * layout.block_size)
+        assert len(h.checksums) == 11 and snd.url.startswith("nvlink://@")
+        res = rcv.fetch(h, out)
+        assert res.ok, res.error
+        assert res.nbytes == 11 * layout.block_nbytes and _same(src, ids, dst, out)
+
+
+def test_subsets_layerwise_host_destination_and_push():
+    L = LAYOUTS[0]
+    src, dst = _device_pool(L, 40, 5), _device_pool(L, 40, 6)
+    src.alloc(40)
+    src.ref(list(range(40)))
+    ids = random.Random(7).sample(range(40), 8)
+    with KVSender(src, "nvlink://", leases=False) as snd, KVReceiver(dst, leases=False, listen="nvlink://") as rcv:
+        h = snd.publish("sub", ids, 64)
+        res = rcv.fetch(h, [1, 2, 3], indices=[5, 0, 2], release=False)
+        assert res.ok and _same(src, [ids[5], ids[0], ids[2]], dst, [1, 2, 3])
+        host = KVPool.allocate(L, 8)                 # a host destination: copied down from the device side
+        with KVReceiver(host, leases=False) as r2:
+            assert r2.fetch(h, list(range(8))).ok and _same(src, ids, host, list(range(8)))
+        lw = snd.publish("lw", ids[:4], 32, layers_ready=1)
+        t = rcv.start_fetch(lw, [30, 31, 32, 33])
+        snd.mark_ready(lw, L.num_layers)
+        assert t.result(20).ok and _same(src, ids[:4], dst, [30, 31, 32, 33])
+        resv = rcv.reserve([20, 21, 22])
+        push = snd.push(resv.reservation, ids[5:8])
+        assert push.result(20).ok, push.result(0).error
+        assert resv.result(20).ok and _same(src, ids[5:8], dst, [20, 21, 22])
+
+
+def test_corrupted_blocks_fail_their_checksum():
+    L = LAYOUTS[0]
+    src, dst = _device_pool(L, 20, 8), _device_pool(L, 20, 9)
+    src.alloc(20)
+    ids = [4, 9, 1, 16]
+    with KVSender(src, "nvlink://", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        h = snd.publish("bad", ids, 32)
+        src.block(2, 1)[1].view(-1).view(torch.uint8)[0] ^= 0xFF
+        res = rcv.fetch(h, [0, 1, 2, 3])
+        assert isinstance(res.error, IntegrityError) and res.failed_block_ids == [2]
+
+
+def test_blocks_freed_during_the_copy_are_discarded(monkeypatch):
+    """Validate-after-read: the handle ends while the copy runs; DONE says stale, the fetch fails."""
+    L = LAYOUTS[0]
+    src, dst = _device_pool(L, 20, 10), _device_pool(L, 20, 11)
+    src.alloc(20)
+    with KVSender(src, "nvlink://", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        h = snd.publish("gone", [3, 4], 16)
+        real = nvlink.copy_pieces
+
+        def revoking(*a):
+            snd.revoke(h)
+            return real(*a)
+        monkeypatch.setattr(nvlink, "copy_pieces", revoking)
+        res = rcv.fetch(h, [0, 1])
+        assert isinstance(res.error, StaleHandle) and res.action is Action.REPREFILL
+    assert src.refcount(3) == 0 or src.num_free >= 2
+
+
+def test_host_pools_are_refused():
+    with pytest.raises(ConfigError, match="host memory"):
+        KVSender(KVPool.allocate(LAYOUTS[0], 4), "nvlink://", leases=False)
+
+
+def test_missing_cupy_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    assert get_transport_class("nvlink://@x") is nvlink.NVLinkTransport     # importing needs no CuPy
+    with pytest.raises(BackendUnavailable, match=r"kvbridge\[cupy\]"):
+        nvlink.cupy_or_error()
+
+
+def _mapped(pid: int, bufs: list[tuple[bytes, int]], runs: list[tuple[int, int]]) -> bytes:
+    body = nvlink._PROC.pack(nvlink._TOKEN, pid) + nvlink._EVENT.pack(bytes(16), bytes(64))
+    body += struct.pack("!H", len(bufs)) + b"".join(nvlink._BUF.pack(b"e" * 16, h.ljust(64, b"\0"), 0, n)
+                                                     for h, n in bufs)
+    return body + struct.pack("!I", len(runs)) + b"".join(nvlink._RUN.pack(o, n) for o, n in runs)
+
+
+def test_mapped_frames_are_parsed_defensively():
+    m, runs = nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(120, 30), (0, 10)]), 0)
+    assert m.pieces(runs) == [(1, 20, 30), (0, 0, 10)]
+    with pytest.raises(ProtocolError):
+        nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(90, 20)]), 0)     # crosses a buffer end
+    with pytest.raises(ProtocolError):
+        nvlink._parse_mapped(_mapped(1, [(b"h", 100)], [(0, 10)])[:-1], 0)
+    body = _mapped(1, [(b"", 100)], [(0, 10)])                    # another process, nothing CUDA IPC can open
+    m, runs = nvlink._parse_mapped(body, 0)
+    assert not m.local
+    with pytest.raises(ConfigError, match="not CUDA memory"):
+        nvlink.NVLinkTransport()._flats(m, 0)
+
+
+def test_bad_urls():
+    with pytest.raises(ConfigError):
+        nvlink._path_of("shm://@x")
+    with pytest.raises(ConfigError):
+        nvlink._path_of("nvlink://@")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU machine bench.gpu runs for real")
+def test_bench_gpu_says_no_gpu_and_exits_0():
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, "-m", "bench.gpu"], cwd=root, capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 0 and "no CUDA device" in r.stdout

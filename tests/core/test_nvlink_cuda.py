@@ -1,0 +1,55 @@
+"""nvlink:// and device-pool checksums on a CUDA device: two processes, one GPU (peer GPUs use
+the same code). Skipped here without a CUDA device and CuPy; ``python -m bench.gpu`` runs them."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import random
+
+import pytest
+import torch
+
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, integrity
+
+from ._peer import RemotePeer, fill_pool, mismatched_blocks, reference_pool
+
+_MISSING = [w for w, ok in [("a CUDA device", torch.cuda.is_available()),
+                            ("CuPy (pip install 'kvbridge[cupy]')", importlib.util.find_spec("cupy") is not None)]
+            if not ok]
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120),
+              pytest.mark.skipif(bool(_MISSING), reason="needs " + " and ".join(_MISSING))]
+LAYOUT = KVLayout.vllm_flash(4, 8, 128, 16, dtype="bfloat16")    # 32 KiB parts
+
+
+def test_cross_process_fetch_maps_each_buffer_once():
+    peer = RemotePeer()
+    try:
+        info = peer.new_sender(layout=LAYOUT.to_dict(), num_blocks=64, listen="nvlink://", seed=5, reserve_all=True)
+        ref = reference_pool(LAYOUT, 64, 5)
+        pool = KVPool.allocate(LAYOUT, 64, device="cuda")
+        with KVReceiver(pool) as rcv:
+            for k in range(3):
+                ids = random.Random(k).sample(range(64), 16)
+                dst = random.Random(k + 10).sample(range(64), 16)
+                h = KVHandle.from_bytes(base64.b64decode(peer.publish(
+                    sid=info["sid"], request_id=f"r{k}", block_ids=ids, num_tokens=16 * 16)))
+                assert len(h.checksums) == 16
+                res = rcv.fetch(h, dst)
+                assert res.ok, res.error
+                assert mismatched_blocks(pool, dst, ref, ids) == []
+            tr = rcv.transport(info["url"])
+            assert tr.extra("ipc_opened") == LAYOUT.num_buffers      # opened once per (sender, buffer)
+    finally:
+        peer.close()
+
+
+def test_device_checksums_equal_host_checksums_on_cuda():
+    host = KVPool.allocate(LAYOUT, 64)
+    fill_pool(host, 3)
+    dev = KVPool.allocate(LAYOUT, 64, device="cuda")
+    for a, b in zip(dev.buffers, host.buffers):
+        a.copy_(b)
+    ids = random.Random(1).sample(range(64), 20)
+    assert integrity.block_checksums(dev, ids) == integrity.block_checksums(host, ids)
+    assert integrity.layer_checksums(dev, ids, range(1, 3)) == integrity.layer_checksums(host, ids, range(1, 3))
