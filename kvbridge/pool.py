@@ -16,6 +16,10 @@ Who allocates is a mode:
   so a handle to a reused block is refused. Retiring a pinned block (one a live handle
   or transfer still names) is reported to ``on_retire`` listeners, which end those
   handles; the safe order is to reuse a published block only after ``on_free`` reported it.
+
+A shared pool (``allocate(..., shared=True)``) also keeps its generations in its segment,
+after the buffers (``gen_offset``, one u32 per block), written before a freed or retired
+block can be written again: an ``shm://`` reader checks them with no message.
 """
 
 from __future__ import annotations

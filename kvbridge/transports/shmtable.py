@@ -152,6 +152,13 @@ class SenderMap:
         magic, n = HEAD.unpack_from(table.view, 0)
         if magic != MAGIC or n & (n - 1) or HEAD_SIZE + n * SLOT > table.size:
             raise ProtocolError("peer's handle table is malformed")
+        L = self.layout
+        self.part = L.part_nbytes
+        self.planes: list[tuple[int, int]] = []    # (segment offset of block 0's part, stride), stream order
+        for layer in range(L.num_layers):
+            for part in range(L.num_parts):
+                base, stride = L.part_base_stride(part, self.num_blocks)
+                self.planes.append((self.offsets[L.buffer_index(layer, part)] + base, stride))
         self.segment, self.table = segment, table
         self.view = segment.view
         self.gens = segment.view[gen_offset:gen_offset + GEN_SIZE * self.num_blocks].cast("I")
@@ -178,14 +185,26 @@ class SenderMap:
         return bool(self.seq[slot * SEQ_STRIDE] == s)
 
     def source_views(self, ids: list[int]) -> list[memoryview]:
-        """The blocks' parts in the mapped pool, in canonical order. Inside the segment by
-        construction: ``segments`` refuses ids past ``num_blocks``, and every buffer was
-        checked to fit when the sender was mapped."""
-        offs, view = self.offsets, self.view
-        try:
-            return [view[offs[b] + o:offs[b] + o + k] for b, o, k in self.layout.segments(ids, self.num_blocks)]
-        except IndexError:
-            raise ProtocolError("handle names blocks outside the sender's pool") from None
+        """The blocks' parts in the mapped pool, in canonical order (the order and offsets of
+        :meth:`KVLayout.segments`, adjacent parts merged). Inside the segment by construction:
+        ids past ``num_blocks`` are refused, and every buffer was checked to fit at OPEN."""
+        if ids and (min(ids) < 0 or max(ids) >= self.num_blocks):
+            raise ProtocolError("handle names blocks outside the sender's pool")
+        p, view = self.part, self.view
+        out: list[memoryview] = []
+        start = end = -1
+        for a, stride in self.planes:
+            for b in ids:
+                o = a + b * stride
+                if o == end:
+                    end += p
+                    continue
+                if end > start:
+                    out.append(view[start:end])
+                start, end = o, o + p
+        if end > start:
+            out.append(view[start:end])
+        return out
 
     def close(self) -> None:
         for v in (self.gens, self.seq):
