@@ -215,3 +215,24 @@ def test_one_sided_bytes_equal_reference() -> None:
         assert mismatched_blocks(p.dst, list(range(16)), reference_pool(L, 16, 11), ids) == []
     finally:
         p.close()
+
+
+def test_full_table_falls_back_to_map(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More live handles than the table holds: the rest are read through MAP/DONE, all correct."""
+    from kvbridge.transports import shmtable
+    monkeypatch.setattr(shmtable, "MIN_SLOTS", 16)
+    monkeypatch.setattr(shmtable, "PROBE", 2)
+    p = Pair()
+    try:
+        table = p.snd.servers[0].table
+        assert table is not None and table.nslots == 64          # 4 per block of the 16-block pool
+        hs = [p.publish([i % 16]) for i in range(120)]
+        assert table.full > 0
+        for i, h in enumerate(hs):
+            res = p.rcv.fetch(h, [(i + 1) % 16], release=False)
+            assert res.ok, res.error
+            assert mismatched_blocks(p.dst, [(i + 1) % 16], p.src, [i % 16]) == []
+        got = p.settled_frames()
+        assert 0 < got["MAP"] < 120 and got["MAP"] == got["DONE"], got
+    finally:
+        p.close()
