@@ -30,14 +30,14 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
-                     LayoutMismatch, LeaseError, LeaseExpired, PeerUnavailable, PoolError, ProtocolError,
-                     StaleHandle, TransferCancelled, TransferTimeout)
+from .errors import (AccessDenied, BadHandle, ConfigError, IntegrityError, KVBridgeError,
+                     LayoutMismatch, LeaseError, PeerUnavailable, PoolError, ProtocolError,
+                     TransferCancelled, TransferTimeout)
 from .frames import FrameLoader, check_codec
-from .handle import KVHandle, lookup_ticket
+from .handle import KVHandle
 from .integrity import StreamVerifier, block_checksums, layer_checksums, unpack_sums
 from .lease import Claim, LeaseStore
 from .metrics import ReceiverStats
@@ -45,7 +45,8 @@ from .policy import Retry, Timeout
 from .pool import KVPool
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
-from .transports.base import Chunk, ReadOp, Server, Spans, Transport
+from .reservations import ReservationDesk
+from .transports.base import Chunk, ReadOp, Server, Spans, Transport, WriteGrant
 from .transports.registry import get_transport_class, scheme_of
 from .transports.wire import CLAIM_ME
 
@@ -69,42 +70,6 @@ class _Job:
     t0: float = field(default_factory=time.perf_counter)
     claim: Optional[Claim] = None
     released: Any = None          # fetch_many: the outcome of this job's release, sent in one batch
-
-
-@dataclass
-class _Reservation:
-    """Destination blocks offered to a writer (push mode)."""
-
-    ticket: KVHandle
-    raw: bytes
-    dst: list[int]
-    gens: list[int]
-    deadline: float
-    transfer: Transfer
-    store: Optional[LeaseStore]
-    t0: float = field(default_factory=time.perf_counter)
-    done_layers: int = 0
-    inflight: int = 0
-    writes: int = 0
-    nbytes: int = 0
-    live: bool = True
-
-
-@dataclass
-class _WriteGrant:
-    receiver: "KVReceiver"
-    rec: _Reservation
-    spans: Spans
-    layers: tuple[int, int]
-    closed: bool = False
-
-    def finish(self, sums: bytes, last: bool) -> None:
-        self.receiver._write_landed(self, sums, last)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.receiver._write_done(self.rec)
 
 
 class KVReceiver:
@@ -136,10 +101,7 @@ class KVReceiver:
         self._by_url: dict[str, Transport] = {}
         self._lock = threading.Condition()
         self._workers = Workers("kvb-fetch", workers)
-        self._key = secret if secret is not None else os.urandom(32)
-        self._reservations: dict[bytes, _Reservation] = {}
-        self._sweeper: Optional[threading.Thread] = None
-        self._closed = False
+        self._desk = ReservationDesk(self, secret if secret is not None else os.urandom(32))
         self.servers: list[Server] = []
         urls = [] if listen is None else [listen] if isinstance(listen, str) else list(listen)
         try:
@@ -589,172 +551,19 @@ class KVReceiver:
         ``cancel()``, or at ``ttl`` (default ``reservation_ttl``) if the push never completes."""
         if not self.servers:
             raise ConfigError("reserve() needs a receiver that listens: KVReceiver(pool, listen='tcp://...')")
-        L = self.pool.layout
         dst = self._check_dst(dst_block_ids, len(dst_block_ids))
-        n = len(dst) * L.block_size if num_tokens is None else num_tokens
-        if not 0 <= n <= len(dst) * L.block_size:
-            raise ConfigError(f"{n} tokens do not fit {len(dst)} blocks of {L.block_size}")
-        ttl = self.reservation_ttl if ttl is None else ttl
-        gens = self.pool.generations(dst)
-        bare = KVHandle(handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash, urls=self.urls,
-                        block_ids=tuple(dst), generations=tuple(gens), checksums=(), num_tokens=n,
-                        token=os.urandom(16), layerwise=True, reservation=True)
-        store = self._stores.own()
-        if store is not None:
-            lease = store.publish(bare.lease_digest(), self.claimer, ttl, num_blocks=len(dst),
-                                  meta={"request_id": request_id[:200], "kind": "reservation"})
-            bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(store, "url", "")),
-                           fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
-        ticket = replace(bare, expires_at_ms=int((time.time() + ttl) * 1000)).signed(self._key)
-        t = Transfer(request_id, L.num_layers, None, on_cancel=self._cancel_reservation)
-        t.reservation = ticket
-        rec = _Reservation(ticket, ticket.to_bytes(), dst, gens, time.monotonic() + ttl, t, store)
-        with self._lock:
-            if self._closed:
-                raise ConfigError("receiver is closed")
-            self._reservations[ticket.handle_id] = rec
-            if self._sweeper is None:
-                self._sweeper = threading.Thread(target=self._sweep_loop, name="kvb-reservations", daemon=True)
-                self._sweeper.start()
-            self._lock.notify_all()
-        self.stats.add(reservations=1)
-        return t
+        return self._desk.reserve(dst, request_id, num_tokens, self.reservation_ttl if ttl is None else ttl)
 
-    def _lookup_reservation(self, raw: bytes) -> _Reservation:
-        try:
-            return lookup_ticket(self._reservations, raw, self._key, "reservation")
-        except (BadHandle, HandleNotFound, AccessDenied):
-            self.stats.add(writes_refused=1)
-            raise
-
-    def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> _WriteGrant:
-        rec = self._lookup_reservation(ticket_bytes)
-        t = rec.ticket
-        if rec.store is not None and t.lease_id:
-            if claim is None:
-                self.stats.add(writes_refused=1)
-                raise AccessDenied("this reservation is leased: writes must carry the writer's claim and fence")
-            try:
-                rec.store.validate(t.lease_id, claim.claimer, claim.fence)
-            except StaleHandle:
-                self.stats.add(writes_refused=1)
-                raise
-        lo, hi = layers
-        L = self.pool.layout.num_layers
-        if not (0 <= lo <= rec.done_layers and lo < hi <= L):
-            raise ProtocolError(f"write of layers [{lo}, {hi}) to a {L}-layer reservation that expects "
-                                f"layer {rec.done_layers} next")
-        with self._lock:
-            if not rec.live:
-                self.stats.add(writes_refused=1)
-                raise StaleHandle(f"reservation {t.id} has ended; nothing more may be written")
-            rec.inflight += 1
-        spans = Spans.of_blocks(self.pool, rec.dst, range(lo, hi))
-        if self.verify:
-            spans.verifier = StreamVerifier(self.pool, rec.dst, range(lo, hi), per_layer=True)
-        spans.cancel = rec.transfer.cancel_event
-        return _WriteGrant(self, rec, spans, (lo, hi))
-
-    def _write_landed(self, g: _WriteGrant, sums: bytes, last: bool) -> None:
-        rec, (lo, hi) = g.rec, g.layers
-        nb = len(rec.dst)
-        if self.verify and sums:
-            want = unpack_sums(sums)
-            if len(want) != (hi - lo) * nb:
-                raise ProtocolError(f"write carries {len(want)} checksums for {hi - lo} layers of {nb} blocks")
-            v = g.spans.verifier
-            got = v.digests() if v is not None and v.complete else layer_checksums(self.pool, rec.dst, range(lo, hi))
-            bad = sorted({i % nb for i, (a, b) in enumerate(zip(got, want)) if a != b})
-            if bad:
-                raise IntegrityError(f"{len(bad)} block(s) of layers [{lo}, {hi}) failed their checksum on arrival")
-        with self._lock:
-            if not rec.live:
-                raise StaleHandle(f"reservation {rec.ticket.id} ended during the write")
-            rec.done_layers = max(rec.done_layers, hi)
-            rec.writes += 1
-            rec.nbytes += g.spans.nbytes
-            complete = last and rec.done_layers == self.pool.layout.num_layers
-        rec.transfer._layer_ready(rec.done_layers)
-        if last and not complete:
-            raise ProtocolError(f"last write arrived with only {rec.done_layers} layers written")
-        if complete:
-            self._end_reservation(rec, None, wait=False)
-
-    def _write_done(self, rec: _Reservation) -> None:
-        with self._lock:
-            rec.inflight -= 1
-            self._lock.notify_all()
+    def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> WriteGrant:
+        return self._desk.open_write(ticket_bytes, layers, claim)
 
     def abort_remote(self, ticket_bytes: bytes) -> None:
-        rec = self._lookup_reservation(ticket_bytes)
-        self._end_reservation(rec, StaleHandle(f"the writer of {rec.ticket.request_id!r} gave up the push"))
-
-    def _cancel_reservation(self, t: Transfer) -> None:
-        assert t.reservation is not None
-        with self._lock:
-            rec = self._reservations.get(t.reservation.handle_id)
-        if rec is not None:
-            self._end_reservation(rec, TransferCancelled(f"reservation for {t.request_id!r} cancelled"))
-
-    def _end_reservation(self, rec: _Reservation, error: Optional[KVBridgeError], wait: bool = True) -> None:
-        """End a reservation once: on failure revoke its lease first (no writer's claim holds
-        after that), stop a landing write, and wait until no write is in flight."""
-        with self._lock:
-            if not rec.live:
-                return
-            rec.live = False
-            self._reservations.pop(rec.ticket.handle_id, None)
-        if error is not None:
-            rec.transfer.cancel_event.set()       # a write landing now stops at its next chunk
-            if rec.store is not None and rec.ticket.lease_id:
-                try:
-                    rec.store.revoke(rec.ticket.lease_id, self.claimer)
-                except KVBridgeError as exc:
-                    log.info("revoke of reservation %s: %s", rec.ticket.id, exc)
-        if wait:
-            with self._lock:
-                if not self._lock.wait_for(lambda: rec.inflight == 0, self.timeout.transfer):
-                    log.error("reservation %s: a write is still in flight after %s s", rec.ticket.id,
-                              self.timeout.transfer)
-        res = FetchResult(rec.ticket, list(rec.dst), nbytes=rec.nbytes, attempts=rec.writes, error=error)
-        if error is None and self.pool.generations(rec.dst) != rec.gens:
-            res.error = PoolError(f"reserved blocks of {rec.ticket.request_id!r} were freed or retired during "
-                                  "the push; their contents are not this request's KV")
-        res.ok = res.error is None
-        if not res.ok:
-            res.failed_block_ids = list(rec.dst)
-        res.seconds = time.perf_counter() - rec.t0
-        if res.ok:
-            self.stats.add(ok=1, bytes=res.nbytes)
-        else:
-            self.stats.add(failed=1, cancelled=int(isinstance(res.error, TransferCancelled)))
-        rec.transfer._finish(res)
-
-    def _sweep_loop(self) -> None:
-        """Reservations whose push never completed end at their deadline."""
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                now = time.monotonic()
-                due = [r for r in self._reservations.values() if r.deadline <= now]
-                if not due:
-                    nxt = min((r.deadline for r in self._reservations.values()), default=now + 1.0)
-                    self._lock.wait(timeout=max(0.005, min(1.0, nxt - now)))
-                    continue
-            for r in due:
-                self._end_reservation(r, LeaseExpired(
-                    f"reservation for {r.ticket.request_id!r} expired before the push completed"))
+        self._desk.abort_remote(ticket_bytes)
 
     def close(self) -> None:
         for s in self.servers:
             s.close()
-        with self._lock:
-            self._closed = True
-            recs = list(self._reservations.values())
-            self._lock.notify_all()
-        for r in recs:
-            self._end_reservation(r, TransferCancelled("receiver closed"))
+        self._desk.close()
         self._workers.close()
         with self._lock:
             ts = list(self._transports.values())

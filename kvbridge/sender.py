@@ -31,12 +31,11 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
-from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch,
-                     LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle, TransferCancelled,
-                     TransferTimeout)
+from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, LayoutMismatch,
+                     LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
 from .handle import KVHandle, lookup_ticket
@@ -46,8 +45,10 @@ from .lease import Claim, LeaseState, LeaseStore, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout
 from .pool import KVPool
+from .published import Grant, parse_ticket, Record
+from .pushing import run_push
 from .stores import LeasesArg, StoreCache
-from .transfer import FetchResult, Transfer, Workers
+from .transfer import Transfer, Workers
 from .transports.base import Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
 
@@ -59,53 +60,6 @@ FreeReason = str   # "released" | "aborted" | "expired" | "revoked" | "retired" 
 SWEEP_INTERVAL = 1.0
 EVENT_BATCH = 0.005   # seconds the lease watcher waits after a batch of events before reading more
 LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
-
-
-@dataclass
-class _Record:
-    handle: KVHandle
-    raw: bytes
-    block_ids: list[int]
-    deadline: float
-    inflight: int = 0
-    live: bool = True
-    reason: str = ""
-    spans: Optional[Spans] = None
-    freed: bool = False
-    free_after: float = 0.0   # when Redis could not be told: free at the local deadline
-    revoking: bool = False    # a revoke is on its way to Redis: nothing may free yet
-    ready: int = 0            # layers 0..ready-1 are final
-    sums: list[list[int]] = field(default_factory=list)   # layer-wise: per layer, per block
-    frames: Optional[FrameStore] = None                   # a coded handle's frames
-
-
-@dataclass
-class _Grant:
-    sender: "KVSender"
-    rec: _Record
-    spans: Spans
-    layers: tuple[int, int] = (0, 0)
-    sums: bytes = b""
-    claim: Optional[Claim] = None
-    closed: bool = field(default=False)
-
-    def still_valid(self) -> bool:
-        return self.rec.live and self.sender.pool.generations(self.rec.block_ids) == list(self.rec.handle.generations)
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.sender._read_done(self.rec)
-
-
-def _parse_ticket(ticket: Union[KVHandle, bytes, dict[str, Any]]) -> KVHandle:
-    if isinstance(ticket, KVHandle):
-        return ticket
-    if isinstance(ticket, dict):
-        return KVHandle.from_dict(ticket)
-    if isinstance(ticket, (bytes, bytearray, memoryview)):
-        return KVHandle.from_bytes(ticket)
-    raise BadHandle(f"expected a KVHandle, bytes or dict, got {type(ticket).__name__}")
 
 
 class KVSender:
@@ -148,10 +102,10 @@ class KVSender:
         self.on_free = on_free
         self.checksums = checksums
         self._key = secret if secret is not None else os.urandom(32)
-        self._records: dict[bytes, _Record] = {}
-        self._by_lease: dict[str, _Record] = {}
-        self._by_block: dict[int, _Record] = {}   # engine pools: which live handle pins a block
-        self._pending: list[_Record] = []
+        self._records: dict[bytes, Record] = {}
+        self._by_lease: dict[str, Record] = {}
+        self._by_block: dict[int, Record] = {}   # engine pools: which live handle pins a block
+        self._pending: list[Record] = []
         self._lock = threading.Condition()
         self._ready_cv = threading.Condition(self._lock)
         self.stats = SenderStats()
@@ -268,7 +222,7 @@ class KVSender:
             raise
         handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
         deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
-        rec = _Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers,
+        rec = Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers,
                       frames=frames)
         with self._lock:
             if self._closed:
@@ -342,21 +296,21 @@ class KVSender:
             self._end(r, "retired")
 
     # -- BlockSource (called by transport servers) ---------------------------------------
-    def _lookup(self, handle_bytes: bytes) -> _Record:
+    def _lookup(self, handle_bytes: bytes) -> Record:
         try:
             return lookup_ticket(self._records, handle_bytes, self._key)
         except (BadHandle, HandleNotFound):
             self.stats.add(refused=1)
             raise
 
-    def _wait_layers(self, rec: _Record, first: int, end: int) -> int:
+    def _wait_layers(self, rec: Record, first: int, end: int) -> int:
         """Wait (bounded) until layer ``first`` is ready; the end of the ready part of [first, end)."""
         with self._ready_cv:
             self._ready_cv.wait_for(lambda: rec.ready > first or not rec.live, LAYER_WAIT)
             return max(first, min(end, rec.ready))
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
-                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> _Grant:
+                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> Grant:
         rec = self._lookup(handle_bytes)
         if self.leases is not None and rec.handle.lease_id:
             if claim is None:
@@ -425,7 +379,7 @@ class KVSender:
             self._read_done(rec)
             raise
         self.stats.add(reads=1, bytes_served=spans.nbytes)
-        return _Grant(self, rec, spans, (lo, hi), sums, claim)
+        return Grant(self, rec, spans, (lo, hi), sums, claim)
 
     def release_remote(self, handle_bytes: bytes) -> None:
         """A direct release (handles without a lease). A leased handle ends only through its
@@ -446,7 +400,7 @@ class KVSender:
         layers ``0..n-1`` are final yet -- announce the rest with ``mark_ready(transfer, k)``;
         each batch of ready layers is written as it becomes ready. The blocks stay pinned
         until the push ends (``on_free`` with reason ``"pushed"`` or ``"aborted"``)."""
-        res = _parse_ticket(reservation)
+        res = parse_ticket(reservation)
         if not res.reservation:
             raise BadHandle("push() takes a reservation (KVReceiver.reserve), not a handle")
         if res.lease_id and res.lease_id != res.lease_digest():
@@ -462,7 +416,7 @@ class KVSender:
         n = res.num_tokens if num_tokens is None else num_tokens
         h = self._publish(res.request_id, block_ids, n, ttl, L.num_layers if layers_ready is None else layers_ready,
                           leased=False)
-        t = Transfer(res.request_id, L.num_layers, lambda t: self._push(t, h, res))
+        t = Transfer(res.request_id, L.num_layers, lambda t: run_push(self, t, h, res))
         t.handle = h
         self.stats.add(pushes=1)
         return self._workers.submit(t)
@@ -475,78 +429,8 @@ class KVSender:
                 t = self._transports[scheme] = get_transport_class(scheme)(self.timeout)
         return t
 
-    def _push(self, t: Transfer, h: KVHandle, res: KVHandle) -> FetchResult:
-        t0 = time.perf_counter()
-        out = FetchResult(res, list(res.block_ids))
-        rec = self._records.get(h.handle_id)
-        store = self._push_stores.for_ticket(res)
-        claim: Optional[Claim] = None
-        url = res.urls[0]
-        L = self.pool.layout.num_layers
-        try:
-            if rec is None:
-                raise StaleHandle(f"push of {res.request_id!r}: its blocks were freed before it started")
-            if store is not None:
-                # Each push is its own claimer: a second push of the same reservation, even from
-                # this sender, is a second writer and loses the claim.
-                who = f"{self.owner}/push-{h.id[:12]}"
-                lease = self.retry.call(lambda: store.claim(res.lease_id, who, self.claim_ttl))
-                claim = Claim(who, lease.fence.epoch, lease.fence.counter)
-            transport = self._transport(url)
-            done = 0
-            idle_until = time.monotonic() + self.timeout.transfer
-            while done < L:
-                if t.cancel_event.is_set():
-                    raise TransferCancelled(f"push of {res.request_id!r} cancelled")
-                hi = self._wait_layers(rec, done, L)
-                if not rec.live:
-                    raise StaleHandle(f"push of {res.request_id!r}: its handle was {rec.reason}")
-                if hi == done:
-                    if time.monotonic() > idle_until:
-                        raise TransferTimeout(f"push of {res.request_id!r}: layer {done} not ready "
-                                              f"within {self.timeout.transfer} s")
-                    continue
-                src = Spans.of_blocks(self.pool, rec.block_ids, range(done, hi))
-                sums = pack_sums([x for layer in rec.sums[done:hi] for x in layer]) if self.checksums else b""
-                lo, c = done, claim
-
-                def attempt() -> int:
-                    out.attempts += 1
-                    return transport.write(url, res, src, (lo, hi), c, sums, hi == L)
-                out.nbytes += self.retry.call(attempt)
-                done = hi
-                t._layer_ready(done)
-                idle_until = time.monotonic() + self.timeout.transfer
-            if store is not None and claim is not None:
-                c = claim
-                self.retry.call(lambda: store.release(res.lease_id, c.claimer, c.fence))
-            out.ok = True
-        except KVBridgeError as exc:
-            out.error = exc
-            out.failed_block_ids = list(res.block_ids)
-            if store is None or claim is not None:   # a writer that never won the claim ends nothing
-                self._abort_push(res, store, claim, url)
-        out.seconds = time.perf_counter() - t0
-        if rec is not None:
-            self._end(rec, "pushed" if out.ok else "aborted")
-        if out.ok:
-            self.stats.add(bytes_pushed=out.nbytes)
-        return out
-
-    def _abort_push(self, res: KVHandle, store: Optional[LeaseStore], claim: Optional[Claim], url: str) -> None:
-        """Tell the receiver this writer gives up (best effort: its reservation expires anyway)."""
-        try:
-            self._transport(url).abort_write(url, res)
-        except KVBridgeError as exc:
-            log.info("abort of push %r: %s", res.request_id, exc)
-        if store is not None and claim is not None:
-            try:
-                store.abort(res.lease_id, claim.claimer, claim.fence)
-            except KVBridgeError as exc:
-                log.info("abort of reservation lease %s: %s", res.lease_id, exc)
-
     # -- lifecycle -----------------------------------------------------------------------
-    def _end(self, rec: _Record, reason: FreeReason) -> bool:
+    def _end(self, rec: Record, reason: FreeReason) -> bool:
         with self._lock:
             if not rec.live:
                 return False
@@ -589,14 +473,14 @@ class KVSender:
             self._free(rec)
         return True
 
-    def _read_done(self, rec: _Record) -> None:
+    def _read_done(self, rec: Record) -> None:
         with self._lock:
             rec.inflight -= 1
             free_now = not rec.live and rec.inflight == 0 and not rec.free_after and not rec.revoking
         if free_now:
             self._free(rec)
 
-    def _free(self, rec: _Record) -> None:
+    def _free(self, rec: Record) -> None:
         with self._lock:
             if rec.freed:
                 return

@@ -94,21 +94,39 @@ def _cuda_errors(cp: Any) -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
-_libcuda: Optional[ctypes.CDLL] = None
+_get_range: Any = None
+_STREAM_LEGACY = 1                    # cudaStreamLegacy: what torch's default stream (handle 0) is
 
 
 def _allocation_base(ptr: int) -> int:
     """Base address of the CUDA allocation holding ``ptr`` (``cuMemGetAddressRange``): an IPC
     handle names the whole allocation, and PyTorch's caching allocator carves tensors out of
-    larger ones."""
-    global _libcuda
-    if _libcuda is None:
-        _libcuda = ctypes.CDLL("libcuda.so.1")
-    base, size = ctypes.c_uint64(), ctypes.c_size_t()
-    rc = _libcuda.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    larger ones. A driver call: the caller makes the device's primary context current first
+    (a server thread has none until a runtime call or ``cudaSetDevice`` binds it)."""
+    global _get_range
+    if _get_range is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        fn = getattr(lib, "cuMemGetAddressRange_v2", None) or getattr(lib, "cuMemGetAddressRange", None)
+        if fn is None:
+            raise OSError("libcuda.so.1 has no cuMemGetAddressRange")
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        _get_range = fn
+    base, size = ctypes.c_uint64(0), ctypes.c_size_t(0)
+    rc = _get_range(ctypes.byref(base), ctypes.byref(size), ptr)
     if rc != 0:
-        raise OSError(f"cuMemGetAddressRange failed with CUresult {rc}")
+        raise OSError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}")
+    if not base.value <= ptr < base.value + size.value:
+        raise OSError(f"cuMemGetAddressRange({ptr:#x}) answered [{base.value:#x}, +{size.value})")
     return int(base.value)
+
+
+def _stream(device: int) -> int:
+    """torch's current stream on ``device`` as a handle for CuPy's runtime calls. torch's
+    default stream is handle 0, the legacy default stream; it is passed as
+    ``cudaStreamLegacy`` so it means that stream whatever default-stream mode CuPy's runtime
+    was built with."""
+    return int(torch.cuda.current_stream(device).cuda_stream) or _STREAM_LEGACY
 
 
 def _path_of(url: str) -> str:
@@ -156,12 +174,15 @@ class _Exports:
             if e is not None:
                 return e
         ipc, offset = b"", 0
-        if flat.device.type == "cuda":
+        if flat.device.type == "cuda" and flat.numel():
             cp = cupy_or_error()
+            idx = flat.device.index if flat.device.index is not None else torch.cuda.current_device()
             try:
-                with cp.cuda.Device(flat.device.index or 0):
-                    ipc = bytes(cp.cuda.runtime.ipcGetMemHandle(flat.data_ptr()))
-                    offset = flat.data_ptr() - _allocation_base(flat.data_ptr())
+                with cp.cuda.Device(idx):
+                    cp.cuda.runtime.setDevice(idx)        # this thread: the primary context current
+                    base = _allocation_base(flat.data_ptr())
+                    ipc = bytes(cp.cuda.runtime.ipcGetMemHandle(base))   # of the allocation's base
+                    offset = flat.data_ptr() - base
             except _cuda_errors(cp) as exc:
                 raise ConfigError(f"cannot export the pool's CUDA memory for IPC: {exc}",
                                   hint="memory from expandable segments or cudaMallocAsync pools cannot be "
@@ -189,7 +210,7 @@ class _Exports:
                         ev = self._events[idx] = (os.urandom(16), ptr, bytes(cp.cuda.runtime.ipcGetEventHandle(ptr)))
                         with _local_lock:
                             _LOCAL_EVENTS[ev[0]] = ptr
-                cp.cuda.runtime.eventRecord(ev[1], torch.cuda.current_stream(idx).cuda_stream)
+                cp.cuda.runtime.eventRecord(ev[1], _stream(idx))
         except _cuda_errors(cp) as exc:
             raise ConfigError(f"cannot record an interprocess CUDA event: {exc}") from None
         return ev[0], ev[2]
@@ -381,16 +402,17 @@ class NVLinkTransport(ShmTransport):
             return int(pool.device.index if pool.device.index is not None else torch.cuda.current_device())
         return torch.cuda.current_device()
 
-    def _flats(self, m: _Mapped, device: int) -> list[torch.Tensor]:
+    def _flats(self, m: _Mapped, device: int) -> tuple[list[torch.Tensor], list[bytes]]:
         """The peer's buffers as flat uint8 tensors: its own tensors in this process, else IPC
-        mappings opened on ``device`` (once per export, cached)."""
+        mappings opened on ``device`` (once per export, cached); and the exports now held busy
+        (release them with :meth:`_release` once the copy has completed)."""
         if m.local:
             with _local_lock:
                 try:
-                    return [_LOCAL[eid] for eid, _, _, _ in m.buffers]
+                    return [_LOCAL[eid] for eid, _, _, _ in m.buffers], []
                 except KeyError:
                     raise StaleHandle("the sender's exports are gone (its server closed)") from None
-        if any(not any(h) for _, h, _, _ in m.buffers):
+        if any(n and not any(h) for _, h, _, n in m.buffers):
             raise ConfigError("the peer's pool is not CUDA memory; nvlink:// maps such a pool only "
                               "within its own process")
         cp = cupy_or_error()
@@ -398,14 +420,20 @@ class NVLinkTransport(ShmTransport):
         held: list[bytes] = []
         try:
             for eid, handle, offset, nbytes in m.buffers:
+                if not nbytes:
+                    out.append(torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}"))
+                    continue
                 base = self._open(cp, eid, handle, device)
                 held.append(eid)
-                out.append(torch.as_tensor(_DeviceMemory(base + offset, nbytes)) if nbytes
-                           else torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}"))
+                t = torch.as_tensor(_DeviceMemory(base + offset, nbytes), device=torch.device("cuda", device))
+                if t.data_ptr() != base + offset or t.numel() != nbytes or t.dtype != torch.uint8:
+                    raise ConfigError("torch did not wrap the mapped CUDA memory in place "
+                                      f"(got {t.dtype} x {t.numel()} at {t.data_ptr():#x} on {t.device})")
+                out.append(t)
         except BaseException:
             self._release(held)
             raise
-        return out
+        return out, held
 
     def _open(self, cp: Any, eid: bytes, handle: bytes, device: int) -> int:
         with self._lock:
@@ -479,7 +507,7 @@ class NVLinkTransport(ShmTransport):
                             ptr = self._ipc_events[eid][1]
                     else:
                         ptr = got[1]
-                cp.cuda.runtime.streamWaitEvent(torch.cuda.current_stream(device).cuda_stream, ptr)
+                cp.cuda.runtime.streamWaitEvent(_stream(device), ptr)
         except _cuda_errors(cp) as exc:
             raise StaleHandle(f"cannot wait on the sender's CUDA event: {exc}") from None
 
@@ -488,8 +516,7 @@ class NVLinkTransport(ShmTransport):
         """Copy between this side's pool and the peer's mapped buffers; complete on return."""
         cuda = device_pool.device.type == "cuda" or not m.local
         dev = self._device_of(device_pool) if cuda else -1
-        peer = self._flats(m, dev)
-        held = [] if m.local else [eid for eid, _, _, _ in m.buffers]
+        peer, held = self._flats(m, dev)
         try:
             if cuda:
                 self._wait_event(m, dev)

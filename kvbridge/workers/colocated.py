@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from .engine import Request
 from .model import CausalLM
 from .sampling import SamplingParams
-from .server import AsyncWatch, EngineWorker, RequestWatch, WorkerConfig
+from .server import RECEIVED, AsyncWatch, EngineWorker, RequestWatch, WorkerConfig
 
 __all__ = ["ColocatedWorker"]
 
@@ -67,4 +67,5 @@ class ColocatedWorker(EngineWorker):
         req = Request(list(prompt), params, request_id=body.get("request_id") or uuid.uuid4().hex)
         watch = AsyncWatch()
         self.loop.submit(req, watch)
-        return await self.respond(req, watch, 0, bool(body.get("stream", True)), lambda: self._timings(req, watch))
+        return await self.respond(req, watch, 0, bool(body.get("stream", True)), lambda: self._timings(req, watch),
+                                  request.scope.get(RECEIVED))

@@ -46,6 +46,10 @@ class RequestMetrics:
     error: Optional[str] = None
     finish_reason: Optional[str] = None
     token_times: list[float] = field(default_factory=list, repr=False)
+    # the first token's path: seconds after ``arrival`` at which the proxy and the worker passed
+    # each stage ("parsed", "prefill_sent", "w_received", "w_submitted", "w_first_token",
+    # "w_published", "w_answered", "answered", "first_sent"); see bench/frontdoor.py
+    hops: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def ttft(self) -> Optional[float]:

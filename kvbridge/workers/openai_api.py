@@ -17,16 +17,19 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import Action, KVBridgeError, TransferTimeout
+from .metrics import RequestMetrics
 from .sampling import SamplingParams
 from .tokenizer import HFTokenizer, Tokenizer
 
 __all__ = ["APIError", "CompletionRequest", "ChatRequest", "parse_request", "error_json", "error_from_kvbridge",
-           "render_chat", "plain_chat_text", "prompt_ids", "sampling_params"]
+           "Job", "usage", "whole_response", "chunk_response", "render_chat", "plain_chat_text", "prompt_ids",
+           "sampling_params"]
 
 
 class APIError(Exception):
@@ -79,6 +82,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: with include_usage, every chunk carries usage
 
 
 class _Common(_Strict):
@@ -259,3 +263,59 @@ def sampling_params(req: Req, prompt_len: int, max_model_len: int, default_max: 
     return SamplingParams(max_tokens=mt, temperature=0.0 if req.temperature is None else req.temperature,
                           top_k=max(0, top_k), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()))
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One request at the front door: what was asked and what came out so far."""
+
+    rid: str
+    kind: str                  # "completion" or "chat"
+    ids: list[int]
+    params: SamplingParams
+    stream: bool
+    usage: bool                # stream_options.include_usage
+    m: RequestMetrics
+    created: int
+    out: list[int] = field(default_factory=list)
+    reason: Optional[str] = None
+    usage_every: bool = False  # stream_options.continuous_usage_stats (with include_usage)
+
+
+def usage(job: Job) -> dict[str, int]:
+    return {"prompt_tokens": len(job.ids), "completion_tokens": len(job.out),
+            "total_tokens": len(job.ids) + len(job.out)}
+
+
+def whole_response(job: Job, text: str, model: str) -> dict[str, Any]:
+    """The non-streaming answer (``text`` is the decoded output)."""
+    if job.kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": job.reason, "token_ids": job.out}
+    else:
+        choice = {"index": 0, "text": text, "token_ids": job.out, "finish_reason": job.reason, "logprobs": None}
+    m = job.m.to_dict()
+    return {"id": job.rid, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": model, "choices": [choice], "usage": usage(job),
+            "metrics": {k: m[k] for k in ("ttft", "tpot", "e2e", "queue_s", "prefill_s", "kv_transfer_s",
+                                          "kv_bytes", "retries", "reprefills")}}
+
+
+def chunk_response(job: Job, model: str, text: Optional[str], ids: list[int], reason: Optional[str],
+                   first: bool = False) -> dict[str, Any]:
+    """One streamed chunk (``text`` is the new text, ``ids`` the new tokens)."""
+    if job.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
+            {"content": text} if text else {})
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
+                                  "token_ids": ids}
+    else:
+        choice = {"index": 0, "text": text or "", "token_ids": ids, "finish_reason": reason, "logprobs": None}
+    kind = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
+    c: dict[str, Any] = {"id": job.rid, "object": kind, "created": job.created, "model": model,
+                         "choices": [choice]}
+    if job.usage:
+        c["usage"] = usage(job) if job.usage_every else None
+    return c

@@ -27,7 +27,7 @@ from ..sender import KVSender
 from .engine import FinishReason, Request
 from .model import CausalLM
 from .sampling import SamplingParams
-from .server import AsyncWatch, EngineWorker, RequestWatch, WorkerConfig
+from .server import RECEIVED, AsyncWatch, EngineWorker, RequestWatch, WorkerConfig, wall_stamps
 
 __all__ = ["PrefillWorker", "listen_urls"]
 
@@ -83,6 +83,7 @@ class PrefillWorker(EngineWorker):
                 self.pool.free(req.block_ids)
                 raise
         req.block_ids = []
+        t_done = time.perf_counter()
         admitted = admitted_at if admitted_at is not None else req.arrival_time
         arrival = req.arrival_time or t_in
         return {
@@ -93,8 +94,9 @@ class PrefillWorker(EngineWorker):
                 "length" if done else None),
             "timings": {"queue_s": max(0.0, (admitted or arrival) - arrival),
                         "prefill_s": (req.token_times[0] - (admitted or arrival)),
-                        "publish_s": time.perf_counter() - t_pub,
-                        "total_s": time.perf_counter() - t_in},
+                        "publish_s": t_done - t_pub, "total_s": t_done - t_in,
+                        "stamps": wall_stamps(w_submitted=arrival, w_first_token=req.token_times[0],
+                                              w_published=t_done)},
         }
 
     def prefill(self, prompt_ids: Sequence[int], sampling: SamplingParams = SamplingParams(),
@@ -146,6 +148,8 @@ class PrefillWorker(EngineWorker):
         out = await self.aprefill(ids, params, request_id=body.get("request_id"),
                                   publish=bool(body.get("publish", True)), force=bool(body.get("force", False)),
                                   timeout=body.get("timeout"))
+        t = out["timings"]
+        t["stamps"].update(wall_stamps(w_received=request.scope.get(RECEIVED), w_answered=time.perf_counter()))
         return JSONResponse(out)
 
     def health(self) -> dict[str, Any]:

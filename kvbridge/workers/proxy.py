@@ -9,7 +9,7 @@ context length) is answered before any worker is asked.
 
 Disaggregated, the proxy asks a prefill worker (least-loaded, or round-robin) for the
 prompt's KV handle and first token, picks a decode worker the same way and passes it the
-handle; tokens stream back over ``httpx`` (pooled connections, a timeout on every wait).
+handle; tokens stream back over ``httpcore`` (pooled connections, a timeout on every wait).
 A decode worker that dies or times out is retried on another one with the same handle
 (``on_decode_failure="retry"``) while the handle may still be live, else the request is
 re-prefilled (prompt plus the tokens already delivered) and continues where it stopped;
@@ -39,8 +39,9 @@ from starlette.routing import Route
 from ..errors import Action, ConfigError, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code
 from .http import BodyError, HTTPServer, WorkerClient, bind_socket, read_json
 from .metrics import MetricsLog, PromMetrics, RequestMetrics, summarize
-from .openai_api import (APIError, ChatRequest, CompletionRequest, error_from_kvbridge, error_json, parse_request,
-                         prompt_ids, render_chat, sampling_params)
+from .openai_api import (APIError, ChatRequest, CompletionRequest, Job, chunk_response, error_from_kvbridge,
+                         error_json, parse_request, prompt_ids, render_chat, sampling_params, usage,
+                         whole_response)
 from .sampling import SamplingParams
 from .server import sse
 from .tokenizer import ByteTokenizer, Tokenizer
@@ -104,26 +105,18 @@ def _with_context(exc: KVBridgeError, context: str) -> KVBridgeError:
     return new
 
 
+def _stamp(m: RequestMetrics, stamps: Optional[dict[str, float]]) -> None:
+    """Record the proxy's receipt of the first token and the worker's stamps, after ``m.arrival``."""
+    now = time.time()
+    m.hops.update({k: float(v) - m.arrival for k, v in (stamps or {}).items()}, answered=now - m.arrival)
+
+
 class _Done(Exception):
     """Internal: the generator finished with this finish reason."""
 
 
 class ShuttingDown(PeerUnavailable):
     """The front door is stopping; the request may be sent again (to another instance)."""
-
-
-@dataclass
-class _Job:
-    rid: str
-    kind: str                  # "completion" or "chat"
-    ids: list[int]
-    params: SamplingParams
-    stream: bool
-    usage: bool                # stream_options.include_usage
-    m: RequestMetrics
-    created: int
-    out: list[int] = field(default_factory=list)
-    reason: Optional[str] = None
 
 
 class Proxy:
@@ -247,9 +240,13 @@ class Proxy:
             tried.add(url)
             try:
                 with self._busy(url):
-                    return dict(await self.client.post_json(url + "/prefill", {
+                    m.hops.setdefault("prefill_sent", time.time() - m.arrival)
+                    pr = dict(await self.client.post_json(url + "/prefill", {
                         "prompt_ids": ids, "sampling": params.to_dict(), "force": force,
                         "request_id": f"{rid}-p{m.retries + m.reprefills}-{attempt}"}))
+                    if "answered" not in m.hops:
+                        _stamp(m, pr["timings"].get("stamps"))
+                    return pr
             except KVBridgeError as exc:
                 last = exc
                 if exc.action is not Action.RETRY:
@@ -346,11 +343,14 @@ class Proxy:
             try:
                 body = {"prompt_ids": ids, "sampling": params.to_dict(), "request_id": f"{rid}-c{attempt}",
                         "stream": True}
+                m.hops.setdefault("prefill_sent", time.time() - m.arrival)
                 async with contextlib.aclosing(self.client.stream(url + "/generate", body)) as events:
                     async for ev in events:
                         if "error" in ev:
                             raise _rebuild(ev)
                         new = [int(t) for t in ev.get("token_ids", ())]
+                        if "stamps" in ev and "answered" not in m.hops:
+                            _stamp(m, ev["stamps"])
                         if new:
                             out.extend(new)
                             yield new
@@ -366,7 +366,7 @@ class Proxy:
                 m.retries += 1
                 await asyncio.sleep(0.2)
 
-    async def _tokens(self, job: _Job) -> AsyncIterator[list[int]]:
+    async def _tokens(self, job: Job) -> AsyncIterator[list[int]]:
         """``_generate``, stopped with :class:`ShuttingDown` as soon as the proxy is closing.
 
         While it waits for the next tokens a request is in ``_waiting``; closing cancels
@@ -442,14 +442,17 @@ class Proxy:
             ids = prompt_ids(req, self.tok) if isinstance(req, CompletionRequest) else render_chat(req, self.tok)
             max_len = await self._limits()
             params = sampling_params(req, len(ids), max_len, 16 if kind == "completion" else None)
+            parsed = time.time() - arrival
         except APIError as exc:
             return self._refuse(exc)
         except KVBridgeError as exc:
             return self._refuse(error_from_kvbridge(exc))
         rid = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
-        usage = bool(req.stream_options and req.stream_options.include_usage)
-        job = _Job(rid, kind, ids, params, bool(req.stream), usage,
-                   RequestMetrics(rid, self.cfg.mode, prompt_tokens=len(ids), arrival=arrival), int(arrival))
+        opts = req.stream_options
+        job = Job(rid, kind, ids, params, bool(req.stream), bool(opts and opts.include_usage),
+                   RequestMetrics(rid, self.cfg.mode, prompt_tokens=len(ids), arrival=arrival,
+                                  hops={"parsed": parsed}), int(arrival),
+                  usage_every=bool(opts and opts.include_usage and opts.continuous_usage_stats))
         self.metrics.in_flight += 1
         self.prom.in_flight.labels(self.cfg.mode).inc()
         if job.stream:
@@ -465,9 +468,10 @@ class Proxy:
         except BaseException as exc:
             self._finish(job, exc)
             raise
-        return JSONResponse(self._whole(job), headers={"X-Request-Id": rid})
+        return JSONResponse(whole_response(job, self.tok.decode(job.out), self.cfg.model_name),
+                            headers={"X-Request-Id": rid})
 
-    def _finish(self, job: _Job, exc: Optional[BaseException]) -> APIError:
+    def _finish(self, job: Job, exc: Optional[BaseException]) -> APIError:
         """Record the request's outcome once; the error answer for ``exc``."""
         m = job.m
         m.finished_at = time.time()
@@ -486,40 +490,7 @@ class Proxy:
         self.prom.observe(m)
         return err
 
-    def _usage(self, job: _Job) -> dict[str, int]:
-        return {"prompt_tokens": len(job.ids), "completion_tokens": len(job.out),
-                "total_tokens": len(job.ids) + len(job.out)}
-
-    def _whole(self, job: _Job) -> dict[str, Any]:
-        text = self.tok.decode(job.out)
-        if job.kind == "chat":
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                      "logprobs": None, "finish_reason": job.reason, "token_ids": job.out}
-        else:
-            choice = {"index": 0, "text": text, "token_ids": job.out, "finish_reason": job.reason, "logprobs": None}
-        m = job.m.to_dict()
-        return {"id": job.rid, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-                "created": job.created, "model": self.cfg.model_name, "choices": [choice], "usage": self._usage(job),
-                "metrics": {k: m[k] for k in ("ttft", "tpot", "e2e", "queue_s", "prefill_s", "kv_transfer_s",
-                                              "kv_bytes", "retries", "reprefills")}}
-
-    def _chunk(self, job: _Job, text: Optional[str], ids: list[int], reason: Optional[str],
-               first: bool = False) -> dict[str, Any]:
-        if job.kind == "chat":
-            delta: dict[str, Any] = {"role": "assistant", "content": text or ""} if first else (
-                {"content": text} if text else {})
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason,
-                                      "token_ids": ids}
-        else:
-            choice = {"index": 0, "text": text or "", "token_ids": ids, "finish_reason": reason, "logprobs": None}
-        kind = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
-        c: dict[str, Any] = {"id": job.rid, "object": kind, "created": job.created, "model": self.cfg.model_name,
-                             "choices": [choice]}
-        if job.usage:
-            c["usage"] = None
-        return c
-
-    async def _stream(self, job: _Job) -> AsyncIterator[bytes]:
+    async def _stream(self, job: Job) -> AsyncIterator[bytes]:
         emitted = ""
         first = True
         try:
@@ -528,13 +499,16 @@ class Proxy:
                 delta = ""
                 if not text.endswith("\ufffd") and text.startswith(emitted):
                     delta, emitted = text[len(emitted):], text
-                yield sse(self._chunk(job, delta, new, None, first))
+                yield sse(chunk_response(job, self.cfg.model_name, delta, new, None, first))
+                if first:
+                    job.m.hops["first_sent"] = time.time() - job.m.arrival
                 first = False
             text = self.tok.decode(job.out)
-            tail = sse(self._chunk(job, text[len(emitted):] if text.startswith(emitted) else "", [], job.reason,
-                                   first))
+            rest = text[len(emitted):] if text.startswith(emitted) else ""
+            tail = sse(chunk_response(job, self.cfg.model_name, rest, [], job.reason, first))
             if job.usage:
-                tail += sse({**self._chunk(job, None, [], None), "choices": [], "usage": self._usage(job)})
+                last = chunk_response(job, self.cfg.model_name, None, [], None)
+                tail += sse({**last, "choices": [], "usage": usage(job)})
             self._finish(job, None)
             yield tail + sse(b"[DONE]")
         except KVBridgeError as exc:  # mid-stream: the error is the last event

@@ -35,9 +35,19 @@ from .model import PRESETS, CausalLM, load_hf_checkpoint
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["EngineLoop", "RequestWatch", "AsyncWatch", "WorkerConfig", "EngineWorker", "load_model", "status_for",
-           "run_until_signal", "die_with_parent", "sse"]
+           "run_until_signal", "die_with_parent", "sse", "wall_stamps", "RECEIVED"]
 
 log = logging.getLogger("kvbridge.workers")
+
+
+RECEIVED = "kvbridge.received"  # ASGI scope key: perf_counter() when the worker's handler started
+
+
+def wall_stamps(**perf: Optional[float]) -> dict[str, float]:
+    """``perf_counter()`` instants of this process as ``time.time()`` values, which the proxy
+    can compare with its own (same machine) or at least subtract from each other."""
+    off = time.time() - time.perf_counter()
+    return {k: v + off for k, v in perf.items() if v is not None}
 
 
 def sse(obj: Any) -> bytes:
@@ -81,13 +91,14 @@ class RequestWatch:
 class AsyncWatch:
     """A listener that wakes an asyncio task when its request gets new tokens or ends.
 
-    The engine thread calls it; it only records the outcome and schedules ``Event.set``
-    on the task's loop, so waiting costs no thread.
+    The engine thread calls it; it only records the outcome and schedules the wake-up on
+    the task's loop, so waiting costs no thread. A wait is one future (and one timer for
+    its timeout): no task is created per token.
     """
 
     def __init__(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         self.loop = loop or asyncio.get_running_loop()
-        self.event = asyncio.Event()
+        self._waiter: Optional[asyncio.Future[None]] = None
         self.error: Optional[BaseException] = None
         self.done = False
         self.admitted_at: Optional[float] = None
@@ -96,24 +107,29 @@ class AsyncWatch:
         self.error = self.error or error
         self.done = self.done or req.finished or error is not None
         try:
-            self.loop.call_soon_threadsafe(self.event.set)
+            self.loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the loop is closed: nobody waits any more
             pass
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     async def wait(self, req: Request, have: int, timeout: float) -> bool:
         """Wait until ``req`` has more than ``have`` tokens or ended; False on timeout."""
         deadline = time.monotonic() + timeout
         while not (self.done or len(req.output_ids) > have):
-            self.event.clear()
-            if self.done or len(req.output_ids) > have:
-                break
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
+            self._waiter = w = self.loop.create_future()
+            timer = self.loop.call_later(left, self._wake)
             try:
-                await asyncio.wait_for(self.event.wait(), left)
-            except asyncio.TimeoutError:
-                return self.done or len(req.output_ids) > have
+                await w  # a wake-up after the check above is not lost: it finds this future
+            finally:
+                timer.cancel()
+                self._waiter = None
         return True
 
 
@@ -328,6 +344,7 @@ class EngineWorker:
 
     def _guard(self, fns: dict[str, Handler]) -> Handler:
         async def endpoint(request: HTTPRequest) -> Response:
+            request.scope[RECEIVED] = time.perf_counter()
             if request.method == "POST":
                 self.requests += 1
             try:
@@ -378,10 +395,14 @@ class EngineWorker:
             raise watch.error
 
     async def respond(self, req: Request, watch: AsyncWatch, sent: int, stream: bool,
-                      timings: Callable[[], dict[str, Any]]) -> Response:
-        """Answer with ``req``'s tokens after the first ``sent`` ones: SSE events, or one JSON at the end."""
+                      timings: Callable[[], dict[str, Any]], received: Optional[float] = None) -> Response:
+        """Answer with ``req``'s tokens after the first ``sent`` ones: SSE events, or one JSON at the end.
+
+        A stream's event with the request's first token carries ``stamps`` (see :func:`wall_stamps`).
+        """
         if stream:
-            return StreamingResponse(self._events(req, watch, sent, timings), media_type="text/event-stream",
+            return StreamingResponse(self._events(req, watch, sent, timings, received),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         await self.await_done(req, watch, self.cfg.request_timeout)
         out = req.output_ids[:]
@@ -390,7 +411,7 @@ class EngineWorker:
                              "num_output": len(out), "timings": timings()})
 
     async def _events(self, req: Request, watch: AsyncWatch, sent: int,
-                      timings: Callable[[], dict[str, Any]]) -> AsyncIterator[bytes]:
+                      timings: Callable[[], dict[str, Any]], received: Optional[float]) -> AsyncIterator[bytes]:
         deadline = time.monotonic() + self.cfg.request_timeout
         try:
             while True:
@@ -405,7 +426,12 @@ class EngineWorker:
                 out = req.output_ids[:]
                 chunk = b""
                 if len(out) > sent:
-                    chunk = sse({"token_ids": out[sent:], "index": sent})
+                    ev: dict[str, Any] = {"token_ids": out[sent:], "index": sent}
+                    if sent == 0:
+                        ev["stamps"] = wall_stamps(w_received=received, w_submitted=req.arrival_time,
+                                                   w_first_token=req.first_token_time,
+                                                   w_answered=time.perf_counter())
+                    chunk = sse(ev)
                     sent = len(out)
                 if watch.error is not None:
                     yield chunk + sse(error_body(watch.error, status_for(watch.error))) + sse(b"[DONE]")

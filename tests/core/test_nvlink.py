@@ -3,7 +3,7 @@
 Without a GPU the transport runs in one process with pools marked as device memory
 (``_staged``, as in test_staging.py): the server and client then share the buffers
 directly, which is also what nvlink:// does for a sender and receiver in one process.
-The CUDA IPC path (two processes, one GPU) is in ``tests/gpu/test_nvlink_cuda.py`` and in
+The CUDA IPC path (two processes, one GPU) is in ``tests/core/test_nvlink_cuda.py`` and in
 the conformance suite, both skipped without a CUDA device and CuPy.
 """
 

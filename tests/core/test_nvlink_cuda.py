@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, integrity
+from kvbridge.transports import nvlink
 
 from ._peer import RemotePeer, fill_pool, mismatched_blocks, reference_pool
 
@@ -20,6 +21,25 @@ _MISSING = [w for w, ok in [("a CUDA device", torch.cuda.is_available()),
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120),
               pytest.mark.skipif(bool(_MISSING), reason="needs " + " and ".join(_MISSING))]
 LAYOUT = KVLayout.vllm_flash(4, 8, 128, 16, dtype="bfloat16")    # 32 KiB parts
+
+
+def test_exports_name_the_allocation_base_and_the_offset_in_it():
+    """What a peer maps: the IPC handle of the whole allocation, and where the buffer sits in it
+    (PyTorch's caching allocator carves small tensors out of larger segments)."""
+    whole = torch.zeros(6 << 20, dtype=torch.uint8, device="cuda")
+    view = whole[(1 << 20) + 512:]
+    base = nvlink._allocation_base(whole.data_ptr())
+    assert base <= whole.data_ptr() and nvlink._allocation_base(view.data_ptr()) == base
+    ex = nvlink._Exports()
+    try:
+        e = ex.get(view)
+        assert len(e.ipc) == 64 and any(e.ipc)
+        assert e.offset == view.data_ptr() - base and e.offset >= (1 << 20) + 512
+        eid, handle = ex.record(view.device)
+        assert len(eid) == 16 and len(handle) == 64 and any(handle)
+        assert ex.record(view.device) == (eid, handle)         # one interprocess event per device
+    finally:
+        ex.close()
 
 
 def test_cross_process_fetch_maps_each_buffer_once():
@@ -40,6 +60,29 @@ def test_cross_process_fetch_maps_each_buffer_once():
                 assert mismatched_blocks(pool, dst, ref, ids) == []
             tr = rcv.transport(info["url"])
             assert tr.extra("ipc_opened") == LAYOUT.num_buffers      # opened once per (sender, buffer)
+    finally:
+        peer.close()
+
+
+def test_cross_process_push_writes_into_the_reserved_blocks():
+    """Push: this process listens on nvlink:// and reserves; the sender process maps this
+    pool's buffers and writes; the layers' checksums are verified here."""
+    peer = RemotePeer()
+    try:
+        info = peer.new_sender(layout=LAYOUT.to_dict(), num_blocks=64, listen="nvlink://", seed=7, reserve_all=True)
+        ref = reference_pool(LAYOUT, 64, 7)
+        pool = KVPool.allocate(LAYOUT, 64, device="cuda")
+        with KVReceiver(pool, leases=False, listen="nvlink://") as rcv:
+            ids = random.Random(21).sample(range(64), 12)
+            dst = random.Random(22).sample(range(64), 12)
+            resv = rcv.reserve(dst)
+            push_id = peer.push(sid=info["sid"], reservation=base64.b64encode(resv.reservation.to_bytes()).decode(),
+                                block_ids=ids)
+            got = peer.push_result(push_id=push_id, timeout=20.0)
+            assert got["ok"], got
+            res = resv.result(20)
+            assert res.ok, res.error
+            assert mismatched_blocks(pool, dst, ref, ids) == []
     finally:
         peer.close()
 

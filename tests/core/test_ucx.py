@@ -21,6 +21,7 @@ pytest.importorskip("ucxx", reason="ucx:// needs ucxx: pip install 'kvbridge[ucx
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout  # noqa: E402
 from kvbridge.errors import FrameTooLarge  # noqa: E402
 from kvbridge.transports import ucx as U  # noqa: E402
+from kvbridge.transports import ucx_core, ucx_server  # noqa: E402
 from kvbridge.transports.wire import (HEADER, MAX_CONTROL, Kind, decode_error, encode_request, pack,  # noqa: E402
                                       recv_exact, unpack_header)
 
@@ -233,14 +234,21 @@ def test_idle_sender_and_receiver_use_no_cpu():
 
 
 # -- device pools (a CPU pool marked staged stands in for CUDA memory) ---------------------------------
+
+def _patch_ucx(monkeypatch, name, value):
+    """Set a ucx:// constant in every module of the backend that reads it."""
+    for m in (U, ucx_core, ucx_server):
+        if hasattr(m, name):
+            monkeypatch.setattr(m, name, value)
+
 STAGED = KVLayout.vllm_flash(3, 2, 64, 8, dtype="float16")   # 2 KiB parts, 12 KiB blocks
 
 
 @pytest.mark.parametrize("staged_side", ["sender", "receiver", "both"])
 @pytest.mark.parametrize("nblocks", [3, 30])                    # inline reply, then DATA messages
 def test_staged_pools_move_exact_bytes(staged_side, nblocks, monkeypatch):
-    monkeypatch.setattr(U, "INLINE", 16 << 10)
-    monkeypatch.setattr(U, "CHUNK", 50_000)                   # odd chunk boundaries
+    _patch_ucx(monkeypatch, "INLINE", 16 << 10)
+    _patch_ucx(monkeypatch, "CHUNK", 50_000)                   # odd chunk boundaries
     src, dst = KVPool.allocate(STAGED, 40), KVPool.allocate(STAGED, 80)
     fill_pool(src, 5)
     src._staged = staged_side in ("sender", "both")
@@ -265,8 +273,8 @@ def test_staged_pools_move_exact_bytes(staged_side, nblocks, monkeypatch):
 def test_chunked_transfer_with_differing_arrangements(monkeypatch):
     """The sender's runs and the receiver's runs cut the stream at different places (vLLM vs
     split K/V buffers); chunks straddle both: bounce buffers on both sides."""
-    monkeypatch.setattr(U, "INLINE", 1024)
-    monkeypatch.setattr(U, "CHUNK", 3000)
+    _patch_ucx(monkeypatch, "INLINE", 1024)
+    _patch_ucx(monkeypatch, "CHUNK", 3000)
     sl = KVLayout.vllm_flash(2, 2, 4, block_size=4, dtype="bfloat16")
     rl = KVLayout.split_kv(2, 2, 4, block_size=4, dtype="bfloat16")
     src, dst = KVPool.allocate(sl, 24), KVPool.allocate(rl, 30)

@@ -71,6 +71,10 @@ def test_completions_and_chat_with_the_openai_client(stack: dict[str, Any], tiny
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == n_out and all(ch.usage is None for ch in chunks[:-1])
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == r.choices[0].finish_reason
+    every = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                      stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in every if ch.usage is not None]  # vLLM's extension, as load
+    assert len(counts) == len(every) and counts == sorted(counts) and counts[-1] == n_out  # generators send it
     plain = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, stream=True))
     assert all(ch.usage is None for ch in plain) and plain[-1].choices  # no usage chunk unless asked
 

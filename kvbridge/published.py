@@ -1,0 +1,64 @@
+"""What a sender keeps per published handle, and the read grant it gives transports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from .errors import BadHandle
+from .frames import FrameStore
+from .handle import KVHandle
+from .lease import Claim
+from .transports.base import Spans
+
+if TYPE_CHECKING:
+    from .sender import KVSender
+
+__all__ = ["Record", "Grant", "parse_ticket"]
+
+
+@dataclass
+class Record:
+    handle: KVHandle
+    raw: bytes
+    block_ids: list[int]
+    deadline: float
+    inflight: int = 0
+    live: bool = True
+    reason: str = ""
+    spans: Optional[Spans] = None
+    freed: bool = False
+    free_after: float = 0.0   # when Redis could not be told: free at the local deadline
+    revoking: bool = False    # a revoke is on its way to Redis: nothing may free yet
+    ready: int = 0            # layers 0..ready-1 are final
+    sums: list[list[int]] = field(default_factory=list)   # layer-wise: per layer, per block
+    frames: Optional[FrameStore] = None                   # a coded handle's frames
+
+
+@dataclass
+class Grant:
+    sender: "KVSender"
+    rec: Record
+    spans: Spans
+    layers: tuple[int, int] = (0, 0)
+    sums: bytes = b""
+    claim: Optional[Claim] = None
+    closed: bool = field(default=False)
+
+    def still_valid(self) -> bool:
+        return self.rec.live and self.sender.pool.generations(self.rec.block_ids) == list(self.rec.handle.generations)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sender._read_done(self.rec)
+
+
+def parse_ticket(ticket: Union[KVHandle, bytes, dict[str, Any]]) -> KVHandle:
+    if isinstance(ticket, KVHandle):
+        return ticket
+    if isinstance(ticket, dict):
+        return KVHandle.from_dict(ticket)
+    if isinstance(ticket, (bytes, bytearray, memoryview)):
+        return KVHandle.from_bytes(ticket)
+    raise BadHandle(f"expected a KVHandle, bytes or dict, got {type(ticket).__name__}")

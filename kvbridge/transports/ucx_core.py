@@ -1,0 +1,428 @@
+"""ucx:// internals: the UCX context and workers, endpoints, bounded waits, and the
+streams that move a transfer's bytes as tagged messages (see :mod:`.ucx`)."""
+
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import select
+import struct
+import threading
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")   # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 ignores
+
+try:
+    from ucxx._lib import libucxx as _ucx
+    from ucxx._lib.arr import Array
+except ImportError as exc:   # mapped by the registry to BackendUnavailable naming the extra
+    raise ImportError(f"ucx:// needs ucxx: pip install 'kvbridge[ucx]' ({exc})") from exc
+
+import torch
+
+from ..errors import (ConfigError, ConnectionLost, KVBridgeError, ProtocolError,
+                      TransferTimeout)
+from .base import Spans
+from .tcp import parse_tcp_url
+from .staging import copy_slices, device_slices
+from .wire import (F_LAYERS, Kind, pack)
+
+
+log = logging.getLogger("kvbridge.ucx")
+
+HELLO = b"KVB-UCX1"
+DOORBELL_ID = 0xFFFFFFFF   # a PING frame with this id on the liveness socket: "look at your UCX worker"
+CHUNK = 4 << 20          # DATA message size: pieces of the canonical byte stream
+INLINE = 64 << 10        # transfers up to this ride inside the reply header
+WINDOW = 4               # DATA messages in flight per transfer
+SPIN = 0.0002           # seconds of polling before a wait sleeps on the worker's event fd
+NAP = 0.01               # longest sleep between liveness/deadline checks in a wait
+HANDLER_THREADS = 16
+
+# tags: kind (8 bits) | client id (24 bits) | request id (32 bits)
+T_REQ, T_HDR, T_DATA = 1, 2, 3
+KIND_MASK = 0xFF << 56
+DONE_BIT = 1 << 55   # a transfer's closing message (validation / checksums), on its DATA tag
+
+# request ops (first byte of a REQ message)
+OP_READ, OP_WREQ, OP_WDONE, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_PING = 1, 2, 3, 4, 5, 6, 7
+# reply status (first byte of a HDR message)
+ST_OK, ST_ERROR, ST_GO = 0, 1, 2
+_N = struct.Struct("!Q")
+_DOORBELL = pack(Kind.PING, DOORBELL_ID)
+_REQ_HEAD = struct.Struct("!B")
+
+
+def _wants_layers(msg: bytearray) -> bool:
+    """Whether a READ request names a layer range (peeks at its flags; malformed -> False)."""
+    if len(msg) < 6:
+        return False
+    (hn,) = struct.unpack_from("!I", msg, 1)
+    return len(msg) > 5 + hn and bool(msg[5 + hn] & F_LAYERS)
+
+
+def _tag(kind: int, cid: int, rid: int) -> int:
+    return (kind << 56) | ((cid & 0xFFFFFF) << 32) | (rid & 0xFFFFFFFF)
+
+
+def parse_ucx_url(url: str) -> tuple[str, int]:
+    return parse_tcp_url(url, "ucx")
+
+
+# -- one UCX context per process, workers per server / client ---------------------------------
+_ctx_lock = threading.Lock()
+_ctx: Any = None
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _context() -> Any:
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None:
+            try:
+                _ctx = _ucx.UCXContext({}, (_ucx.Feature.TAG, _ucx.Feature.WAKEUP))
+            except _ucx.UCXError as exc:
+                raise ConfigError(f"ucx:// cannot initialise UCX: {exc}") from None
+        return _ctx
+
+
+@atexit.register
+def _close_all() -> None:
+    """Close endpoints and workers before the interpreter tears modules down."""
+    for obj in list(_live):
+        try:
+            obj.close()
+        except Exception:   # best effort at exit
+            pass
+
+
+class _Worker:
+    """A UCX worker with a lock: every call into it is made under the lock. Waits poll
+    for :data:`SPIN` seconds, then sleep on the worker's event fd (and extra fds)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        try:
+            self.w = _ucx.UCXWorker(_context())
+            self.w.init_blocking_progress_mode()
+        except _ucx.UCXError as exc:
+            raise ConfigError(f"ucx:// cannot create a UCX worker: {exc}") from None
+        self.efd = self.w.epoll_file_descriptor
+        self.address = self.w.address.tobytes()
+
+    def progress(self) -> None:
+        with self.lock:
+            self.w.progress()
+
+    def endpoint(self, address: bytes) -> Any:
+        with self.lock:
+            return self.w.create_endpoint_from_worker_address(_ucx.UCXAddress.create_from_buffer(address), False)
+
+    def wait(self, cond: Callable[[], bool], deadline_s: float, what: str,
+             alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+             nudge: Optional[Callable[[], None]] = None) -> None:
+        """Progress until ``cond()``; ``alive()`` raises when the peer is gone. Raises
+        TransferTimeout after ``deadline_s`` seconds. Before sleeping (at most once per NAP)
+        ``nudge()`` rings the peer, in case it sleeps too."""
+        t0 = time.monotonic()
+        end = t0 + deadline_s
+        spin_end = t0 + SPIN
+        next_check = t0 + NAP
+        next_nudge = t0
+        while True:
+            with self.lock:
+                self.w.progress()
+            if cond():
+                return
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + NAP
+                if alive is not None:
+                    alive()
+                if now >= end:
+                    raise TransferTimeout(f"{what}: no progress within {deadline_s} s")
+            if now < spin_end:
+                continue
+            if nudge is not None and now >= next_nudge:
+                next_nudge = now + NAP
+                nudge()
+            with self.lock:
+                armed = self.w.arm()
+            if armed and not cond():
+                p = select.poll()
+                p.register(self.efd, select.POLLIN)
+                for fd in fds:
+                    p.register(fd, select.POLLIN)
+                events = p.poll(max(0.0, min(NAP, end - now)) * 1000)
+                if alive is not None and any(fd != self.efd for fd, _ in events):
+                    alive()            # a doorbell (drained) or the peer's death (raises)
+                spin_end = time.monotonic() + SPIN   # woken: poll again before sleeping
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self.w.cancel_inflight_requests()
+            except Exception:
+                pass
+
+
+class _Held:
+    """A request with the buffer it reads from or writes into, kept alive until it completes."""
+
+    __slots__ = ("req", "buf")
+
+    def __init__(self, req: Any, buf: Any) -> None:
+        self.req, self.buf = req, buf
+
+    @property
+    def completed(self) -> bool:
+        return bool(self.req.completed)
+
+    def check_error(self) -> None:
+        self.req.check_error()
+
+
+class _Ep:
+    """An endpoint that is never used after it is closed: every call takes the worker's
+    lock and checks, so a thread racing a close gets ConnectionLost, not a dead handle."""
+
+    __slots__ = ("worker", "ep", "closed")
+
+    def __init__(self, worker: _Worker, ep: Any) -> None:
+        self.worker, self.ep, self.closed = worker, ep, False
+
+    def send(self, buf: Any, tag: int) -> _Held:
+        with self.worker.lock:
+            if self.closed:
+                raise ConnectionLost("connection closed")
+            return _Held(self.ep.tag_send(Array(buf), _ucx.UCXXTag(tag)), buf)
+
+    def recv(self, view: Any, tag: int) -> _Held:
+        with self.worker.lock:
+            if self.closed:
+                raise ConnectionLost("connection closed")
+            return _Held(self.ep.tag_recv(Array(view), _ucx.UCXXTag(tag)), view)
+
+    def close(self) -> None:
+        with self.worker.lock:
+            if self.closed:
+                return
+            self.closed = True
+            try:
+                self.ep.close()
+            except Exception as exc:   # closing a connection whose peer is gone
+                log.debug("endpoint close: %s", exc)
+
+
+def _wait_reqs(worker: _Worker, reqs: Sequence[Any], deadline_s: float, what: str,
+               alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+               nudge: Optional[Callable[[], None]] = None) -> None:
+    worker.wait(lambda: all(r.completed for r in reqs), deadline_s, what, alive, fds, nudge)
+    for r in reqs:
+        _check(r, what)
+
+
+def _check(req: Any, what: str) -> None:
+    try:
+        req.check_error()
+    except _ucx.UCXMessageTruncatedError:
+        raise ProtocolError(f"{what}: message larger than expected") from None
+    except _ucx.UCXCanceledError:
+        raise ConnectionLost(f"{what}: cancelled (connection closed)") from None
+    except _ucx.UCXError as exc:
+        raise ConnectionLost(f"{what}: {type(exc).__name__}: {exc}") from None
+
+
+def _recv_probed(worker: _Worker, tag: int, limit: int, deadline_s: float, what: str,
+                 alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+                 nudge: Optional[Callable[[], None]] = None) -> bytes:
+    """Wait for the message tagged ``tag`` and receive it whole (at most ``limit`` bytes:
+    a longer one is received truncated, i.e. dropped, and refused)."""
+    utag = _ucx.UCXXTag(tag)
+    box: list[Any] = []
+
+    def probe() -> bool:
+        with worker.lock:
+            pr = worker.w.tag_probe(utag, _ucx.UCXXTagMaskFull, True)
+        if pr.matched:
+            box.append(pr)
+        return bool(box)
+    worker.wait(probe, deadline_s, what, alive, fds, nudge)
+    pr = box[0]
+    ok = 0 < pr.length <= limit
+    buf = bytearray(pr.length if ok else 1)
+    with worker.lock:
+        req = worker.w.tag_recv_with_handle(Array(buf), pr)
+    worker.wait(lambda: req.completed, deadline_s, what, alive, fds, nudge)
+    if not ok:
+        raise ProtocolError(f"{what}: message of {pr.length} bytes (at most {limit})")
+    _check(req, what)
+    return bytes(buf)
+
+
+# -- the canonical byte stream in chunks ------------------------------------------------------
+class _Stream:
+    """Spans cut into CHUNK-sized pieces of the canonical byte stream. A piece inside one
+    contiguous run moves directly from/to pool memory; others through a bounce buffer."""
+
+    def __init__(self, spans: Spans) -> None:
+        self.spans = spans
+        self.nbytes = spans.nbytes
+        self.host = spans.pool.is_host
+        if self.host:
+            self.views = [v for v in spans.views() if len(v)]
+            self.runs = [r for r in spans.runs() if r[1]]
+        else:   # a device pool: staged whole through host memory (see the README)
+            self.bounce = torch.empty(self.nbytes, dtype=torch.uint8)
+            self.views = [memoryview(self.bounce.numpy())] if self.nbytes else []  # type: ignore[arg-type]
+            self.runs = [(self.bounce.data_ptr(), self.nbytes)] if self.nbytes else []
+        self.starts: list[int] = []
+        pos = 0
+        for _, n in self.runs:
+            self.starts.append(pos)
+            pos += n
+
+    def stage_out(self) -> None:
+        if not self.host and self.nbytes:
+            copy_slices([self.bounce], device_slices(self.spans))
+
+    def stage_in(self) -> None:
+        if not self.host and self.nbytes:
+            copy_slices(device_slices(self.spans), [self.bounce])
+
+    def pieces(self) -> int:
+        return (self.nbytes + CHUNK - 1) // CHUNK
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        a = k * CHUNK
+        return a, min(self.nbytes, a + CHUNK)
+
+    def _locate(self, pos: int) -> int:
+        import bisect
+        return bisect.bisect_right(self.starts, pos) - 1
+
+    def direct(self, a: int, b: int) -> Optional[memoryview]:
+        i = self._locate(a)
+        off = a - self.starts[i]
+        if off + (b - a) <= self.runs[i][1]:
+            return self.views[i][off:off + (b - a)]
+        return None
+
+    def subruns(self, a: int, b: int) -> list[tuple[int, int]]:
+        out = []
+        i = self._locate(a)
+        pos = a
+        while pos < b:
+            addr, n = self.runs[i]
+            off = pos - self.starts[i]
+            k = min(n - off, b - pos)
+            out.append((addr + off, k))
+            pos += k
+            i += 1
+        return out
+
+    def gather(self, a: int, b: int, buf: bytearray) -> memoryview:
+        dst = _addr(buf)
+        for addr, n in self.subruns(a, b):
+            ctypes.memmove(dst, addr, n)
+            dst += n
+        return memoryview(buf)[:b - a]
+
+    def scatter(self, a: int, b: int, buf: bytearray) -> None:
+        src = _addr(buf)
+        for addr, n in self.subruns(a, b):
+            ctypes.memmove(addr, src, n)
+            src += n
+
+    def landed(self, upto: int) -> None:
+        if self.host:
+            self.spans.landed(upto)
+
+
+def _addr(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s: float, what: str,
+                 alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+                 nudge: Optional[Callable[[], None]] = None) -> None:
+    """Send the stream as DATA messages, WINDOW in flight."""
+    inflight: list[Any] = []
+    bounces: list[bytearray] = []
+    for k in range(stream.pieces()):
+        a, b = stream.bounds(k)
+        view = stream.direct(a, b)
+        if view is None:
+            buf = bounces.pop() if bounces else bytearray(CHUNK)
+            view = stream.gather(a, b, buf)
+        else:
+            buf = None
+        inflight.append((ep.send(view, tag), buf))
+        if len(inflight) >= WINDOW:
+            r, used = inflight.pop(0)
+            _wait_reqs(worker, [r], deadline_s, what, alive, fds, nudge)
+            if used is not None:
+                bounces.append(used)
+    _wait_reqs(worker, [r for r, _ in inflight], deadline_s, what, alive, fds, nudge)
+
+
+def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream: _Stream, deadline_s: float,
+                 what: str, alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
+                 nudge: Optional[Callable[[], None]] = None) -> int:
+    """Receive the stream's DATA messages (``post(view, tag)`` posts one receive), WINDOW
+    posted ahead; calls ``landed`` in order. On any failure every posted receive has
+    completed (or the caller closes the endpoint) before the error propagates; the
+    messages not received yet are drained into a scratch buffer so the peer's sends end."""
+    n = stream.pieces()
+    posted: list[tuple[Any, Optional[bytearray], int, int]] = []
+    bounces: list[bytearray] = []
+    nxt = 0
+
+    def post_next() -> None:
+        nonlocal nxt
+        a, b = stream.bounds(nxt)
+        view = stream.direct(a, b)
+        buf = None
+        if view is None:
+            buf = bounces.pop() if bounces else bytearray(CHUNK)
+            view = memoryview(buf)[:b - a]
+        posted.append((post(view, nxt), buf, a, b))
+        nxt += 1
+
+    try:
+        while nxt < n and len(posted) < WINDOW:
+            post_next()
+        while posted:
+            req, buf, a, b = posted[0]
+            _wait_reqs(worker, [req], deadline_s, what, alive, fds, nudge)
+            posted.pop(0)
+            if buf is not None:
+                stream.scatter(a, b, buf)
+                bounces.append(buf)
+            stream.landed(b)
+            if nxt < n:
+                post_next()
+    except BaseException:
+        # let what is posted finish (it may land; the grant/fetch still owns the memory), then
+        # drain the rest into scratch so the peer's sends complete
+        try:
+            if posted:
+                worker.wait(lambda: all(r.completed for r, *_ in posted), min(deadline_s, 5.0), what, alive, fds)
+            scratch = bytearray(CHUNK)
+            while nxt < n:
+                a, b = stream.bounds(nxt)
+                r = post(memoryview(scratch)[:b - a], nxt)
+                nxt += 1
+                worker.wait(lambda: r.completed, min(deadline_s, 5.0), what, alive, fds)
+        except KVBridgeError:
+            pass
+        raise
+    return stream.nbytes
+
+
+# -- server -------------------------------------------------------------------------------------
