@@ -16,6 +16,7 @@ a receiver hashes a staged transfer's bytes in the host slot they land in
 from __future__ import annotations
 
 import struct
+import weakref
 from typing import Optional, Sequence
 
 import xxhash
@@ -25,11 +26,27 @@ from .pool import KVPool
 __all__ = ["block_checksums", "layer_checksums", "pack_sums", "unpack_sums", "StreamVerifier"]
 
 
+_PLANS: "weakref.WeakKeyDictionary[KVPool, dict[tuple[int, int], list[tuple[memoryview, int, int]]]]" = \
+    weakref.WeakKeyDictionary()
+
+
 def _plan(pool: KVPool, layers: range) -> list[tuple[memoryview, int, int]]:
+    """(buffer view, base, stride) per (layer, part) of ``layers``: made once per pool and range
+    (a pool's buffers never move), so a small fetch's checksum costs its hashing only."""
+    key = (layers.start, layers.stop)
+    try:
+        return _PLANS[pool][key]
+    except KeyError:
+        pass
     L = pool.layout
     views = pool.host_views()
-    return [(views[L.buffer_index(layer, part)], *L.part_base_stride(part, pool.num_blocks))
+    plan = [(views[L.buffer_index(layer, part)], *L.part_base_stride(part, pool.num_blocks))
             for layer in layers for part in range(L.num_parts)]
+    try:
+        _PLANS.setdefault(pool, {})[key] = plan
+    except TypeError:           # a pool-like object that cannot be weakly referenced: no cache
+        pass
+    return plan
 
 
 def _staged_checksums(pool: KVPool, block_ids: Sequence[int], layers: range, per_layer: bool) -> list[int]:
@@ -138,6 +155,22 @@ class StreamVerifier:
         off = base + self.ids[k] * stride
         self._hasher(i).update(view[off + lo:off + hi])
 
+    def _feed_whole(self, i: int, end: int) -> None:
+        """Hash whole parts ``i..end-1``: the common case, one C call per part, plane by plane
+        with the per-plane lookups hoisted out of the loop."""
+        n, nb, ids, hashers, planes = self.part, self.nb, self.ids, self.hashers, self.planes
+        per_layer, nparts = self.per_layer, self.nparts
+        while i < end:
+            j, k0 = divmod(i, nb)
+            view, base, stride = planes[j]
+            assert view is not None
+            k1 = min(nb, k0 + end - i)
+            first = (j // nparts) * nb if per_layer else 0
+            for k in range(k0, k1):
+                off = base + ids[k] * stride
+                hashers[first + k].update(view[off:off + n])
+            i += k1 - k0
+
     def consume(self, data: memoryview) -> None:
         """Hash ``data`` as the next bytes of the stream (e.g. a staging slot as it lands)."""
         n, pos, end = self.part, self._done, min(self._done + len(data), self.total)
@@ -165,9 +198,9 @@ class StreamVerifier:
             if done == (i + 1) * n:
                 i += 1
         whole = upto // n
-        while i < whole:                       # the common case: whole parts, one C call each
-            self._feed(i, 0, n)
-            i += 1
+        if i < whole:
+            self._feed_whole(i, whole)
+            i = whole
         done = max(done, i * n)
         if done < upto:                        # the start of a part still landing
             self._feed(i, 0, upto - i * n)

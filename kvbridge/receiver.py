@@ -54,6 +54,10 @@ __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 
 log = logging.getLogger("kvbridge.receiver")
 HandleLike = Union[KVHandle, bytes, dict[str, Any]]
+# Transfers up to this many bytes are hashed once they have landed (still in cache), not as
+# they land: for a few blocks, following the stream costs more than the hashing (host pools;
+# a device pool is hashed in the host slot its bytes pass through, never read back).
+HASH_AFTER = 256 << 10
 
 
 @dataclass
@@ -217,7 +221,7 @@ class KVReceiver:
     def _spans(self, j: _Job, t: Optional[Transfer] = None) -> Spans:
         """Destination memory; with verification on, hashed as it lands."""
         spans = Spans.of_blocks(self.pool, j.dst)
-        if self.verify and j.h.checksums:
+        if self.verify and j.h.checksums and (spans.nbytes > HASH_AFTER or not self.pool.is_host):
             spans.verifier = StreamVerifier(self.pool, j.dst)
         if t is not None:
             spans.cancel = t.cancel_event
@@ -399,11 +403,13 @@ class KVReceiver:
                     log.warning("abort of lease %s failed: %s", h.lease_id, exc)
         else:
             res.ok = True
-            self.stats.add(ok=1, bytes=res.nbytes)
             if j.release and c is None:
                 self.release(h, wait=False)
         res.seconds = time.perf_counter() - j.t0
-        self.stats.add(seconds=res.seconds)
+        if res.ok:
+            self.stats.add(ok=1, bytes=res.nbytes, seconds=res.seconds)
+        else:
+            self.stats.add(seconds=res.seconds)
         return res
 
     # -- public faces of the pipeline ------------------------------------------------------
