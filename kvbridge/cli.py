@@ -175,10 +175,8 @@ def _run_worker(a: argparse.Namespace) -> int:
 
 
 def _run_proxy(a: argparse.Namespace) -> int:
-    import signal
-    import threading
-
     from .workers.proxy import Proxy, ProxyConfig
+    from .workers.signals import StopSignals
     from .workers.tokenizer import load_tokenizer
 
     proxy = Proxy(ProxyConfig(prefill=a.prefill, decode=a.decode, colocated=a.colocated, routing=a.routing,
@@ -188,10 +186,7 @@ def _run_proxy(a: argparse.Namespace) -> int:
                   tokenizer=load_tokenizer(a.model if os.path.isdir(a.model) else None))
     server = proxy.serve(a.host, a.port)
     print(json.dumps({"event": "ready", "role": "proxy", "url": server.url, "pid": os.getpid()}), flush=True)
-    stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda *_: stop.set())
-    stop.wait()
+    StopSignals().wait()
     proxy.close()
     return 0
 

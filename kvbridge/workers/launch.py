@@ -34,6 +34,7 @@ from ..errors import ConfigError
 from ..lease import EmbeddedRedis
 from .proxy import Proxy, ProxyConfig
 from .http import bind_socket, get_json
+from .signals import StopSignals
 from .model import PRESETS
 from .server import die_with_parent
 from .tokenizer import load_tokenizer
@@ -268,8 +269,7 @@ class Cluster:
         A dead worker is not restarted: the proxy routes around it (decode) or answers with a
         clear error (prefill, colocated), and ``/health`` says ``degraded``.
         """
-        stop = threading.Event()
-        prev = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        stop = StopSignals((signal.SIGINT, signal.SIGTERM, signal.SIGHUP))
         last = ""
         reported: set[int] = set()
         next_progress = time.monotonic() + interval
@@ -288,8 +288,7 @@ class Cluster:
                         self._say(line)
                         last = line
         finally:
-            for s, h in prev.items():
-                signal.signal(s, h)
+            stop.restore()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the proxy, then the workers (SIGTERM, then SIGKILL), then the lease server."""

@@ -32,6 +32,7 @@ from ..pool import KVPool
 from .engine import Engine, Request, RequestState, Scheduler
 from .http import MAX_WORKER_BODY, BodyError, HTTPServer, bind_socket, error_body, read_json
 from .model import PRESETS, CausalLM, load_hf_checkpoint
+from .signals import StopSignals
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = ["EngineLoop", "RequestWatch", "AsyncWatch", "WorkerConfig", "EngineWorker", "load_model", "status_for",
@@ -455,9 +456,7 @@ class EngineWorker:
 
 def run_until_signal(worker: Any, host: str, port: int, parent_pid: Optional[int] = None) -> int:
     """Serve ``worker`` until SIGINT/SIGTERM (or the parent process dies); print one ready line."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = StopSignals()
     try:
         server = worker.serve(host, port)
     except BaseException:
