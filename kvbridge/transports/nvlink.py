@@ -33,14 +33,12 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
-import secrets
 import socket
 import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
-from urllib.parse import urlsplit
 
 import torch
 
@@ -50,7 +48,7 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Server, Spans
 from .shm import ShmServer, ShmTransport
-from .sockets import SocketClient, connector
+from .shm import _path_of as shm_path_of
 from .staging import Piece, copy_pieces, flat_buffers
 from .wire import FENCE, Kind, decode_layers, decode_request, encode_layers, encode_request, pack
 
@@ -130,14 +128,7 @@ def _stream(device: int) -> int:
 
 
 def _path_of(url: str) -> str:
-    u = urlsplit(url)
-    if u.scheme != "nvlink":
-        raise ConfigError(f"expected nvlink:///path/to/control.sock or nvlink://@name, got {url!r}")
-    if u.netloc.startswith("@"):
-        if len(u.netloc) < 2:
-            raise ConfigError(f"empty abstract socket name in {url!r}")
-        return "\0" + u.netloc[1:]
-    return u.path
+    return shm_path_of(url, "nvlink")
 
 
 def check_pool(pool: Any) -> None:
@@ -241,6 +232,10 @@ class NVLinkServer(ShmServer):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.exports = _Exports()
+
+    def close(self) -> None:
+        super().close()
+        self.exports.close()
 
     def _body(self, grant: Any, layers: tuple[int, int], sums: bytes) -> bytes:
         spans: Spans = grant.spans
@@ -348,6 +343,7 @@ class NVLinkTransport(ShmTransport):
     """CUDA IPC between processes on one host (and direct copies within one process)."""
 
     scheme = "nvlink"
+    server_class = NVLinkServer
     claims_on_read = True
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
@@ -362,36 +358,7 @@ class NVLinkTransport(ShmTransport):
         pool = getattr(source, "pool", None)
         if pool is not None:
             check_pool(pool)
-        path = _path_of(url) or f"\0kvb-nv-{os.getpid()}-{secrets.token_hex(6)}"
-        lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            lst.bind(path)
-            lst.listen(128)
-        except OSError as exc:
-            lst.close()
-            raise ConfigError(f"cannot listen on {path!r}: {exc}") from None
-        abstract = path.startswith("\0")
-        srv = NVLinkServer(lst, f"nvlink://@{path[1:]}" if abstract else f"nvlink://{path}", source, timeout)
-        close = srv.close
-
-        def close_all() -> None:
-            close()
-            srv.exports.close()
-            if not abstract:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-        srv.close = close_all  # type: ignore[method-assign]
-        return srv
-
-    def _client(self, url: str) -> SocketClient:
-        path = _path_of(url)
-        with self._lock:
-            c = self._clients.get(path)
-            if c is None:
-                c = self._clients[path] = SocketClient(connector(socket.AF_UNIX, path, url), self.timeout)
-        return c
+        return super().serve(url, source, timeout)
 
     def _runs(self, body: bytes, pos: int, writable: bool) -> tuple[Any, list[tuple[int, int]]]:
         return _parse_mapped(body, pos)

@@ -54,12 +54,12 @@ _RUN = struct.Struct("!QQ")
 MAX_MAPPED = 16
 
 
-def _path_of(url: str) -> str:
+def _path_of(url: str, scheme: str = "shm") -> str:
     """The control socket's address: ``shm:///path.sock`` a file, ``shm://@name`` Linux's
     abstract namespace (no file, nothing left behind by a killed process)."""
     u = urlsplit(url)
-    if u.scheme != "shm":
-        raise ConfigError(f"expected shm:///path/to/control.sock or shm://@name, got {url!r}")
+    if u.scheme != scheme:
+        raise ConfigError(f"expected {scheme}:///path/to/control.sock or {scheme}://@name, got {url!r}")
     if u.netloc.startswith("@"):
         if len(u.netloc) < 2:
             raise ConfigError(f"empty abstract socket name in {url!r}")
@@ -204,6 +204,7 @@ def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]
 
 class ShmTransport(Transport):
     scheme = "shm"
+    server_class: type[ShmServer] = ShmServer
     # One-sided reads carry no message to claim in: the receiver claims in the lease store itself.
     claims_on_read = not ONE_SIDED
 
@@ -218,7 +219,7 @@ class ShmTransport(Transport):
 
     @classmethod
     def serve(cls, url: str, source: Any, timeout: Timeout = Timeout()) -> Server:
-        path = _path_of(url) or f"\0kvb-{os.getpid()}-{secrets.token_hex(6)}"   # default: abstract, no file
+        path = _path_of(url, cls.scheme) or f"\0kvb-{cls.scheme}-{os.getpid()}-{secrets.token_hex(6)}"  # abstract
         lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             lst.bind(path)
@@ -227,7 +228,8 @@ class ShmTransport(Transport):
             lst.close()
             raise ConfigError(f"cannot listen on {path!r}: {exc}") from None
         abstract = path.startswith("\0")
-        srv = ShmServer(lst, f"shm://@{path[1:]}" if abstract else f"shm://{path}", source, timeout)
+        srv = cls.server_class(lst, f"{cls.scheme}://@{path[1:]}" if abstract else f"{cls.scheme}://{path}", source,
+                               timeout)
         close = srv.close
 
         def close_and_unlink() -> None:
@@ -241,7 +243,7 @@ class ShmTransport(Transport):
         return srv
 
     def _client(self, url: str) -> SocketClient:
-        path = _path_of(url)
+        path = _path_of(url, self.scheme)
         with self._lock:
             c = self._clients.get(path)
             if c is None:
