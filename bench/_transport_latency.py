@@ -66,8 +66,6 @@ class LatencyRuns:
         client = PlainClient(info["plain_port"])
         rv, rnv = KVReceiver(pool), KVReceiver(pool, verify=False)
         url = info["url"]
-        n_it = self.lat_iters
-        chunk = 10
         try:
             long_h = self._handles(case, 1)[0]
             spans = Spans.of_blocks(pool, case.dst_ids)
@@ -99,49 +97,8 @@ class LatencyRuns:
                 "tcp fetch(release=False), verify=False": fetch_keep_nv,
                 "tcp fetch (with release), verify": fetch_release,
             }
-            names = list(variants)
-            # warm-up
-            for name in names:
-                hs = self._handles(case, 50) if name.endswith("(with release), verify") else [None] * 50
-                for h in hs:
-                    variants[name](h)
-            samples: dict[str, list[list[int]]] = {n: [] for n in names}
-            for rep in range(self.lat_reps):
-                fresh = iter(self._handles(case, n_it))
-                per: dict[str, list[int]] = {n: [] for n in names}
-                gc.collect()
-                for start in range(0, n_it, chunk):
-                    k = min(chunk, n_it - start)
-                    rot = (start // chunk + rep) % len(names)
-                    for name in names[rot:] + names[:rot]:
-                        fn = variants[name]
-                        out = per[name]
-                        for _ in range(k):
-                            arg = next(fresh) if fn is fetch_release else None
-                            t0 = time.perf_counter_ns()
-                            fn(arg)
-                            out.append(time.perf_counter_ns() - t0)
-                for n in names:
-                    samples[n].append(per[n])
-                log(f"  latency rep {rep + 1}/{self.lat_reps}: " + ", ".join(
-                        f"{n} {statistics.median(per[n]) / 1e3:.1f} us" for n in names))
-            base = [statistics.median(x) for x in samples[names[0]]]
-            for n in names:
-                meds = [statistics.median(x) for x in samples[n]]
-                ratios = [m / b for m, b in zip(meds, base)]
-                target = None if n == names[0] else LATENCY_TARGET
-                rs = summarize(ratios)
-                self.latency_results.append({
-                    "case": n, "nbytes": 4096, "iters_per_rep": n_it, "reps": self.lat_reps,
-                    "baseline": "plain ping-pong",
-                    "median_us_per_rep": [m / 1e3 for m in meds],
-                    "median_us": summarize([m / 1e3 for m in meds]),
-                    "all_samples_median_us": statistics.median([v for x in samples[n] for v in x]) / 1e3,
-                    "p99_us": sorted(v for x in samples[n] for v in x)[int(0.99 * n_it * self.lat_reps) - 1] / 1e3,
-                    "ratio_vs_pingpong": rs, "ratios": ratios, "target": target,
-                    "pass": None if target is None else rs["median"] <= target,
-                    "samples_ns": samples[n],
-                })
+            self._latency_rounds(case, variants, "tcp fetch (with release), verify", LATENCY_TARGET,
+                                 "plain ping-pong", pinned=None)
             self._check_dst(pool, case, long_h)
         finally:
             client.close()
@@ -234,7 +191,10 @@ class LatencyRuns:
             pool.close()
 
     def _latency_rounds(self, case: Case, variants: dict[str, Callable[[Any], None]], fresh_name: str,
-                        target_ratio: Optional[float], base_name: str) -> None:
+                        target_ratio: Optional[float], base_name: str, pinned: Optional[bool] = False) -> None:
+        """Interleave ``variants`` in chunks of 10 calls, rotating the order; the first is the
+        baseline. ``fresh_name`` takes a fresh handle per call. ``pinned=None``: the caller
+        records whether the processes were pinned."""
         names = list(variants)
         n_it, chunk = self.lat_iters, 10
         for name in names:
@@ -277,8 +237,8 @@ class LatencyRuns:
                 "p99_us": sorted(v for x in samples[n] for v in x)[int(0.99 * n_it * self.lat_reps) - 1] / 1e3,
                 "ratio_vs_pingpong": rs, "ratios": ratios, "target": target,
                 "pass": None if target is None else rs["median"] <= target,
-                "pinned_to_one_core": False, "is_base": n == names[0],
-                "samples_ns": samples[n],
+                "is_base": n == names[0], "samples_ns": samples[n],
+                **({} if pinned is None else {"pinned_to_one_core": pinned}),
             })
         peer = next((n for n in names if n.startswith("NIXL")), None)
         if peer is not None:                       # kvbridge vs NIXL, paired per repetition
