@@ -33,7 +33,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import os
-import socket
 import struct
 import threading
 from collections import OrderedDict
@@ -42,7 +41,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..errors import BackendUnavailable, ConfigError, KVBridgeError, ProtocolError, StaleHandle
+from ..errors import BackendUnavailable, ConfigError, ProtocolError, StaleHandle
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
@@ -50,7 +49,7 @@ from .base import Server, Spans
 from .shm import ShmServer, ShmTransport
 from .shm import _path_of as shm_path_of
 from .staging import Piece, copy_pieces, flat_buffers
-from .wire import FENCE, Kind, decode_layers, decode_request, encode_layers, encode_request, pack
+from .wire import FENCE, Kind, decode_layers, encode_layers, encode_request
 
 __all__ = ["NVLinkTransport", "cupy_or_error"]
 
@@ -237,7 +236,7 @@ class NVLinkServer(ShmServer):
         super().close()
         self.exports.close()
 
-    def _body(self, grant: Any, layers: tuple[int, int], sums: bytes) -> bytes:
+    def _body(self, grant: Any, layers: tuple[int, int], sums: bytes, what: str = "") -> bytes:
         spans: Spans = grant.spans
         pool = spans.pool
         check_pool(pool)
@@ -256,30 +255,6 @@ class NVLinkServer(ShmServer):
         body.append(struct.pack("!I", len(spans.segments)))
         body += [_RUN.pack(bases[b] + o, n) for b, o, n in spans.segments]
         return b"".join(body)
-
-    def handle(self, conn: socket.socket, reader: Any, kind: Kind, req_id: int, payload: bytes) -> bool:
-        if kind not in (Kind.MAP, Kind.WMAP):
-            return super().handle(conn, reader, kind, req_id, payload)   # DONE / WDONE and the rest: shm's
-        grant: Any = None
-        try:
-            req = decode_request(payload)
-            if kind is Kind.MAP:
-                grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
-                layers = grant.layers if req.layers is not None else (0, 0)
-                body = self._body(grant, layers, grant.sums if req.layers is not None else b"")
-            else:
-                if req.layers is None:
-                    raise ProtocolError("WMAP frame names no layers")
-                grant = self.sink.open_write(req.ticket, req.layers, req.claim)
-                body = self._body(grant, grant.layers, b"")
-        except KVBridgeError as exc:
-            if grant is not None:
-                grant.close()
-            self._reply_error(conn, req_id, exc)
-            return True
-        self._hold(conn, req_id, grant)
-        conn.sendall(pack(Kind.MAPPED, req_id, body))
-        return True
 
 
 @dataclass

@@ -131,6 +131,10 @@ class ShmServer(SocketServer):
         with self._glock:
             return self._open.get(conn, {}).pop(req_id, None)
 
+    def _body(self, grant: Any, layers: tuple[int, int], sums: bytes, what: str) -> bytes:
+        """A MAPPED reply's body: where the granted blocks are (the segment and its runs)."""
+        return _mapped_body(grant, layers, sums, what)
+
     def handle(self, conn: socket.socket, reader: FrameReader, kind: Kind, req_id: int, payload: bytes) -> bool:
         if kind is Kind.OPEN:
             if self.table is None:
@@ -153,12 +157,12 @@ class ShmServer(SocketServer):
                 if kind is Kind.MAP:
                     grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
                     layers = grant.layers if req.layers is not None else (0, 0)
-                    body = _mapped_body(grant, layers, grant.sums if req.layers is not None else b"", "sender")
+                    body = self._body(grant, layers, grant.sums if req.layers is not None else b"", "sender")
                 else:
                     if req.layers is None:
                         raise ProtocolError("WMAP frame names no layers")
                     grant = self.sink.open_write(req.ticket, req.layers, req.claim)
-                    body = _mapped_body(grant, grant.layers, b"", "receiver")
+                    body = self._body(grant, grant.layers, b"", "receiver")
             except KVBridgeError as exc:
                 if grant is not None:
                     grant.close()
