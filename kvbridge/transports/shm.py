@@ -34,7 +34,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle
+from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
@@ -292,6 +292,9 @@ class ShmTransport(Transport):
             if k is not Kind.ERROR:
                 sock.close()
             raise exc from None
+        except RuntimeError as exc:    # the copy itself failed (torch, CUDA): closing ends the grant
+            sock.close()
+            raise PoolError(f"{what}: the copy failed: {exc}") from exc
         except BaseException as exc:
             sock.close()
             raise map_os_error(exc, what) from None
