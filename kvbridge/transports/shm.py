@@ -151,7 +151,7 @@ class ShmServer(SocketServer):
             conn.sendall(pack(Kind.MAPPED, req_id, open_info(self.source.pool, self.table)))  # type: ignore[attr-defined]
             return True
         if kind in (Kind.MAP, Kind.WMAP):
-            grant = None
+            grant: Any = None
             try:
                 req = decode_request(payload)
                 if kind is Kind.MAP:
@@ -441,8 +441,9 @@ class ShmTransport(Transport):
             seg, runs = self._runs(body, FENCE.size + used, False)
             dst = spans_for(lo, hi, sum(n for _, n in runs))
             return Chunk(lo, hi, sums, self._copy_in(dst, seg, runs), got), b""
-        return self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
-                              move, Kind.DONE, f"map layers of {url}")  # type: ignore[no-any-return]
+        chunk: Chunk = self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
+                                      move, Kind.DONE, f"map layers of {url}")
+        return chunk
 
     def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
               sums: bytes, last: bool) -> int:

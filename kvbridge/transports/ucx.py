@@ -71,7 +71,7 @@ from .ucx_core import (DONE_BIT, HELLO, INLINE, OP_PING,
                        _Stream, _Worker, _live, _recv_probed,
                        _recv_stream, _send_stream, _tag, _wait_reqs, _wants_layers, parse_ucx_url)  # noqa: F401
 from .ucx_server import UCXServer, _Client  # noqa: F401
-from .ucx_core import SPIN, _ucx  # noqa: F401  (tests and benches use them)
+from .ucx_core import SPIN  # noqa: F401  (benches wait as kvbridge does)
 
 __all__ = ["UCXTransport", "UCXServer", "parse_ucx_url"]
 
