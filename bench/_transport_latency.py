@@ -26,6 +26,22 @@ from bench._transport_cases import (
 from bench._transport_peers import NixlPair, PlainClient, SenderProc, _pin_all
 
 
+
+def kvbridge_variants(name: str, rv: Any, rnv: Any, tr: Any, url: str, handle: Any, spans: Any,
+                      dst: list[int]) -> dict[str, Callable[[Any], None]]:
+    """The four kvbridge rows of a 4 KiB latency run over transport ``name``: the read alone,
+    fetches kept (verified and not) of one long-lived handle, and a fetch with release of a
+    fresh handle (the argument). A failed fetch stops the run."""
+    def ok(res: Any) -> None:
+        if not res.ok:
+            raise RuntimeError(f"fetch failed: {res.error!r}")
+    return {
+        f"{name} read only (transport.read)": lambda _: tr.read(url, handle, spans),
+        f"{name} fetch(release=False), verify": lambda _: ok(rv.fetch(handle, dst, release=False)),
+        f"{name} fetch(release=False), verify=False": lambda _: ok(rnv.fetch(handle, dst, release=False)),
+        f"{name} fetch (with release), verify": lambda h: ok(rv.fetch(h, dst)),
+    }
+
 class LatencyRuns:
     """The latency sections; :class:`bench.transport.Bench` supplies the plumbing
     (``_setup``, ``_handles``, ``_recv_pool``, ``_check_dst``, ``_ucx_client``) and the settings."""
@@ -72,30 +88,9 @@ class LatencyRuns:
             tr = rv.transport(url)
             dst = case.dst_ids
 
-            def ping(_: Any) -> None:
-                client.fetch(plain_view, 4096)
-
-            def read(_: Any) -> None:
-                tr.read(url, long_h, spans)
-
-            def fetch_keep(_: Any) -> None:
-                if not rv.fetch(long_h, dst, release=False).ok:
-                    raise RuntimeError("fetch failed")
-
-            def fetch_keep_nv(_: Any) -> None:
-                if not rnv.fetch(long_h, dst, release=False).ok:
-                    raise RuntimeError("fetch failed")
-
-            def fetch_release(h: Any) -> None:
-                if not rv.fetch(h, dst).ok:
-                    raise RuntimeError("fetch failed")
-
             variants: dict[str, Callable[[Any], None]] = {
-                "plain 4 KiB ping-pong": ping,
-                "tcp read only (transport.read)": read,
-                "tcp fetch(release=False), verify": fetch_keep,
-                "tcp fetch(release=False), verify=False": fetch_keep_nv,
-                "tcp fetch (with release), verify": fetch_release,
+                "plain 4 KiB ping-pong": lambda _: client.fetch(plain_view, 4096),
+                **kvbridge_variants("tcp", rv, rnv, tr, url, long_h, spans, dst),
             }
             self._latency_rounds(case, variants, "tcp fetch (with release), verify", LATENCY_TARGET,
                                  "plain ping-pong", pinned=None)
@@ -124,15 +119,9 @@ class LatencyRuns:
             tr = rv.transport(url)
             dst = case.dst_ids
 
-            def fetch_release(h: Any) -> None:
-                if not rv.fetch(h, dst).ok:
-                    raise RuntimeError("fetch failed")
             variants: dict[str, Callable[[Any], None]] = {
                 "bare ucxx 4 KiB ping-pong": lambda _: client.fetch(bare_view, 4096),
-                "ucx read only (transport.read)": lambda _: tr.read(url, long_h, spans),
-                "ucx fetch(release=False), verify": lambda _: rv.fetch(long_h, dst, release=False),
-                "ucx fetch(release=False), verify=False": lambda _: rnv.fetch(long_h, dst, release=False),
-                "ucx fetch (with release), verify": fetch_release,
+                **kvbridge_variants("ucx", rv, rnv, tr, url, long_h, spans, dst),
             }
             nixl = None
             if self.nixl:
@@ -168,15 +157,9 @@ class LatencyRuns:
             tr = rv.transport(url)
             dst = case.dst_ids
 
-            def fetch_release(h: Any) -> None:
-                if not rv.fetch(h, dst).ok:
-                    raise RuntimeError("fetch failed")
             variants: dict[str, Callable[[Any], None]] = {
                 "memcpy 4 KiB": lambda _: memcpy(dst_buf, src, 4096),
-                "shm read only (transport.read)": lambda _: tr.read(url, long_h, spans),
-                "shm fetch(release=False), verify": lambda _: rv.fetch(long_h, dst, release=False),
-                "shm fetch(release=False), verify=False": lambda _: rnv.fetch(long_h, dst, release=False),
-                "shm fetch (with release), verify": fetch_release,
+                **kvbridge_variants("shm", rv, rnv, tr, url, long_h, spans, dst),
             }
             if nixl is not None:
                 n = nixl
