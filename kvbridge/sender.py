@@ -107,7 +107,7 @@ class KVSender:
         self._by_block: dict[int, Record] = {}   # engine pools: which live handle pins a block
         self._pending: list[Record] = []
         self._lock = threading.Condition()
-        self._ready_cv = threading.Condition(self._lock)
+        self._ready_cv = threading.Condition(self._lock)  # type: ignore[arg-type]  # one lock, two conditions
         self.stats = SenderStats()
         self.owner = owner or f"sender-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.clock_margin = clock_margin

@@ -242,8 +242,12 @@ class Transfer:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 
+        def settle() -> None:
+            if not fut.done():
+                fut.set_result(None)
+
         def wake(_: "Transfer") -> None:
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(None))
+            loop.call_soon_threadsafe(settle)
         self.add_done_callback(wake)
         try:
             yield from fut.__await__()

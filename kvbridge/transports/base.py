@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence, Union
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, TransferCancelled
 from ..handle import KVHandle
@@ -287,8 +287,9 @@ class Transport(abc.ABC):
 
     @classmethod
     @abc.abstractmethod
-    def serve(cls, url: str, source: BlockSource, timeout: Timeout = Timeout()) -> Server:
-        """Start serving ``source`` at ``url`` (port 0 picks a free port); returns the server."""
+    def serve(cls, url: str, source: Union[BlockSource, BlockSink], timeout: Timeout = Timeout()) -> Server:
+        """Start serving ``source`` at ``url`` (port 0 picks a free port): a sender (reads), a
+        receiver taking pushes (writes), or an endpoint that is both; returns the server."""
 
     @abc.abstractmethod
     def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,

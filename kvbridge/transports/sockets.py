@@ -341,7 +341,7 @@ class SocketServer(Server):
                     reader.read_into(spans.views(), progress)
                 else:                          # a device pool: land in host memory, then copy up
                     bounce = torch.empty(spans.nbytes, dtype=torch.uint8)
-                    reader.read_into([memoryview(bounce.numpy())])
+                    reader.read_into([bounce.numpy().data])
                     copy_slices(device_slices(spans), [bounce])
             except KVBridgeError as exc:      # cancelled mid-write: the rest of the frame is unread
                 self._reply_error(conn, req_id, exc)

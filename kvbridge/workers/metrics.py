@@ -197,7 +197,7 @@ class PromMetrics:
                  buckets: Optional[dict[str, Sequence[int]]] = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
-        disable_created_metrics()  # no *_created series: one family per metric, as scrapers expect
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # no *_created series: one family per metric, as scrapers expect
         self.mode = mode
         self.ttft_slo, self.tpot_slo = ttft_slo, tpot_slo
         self.edges = {"prompt": DEFAULT_PROMPT_BUCKETS, "output": DEFAULT_OUTPUT_BUCKETS, **(buckets or {})}

@@ -236,7 +236,7 @@ class EngineLoop:
             for w in fresh:
                 w.admitted_at = max(t0, w.req.arrival_time or t0)
                 if hasattr(w.listener, "admitted_at"):
-                    w.listener.admitted_at = w.admitted_at  # type: ignore[attr-defined]
+                    w.listener.admitted_at = w.admitted_at
             for r in touched:
                 tw = self._watch.get(r.request_id)
                 if tw is None:
