@@ -42,14 +42,12 @@ from typing import Any, Optional
 import torch
 
 from ..errors import BackendUnavailable, ConfigError, ProtocolError, StaleHandle
-from ..handle import KVHandle
-from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Server, Spans
 from .shm import ShmServer, ShmTransport
 from .shm import _path_of as shm_path_of
 from .staging import Piece, copy_pieces, flat_buffers
-from .wire import FENCE, Kind, decode_layers, encode_layers, encode_request
+from .wire import FENCE, encode_layers
 
 __all__ = ["NVLinkTransport", "cupy_or_error"]
 
@@ -480,19 +478,8 @@ class NVLinkTransport(ShmTransport):
     def _copy_in(self, dst: Spans, m: Any, runs: list[tuple[int, int]]) -> int:  # type: ignore[override]
         return self._move(m, dst.pool, False, list(dst.segments), m.pieces(runs))
 
-    def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
-              sums: bytes, last: bool) -> int:
-        def move(body: bytes) -> tuple[int, bytes]:
-            lo, hi, _, used = decode_layers(body[FENCE.size:], ticket.num_blocks, layers)
-            if (lo, hi) != layers:
-                raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
-            m, runs = _parse_mapped(body, FENCE.size + used)
-            if sum(n for _, n in runs) != src.nbytes:
-                raise ProtocolError(f"receiver mapped {sum(n for _, n in runs)} bytes for {src.nbytes}")
-            n = self._move(m, src.pool, True, list(src.segments), m.pieces(runs))
-            return n, encode_request(b"", last=last, nbytes=0, sums=sums)
-        return int(self._exchange(url, Kind.WMAP, encode_request(ticket.to_bytes(), None, claim, layers), move,
-                                  Kind.WDONE, f"write to {url}"))
+    def _copy_out(self, src: Spans, m: Any, runs: list[tuple[int, int]]) -> int:  # type: ignore[override]
+        return self._move(m, src.pool, True, list(src.segments), m.pieces(runs))
 
     def extra(self, name: str, default: Any = None) -> Any:
         if name == "ipc_mappings":

@@ -445,20 +445,23 @@ class ShmTransport(Transport):
                                       move, Kind.DONE, f"map layers of {url}")
         return chunk
 
+    @staticmethod
+    def _copy_out(src: Spans, seg: SharedSegment, runs: list[tuple[int, int]]) -> int:
+        if src.pool.is_host:
+            return copy_runs([(seg.address + o, k) for o, k in runs], src.runs())
+        whole = seg.tensor()   # a device pool: device-to-host straight into the mapped segment
+        return copy_slices([whole[o:o + k] for o, k in runs], device_slices(src))
+
     def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
               sums: bytes, last: bool) -> int:
         def move(body: bytes) -> tuple[int, bytes]:
             lo, hi, _, used = decode_layers(body[FENCE.size:], ticket.num_blocks, layers)
             if (lo, hi) != layers:
                 raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
-            seg, runs = self._runs(body, FENCE.size + used, True)
-            dst = [(seg.address + o, k) for o, k in runs]
-            if src.pool.is_host:
-                n = copy_runs(dst, src.runs())
-            else:
-                whole = seg.tensor()
-                n = copy_slices([whole[o:o + k] for o, k in runs], device_slices(src))
-            return n, encode_request(b"", last=last, nbytes=0, sums=sums)
+            mapped, runs = self._runs(body, FENCE.size + used, True)
+            if sum(n for _, n in runs) != src.nbytes:
+                raise ProtocolError(f"receiver mapped {sum(n for _, n in runs)} bytes for {src.nbytes}")
+            return self._copy_out(src, mapped, runs), encode_request(b"", last=last, nbytes=0, sums=sums)
         return int(self._exchange(url, Kind.WMAP, encode_request(ticket.to_bytes(), None, claim, layers), move,
                                   Kind.WDONE, f"write to {url}"))
 
