@@ -73,7 +73,6 @@ class LatencyRuns:
 
     def _run_latency(self) -> None:
         from kvbridge.receiver import KVReceiver
-        from kvbridge.transports.base import Spans
         case = contig_case(4 * KiB)
         info = self._setup(case, "tcp", plain=True)
         pool = self._recv_pool(case)
@@ -83,14 +82,10 @@ class LatencyRuns:
         rv, rnv = KVReceiver(pool), KVReceiver(pool, verify=False)
         url = info["url"]
         try:
-            long_h = self._handles(case, 1)[0]
-            spans = Spans.of_blocks(pool, case.dst_ids)
-            tr = rv.transport(url)
-            dst = case.dst_ids
-
+            rows, long_h = self._kvbridge_rows("tcp", case, pool, rv, rnv, url)
             variants: dict[str, Callable[[Any], None]] = {
                 "plain 4 KiB ping-pong": lambda _: client.fetch(plain_view, 4096),
-                **kvbridge_variants("tcp", rv, rnv, tr, url, long_h, spans, dst),
+                **rows,
             }
             self._latency_rounds(case, variants, "tcp fetch (with release), verify", LATENCY_TARGET,
                                  "plain ping-pong", pinned=None)
@@ -104,7 +99,6 @@ class LatencyRuns:
     def run_latency_ucx(self) -> None:
         """4 KiB over ucx vs. the bare ucxx ping-pong, interleaved in chunks of 10, not pinned."""
         from kvbridge.receiver import KVReceiver
-        from kvbridge.transports.base import Spans
         case = contig_case(4 * KiB)
         client = self._ucx_client()
         info = self._setup(case, "ucx", plain=True)
@@ -114,14 +108,10 @@ class LatencyRuns:
         rv, rnv = KVReceiver(pool), KVReceiver(pool, verify=False)
         url = info["url"]
         try:
-            long_h = self._handles(case, 1)[0]
-            spans = Spans.of_blocks(pool, case.dst_ids)
-            tr = rv.transport(url)
-            dst = case.dst_ids
-
+            rows, long_h = self._kvbridge_rows("ucx", case, pool, rv, rnv, url)
             variants: dict[str, Callable[[Any], None]] = {
                 "bare ucxx 4 KiB ping-pong": lambda _: client.fetch(bare_view, 4096),
-                **kvbridge_variants("ucx", rv, rnv, tr, url, long_h, spans, dst),
+                **rows,
             }
             nixl = None
             if self.nixl:
@@ -143,7 +133,6 @@ class LatencyRuns:
         """4 KiB over shm: one-sided read, fetch without and with release, against a 4 KiB memcpy
         and (when nixl is installed) a NIXL READ of 4 KiB between two processes of this host."""
         from kvbridge.receiver import KVReceiver
-        from kvbridge.transports.base import Spans
         case = contig_case(4 * KiB)
         info = self._setup(case, "shm", plain=False)
         pool = self._recv_pool(case)
@@ -152,14 +141,10 @@ class LatencyRuns:
         url = info["url"]
         nixl = NixlPair(4096, [(0, 4096)], [(0, 4096)]) if self.nixl_shm else None
         try:
-            long_h = self._handles(case, 1)[0]
-            spans = Spans.of_blocks(pool, case.dst_ids)
-            tr = rv.transport(url)
-            dst = case.dst_ids
-
+            rows, long_h = self._kvbridge_rows("shm", case, pool, rv, rnv, url)
             variants: dict[str, Callable[[Any], None]] = {
                 "memcpy 4 KiB": lambda _: memcpy(dst_buf, src, 4096),
-                **kvbridge_variants("shm", rv, rnv, tr, url, long_h, spans, dst),
+                **rows,
             }
             if nixl is not None:
                 n = nixl
@@ -172,6 +157,15 @@ class LatencyRuns:
             rv.close()
             rnv.close()
             pool.close()
+
+    def _kvbridge_rows(self, name: str, case: Case, pool: Any, rv: Any, rnv: Any,
+                       url: str) -> tuple[dict[str, Callable[[Any], None]], Any]:
+        """The kvbridge rows over ``url`` and the long-lived handle they fetch."""
+        from kvbridge.transports.base import Spans
+        long_h = self._handles(case, 1)[0]
+        rows = kvbridge_variants(name, rv, rnv, rv.transport(url), url, long_h, Spans.of_blocks(pool, case.dst_ids),
+                                 case.dst_ids)
+        return rows, long_h
 
     def _latency_rounds(self, case: Case, variants: dict[str, Callable[[Any], None]], fresh_name: str,
                         target_ratio: Optional[float], base_name: str, pinned: Optional[bool] = False) -> None:
