@@ -25,6 +25,8 @@ import time
 import traceback
 from typing import Any, Callable, Optional
 
+from bench._plain import SizeServer
+
 now = time.monotonic
 REQ_LEN = 8
 
@@ -110,46 +112,13 @@ class TokenBucket:
 
 # ============================================================================== plain-socket ceiling
 
-class PlainServer:
+class PlainServer(SizeServer):
     """The link's ceiling, prefill side: read an 8-byte size, ``sendall`` that many bytes."""
 
     def __init__(self, host: str, nbytes: int) -> None:
+        super().__init__(host)
         self.buf = bytearray(os.urandom(1 << 16)) * max(1, -(-nbytes // (1 << 16)))
         self.view = memoryview(self.buf)
-        self.lst = socket.create_server((host, 0))
-        self.port = self.lst.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True, name="plain-accept").start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.lst.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="plain-conn").start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        req = bytearray(REQ_LEN)
-        try:
-            while True:
-                got = 0
-                while got < REQ_LEN:
-                    k = conn.recv_into(memoryview(req)[got:])
-                    if not k:
-                        return
-                    got += k
-                conn.sendall(self.view[:int.from_bytes(req, "big")])
-        except OSError:
-            return
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        try:
-            self.lst.close()
-        except OSError:
-            pass
 
 
 class PlainClient:

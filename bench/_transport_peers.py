@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any, Optional
 
+from bench._plain import SizeServer
 from bench._transport_cases import PLAIN_SEED, Case, fill_pool, host_buffer, tensor_view
 
 REQ = struct.Struct("!Q")
@@ -24,54 +25,17 @@ UCX_REQ_TAG, UCX_DATA_TAG = 1, 2
 
 # ============================================================================== sender process
 
-class _PlainServer:
+class _PlainServer(SizeServer):
     """Request/response plain socket: read an 8-byte size, ``sendall`` that many bytes."""
 
     def __init__(self) -> None:
-        self.lst = socket.create_server(("127.0.0.1", 0))
-        self.port = self.lst.getsockname()[1]
-        self.view = memoryview(b"")
+        super().__init__("127.0.0.1")
         self.buf: Any = None
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True, name="plain-accept").start()
 
     def set_size(self, nbytes: int) -> None:
         self.view = memoryview(b"")
         self.buf = host_buffer(nbytes, seed=PLAIN_SEED)
         self.view = tensor_view(self.buf)
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                conn, _ = self.lst.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True, name="plain-conn").start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        req = bytearray(REQ.size)
-        try:
-            while True:
-                got = 0
-                while got < REQ.size:
-                    k = conn.recv_into(memoryview(req)[got:])
-                    if not k:
-                        return
-                    got += k
-                (n,) = REQ.unpack(req)
-                conn.sendall(self.view[:n])
-        except OSError:
-            return
-        finally:
-            conn.close()
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self.lst.close()
-        except OSError:
-            pass
 
 
 def ucx_available() -> bool:
