@@ -16,37 +16,14 @@ a receiver hashes a staged transfer's bytes in the host slot they land in
 from __future__ import annotations
 
 import struct
-import weakref
 from typing import Optional, Sequence
 
 import xxhash
 
+from .blockcopy import hash_blocks, planes
 from .pool import KVPool
 
 __all__ = ["block_checksums", "layer_checksums", "pack_sums", "unpack_sums", "StreamVerifier"]
-
-
-_PLANS: "weakref.WeakKeyDictionary[KVPool, dict[tuple[int, int], list[tuple[memoryview, int, int]]]]" = \
-    weakref.WeakKeyDictionary()
-
-
-def _plan(pool: KVPool, layers: range) -> list[tuple[memoryview, int, int]]:
-    """(buffer view, base, stride) per (layer, part) of ``layers``: made once per pool and range
-    (a pool's buffers never move), so a small fetch's checksum costs its hashing only."""
-    key = (layers.start, layers.stop)
-    try:
-        return _PLANS[pool][key]
-    except KeyError:
-        pass
-    L = pool.layout
-    views = pool.host_views()
-    plan = [(views[L.buffer_index(layer, part)], *L.part_base_stride(part, pool.num_blocks))
-            for layer in layers for part in range(L.num_parts)]
-    try:
-        _PLANS.setdefault(pool, {})[key] = plan
-    except TypeError:           # a pool-like object that cannot be weakly referenced: no cache
-        pass
-    return plan
 
 
 def _staged_checksums(pool: KVPool, block_ids: Sequence[int], layers: range, per_layer: bool) -> list[int]:
@@ -68,26 +45,19 @@ def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[ran
     if not pool.is_host:
         return _staged_checksums(pool, block_ids, layers if layers is not None else range(pool.layout.num_layers),
                                  False)
-    n = pool.layout.part_nbytes
-    plan = _plan(pool, layers if layers is not None else range(pool.layout.num_layers))
-    out = []
-    for b in block_ids:
-        h = xxhash.xxh3_64()
-        for view, base, stride in plan:
-            off = base + b * stride
-            h.update(view[off:off + n])
-        out.append(h.intdigest())
-    return out
+    layers = layers if layers is not None else range(pool.layout.num_layers)
+    if not block_ids or not len(layers):
+        return [xxhash.xxh3_64_intdigest(b"") for _ in block_ids]
+    return hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, len(layers) * pool.layout.num_parts)
 
 
 def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> list[int]:
     """One xxh3 per (layer, block), layer-major: ``len(layers) * len(block_ids)`` values."""
     if not pool.is_host:
         return _staged_checksums(pool, block_ids, layers, True)
-    out: list[int] = []
-    for layer in layers:
-        out += block_checksums(pool, block_ids, range(layer, layer + 1))
-    return out
+    if not block_ids or not len(layers):
+        return []
+    return hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, pool.layout.num_parts)
 
 
 def pack_sums(sums: Sequence[int]) -> bytes:

@@ -221,8 +221,10 @@ class KVReceiver:
     def _spans(self, j: _Job, t: Optional[Transfer] = None) -> Spans:
         """Destination memory; with verification on, hashed as it lands."""
         spans = Spans.of_blocks(self.pool, j.dst)
-        if self.verify and j.h.checksums and (spans.nbytes > HASH_AFTER or not self.pool.is_host):
-            spans.verifier = StreamVerifier(self.pool, j.dst)
+        if self.verify and j.h.checksums:
+            spans.want_digests = self.pool.is_host
+            if spans.nbytes > HASH_AFTER or not self.pool.is_host:
+                spans.verifier = StreamVerifier(self.pool, j.dst)
         if t is not None:
             spans.cancel = t.cancel_event
         return spans
@@ -249,6 +251,7 @@ class KVReceiver:
             j.res.attempts += 1
             if spans.verifier is not None and spans.verifier.started:
                 spans.verifier.reset()            # a new attempt restarts the stream
+            spans.digests = None
             return int(self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, spans, j.idx, j.claim), j))
         j.res.nbytes = self.retry.call(attempt, self._on_retry)
 
@@ -258,7 +261,10 @@ class KVReceiver:
             return
         want = j.h.checksums if j.idx is None else [j.h.checksums[i] for i in j.idx]
         v = spans.verifier
-        got = v.digests() if v is not None and v.complete else block_checksums(self.pool, j.dst)
+        if spans.digests is not None:             # the transport hashed each block as it landed
+            got = spans.digests
+        else:
+            got = v.digests() if v is not None and v.complete else block_checksums(self.pool, j.dst)
         bad = [k for k, (a, b) in enumerate(zip(got, want)) if a != b]
         if not bad:
             return

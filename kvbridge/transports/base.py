@@ -51,9 +51,10 @@ class Spans:
     :attr:`watched` is true.
     """
 
-    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier", "cancel", "claimed")
+    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier", "cancel", "claimed", "block_ids",
+                 "want_digests", "digests")
 
-    def __init__(self, pool: "KVPool", segments: list[Segment]) -> None:
+    def __init__(self, pool: "KVPool", segments: list[Segment], block_ids: Optional[list[int]] = None) -> None:
         self.pool = pool
         self.segments = segments
         self.nbytes = sum(n for _, _, n in segments)
@@ -62,6 +63,12 @@ class Spans:
         self.verifier: Optional["StreamVerifier"] = None   # hashes bytes as they land
         self.cancel: Optional["Flag"] = None     # anything with is_set(): a Transfer's cancel flag
         self.claimed: Optional[Claim] = None     # the claim a read was served under, when the sender made it
+        # Whole blocks (every layer) of a pool, when made by of_blocks without a layer range: a
+        # transport that copies block by block may then hash each block as it lands
+        # (want_digests) and leave the checksums of what landed in `digests`.
+        self.block_ids = block_ids
+        self.want_digests = False
+        self.digests: Optional[list[int]] = None
 
     @property
     def watched(self) -> bool:
@@ -80,7 +87,9 @@ class Spans:
 
     @classmethod
     def of_blocks(cls, pool: "KVPool", block_ids: Sequence[int], layers: Optional[range] = None) -> "Spans":
-        return cls(pool, list(pool.layout.segments(list(block_ids), pool.num_blocks, layers)))
+        ids = list(block_ids)
+        whole = layers is None or (layers.start == 0 and layers.stop == pool.layout.num_layers and layers.step == 1)
+        return cls(pool, list(pool.layout.segments(ids, pool.num_blocks, layers)), ids if whole else None)
 
     def iter_views(self) -> Iterator[memoryview]:
         """The views one by one, made as they are needed (a windowed socket loop's source)."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
@@ -34,7 +35,8 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle
+from ..blockcopy import copy_blocks, planes
+from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle, TransferCancelled
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
@@ -366,6 +368,8 @@ class ShmTransport(Transport):
                 raise
             sock.setblocking(False)
             m.watch = sock                     # kept: its EOF says the sender is gone
+            m.poll = select.poll()
+            m.poll.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
         else:
             client.put_back(sock)
         with self._lock:
@@ -398,17 +402,35 @@ class ShmTransport(Transport):
             if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
                 return None
             sel = [ids[i] for i in indices]
-        nbytes = copy_into(dst.views(), m.source_views(sel), dst.on_landed)
+        if dst.block_ids is not None and len(dst.block_ids) == len(sel):
+            # whole blocks: one C pass copies them and, when asked, hashes each as it lands
+            if dst.cancel is not None and dst.cancel.is_set():
+                raise TransferCancelled("transfer cancelled")
+            try:
+                dst.digests = copy_blocks(planes(dst.pool), dst.block_ids, m.packed, sel, m.part,
+                                          dst.want_digests or dst.verifier is not None)
+            except ValueError as exc:
+                raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
+            nbytes = dst.nbytes
+        else:
+            nbytes = copy_into(dst.views(), m.source_views(sel), dst.on_landed)
         if self.after_copy is not None:
             self.after_copy(handle)
         if not m.still(*hit) or any(gens[b] != g for b, g in zip(ids, want)):
+            dst.digests = None
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
+        alive = True
         try:
-            alive = m.watch.recv(1, socket.MSG_PEEK) != b""
-        except BlockingIOError:
-            alive = True
-        except OSError:
-            alive = False
+            quiet = not m.poll.poll(0)        # nothing arrived on the control socket: no EOF
+        except RuntimeError:                  # another thread is polling it: ask the socket
+            quiet = False
+        if not quiet:
+            try:
+                alive = m.watch.recv(1, socket.MSG_PEEK) != b""
+            except BlockingIOError:
+                alive = True
+            except OSError:
+                alive = False
         if not alive:                         # the sender closed or died: let MAP/DONE say which
             self._forget(url, m)
             return None

@@ -41,6 +41,7 @@ import threading
 from typing import Any, Optional
 
 from ..errors import ConfigError, ProtocolError
+from ..blockcopy import pack_planes
 from ..layout import KVLayout
 from ..pool import GEN_SIZE, SharedSegment
 
@@ -155,10 +156,16 @@ class SenderMap:
         L = self.layout
         self.part = L.part_nbytes
         self.planes: list[tuple[int, int]] = []    # (segment offset of block 0's part, stride), stream order
+        ends: list[int] = []
         for layer in range(L.num_layers):
             for part in range(L.num_parts):
                 base, stride = L.part_base_stride(part, self.num_blocks)
-                self.planes.append((self.offsets[L.buffer_index(layer, part)] + base, stride))
+                o = self.offsets[L.buffer_index(layer, part)]
+                self.planes.append((o + base, stride))
+                ends.append(o + buf_nbytes)
+        # the same planes as addresses, for blockcopy.copy_blocks (each bounded by its buffer)
+        self.packed = pack_planes([(segment.address + a, stride, segment.address + e)
+                                   for (a, stride), e in zip(self.planes, ends)])
         self.segment, self.table = segment, table
         self.view = segment.view
         self.gens = segment.view[gen_offset:gen_offset + GEN_SIZE * self.num_blocks].cast("I")
@@ -166,6 +173,7 @@ class SenderMap:
         self.seq = table.view[HEAD_SIZE:HEAD_SIZE + n * SLOT].cast("I")
         self.nslots = n
         self.watch: Any = None                    # the control connection OPEN came on: EOF = sender gone
+        self.poll: Any = None                     # a poll object watching it
 
     def lookup(self, raw: bytes) -> Optional[tuple[int, int]]:
         """(slot, seq) of a live handle with exactly these bytes, or None."""

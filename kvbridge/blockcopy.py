@@ -1,0 +1,130 @@
+"""Whole-block copies and checksums in one pass: the C extension ``kvbridge._kvcopy``
+(``native/cpu/kvcopy.c``) with a Python twin that gives the same results.
+
+A pool's memory is seen as *planes*, one per (layer, part) in canonical order: block ``b``'s
+part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
+:meth:`KVLayout.part_base_stride`). :func:`planes` packs them once per pool and layer range.
+
+- :func:`hash_blocks`: xxh3-64 per block (or per layer and block), exactly
+  :func:`kvbridge.integrity.block_checksums`' definition.
+- :func:`copy_blocks`: copy blocks between two plane sets and, optionally, hash each block's
+  bytes as they land, chunk by chunk while the chunk is in cache (shm:// one-sided reads).
+
+The extension is built by ``pip install`` (it needs a C compiler and Python's headers). Without
+it -- or with ``KVBRIDGE_NO_NATIVE=1`` in the environment -- the Python twin runs; the tests run
+both and compare them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import weakref
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import xxhash
+
+if TYPE_CHECKING:
+    from .pool import KVPool
+
+__all__ = ["NATIVE", "planes", "pack_planes", "hash_blocks", "copy_blocks", "py_hash_blocks", "py_copy_blocks"]
+
+_native: Any = None
+if not os.environ.get("KVBRIDGE_NO_NATIVE"):
+    try:
+        from . import _kvcopy as _native   # type: ignore[attr-defined, no-redef]
+    except ImportError:                     # not built (no compiler at install): the Python twin
+        _native = None
+NATIVE: bool = _native is not None
+
+_PLANES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], bytes]]" = weakref.WeakKeyDictionary()
+_TRIPLE = struct.Struct("=3q")
+
+
+def pack_planes(triples: Sequence[tuple[int, int, int]]) -> bytes:
+    """(base address, stride, end address) per plane, packed as native int64s."""
+    return b"".join(_TRIPLE.pack(*t) for t in triples)
+
+
+def planes(pool: "KVPool", layers: Optional[range] = None) -> bytes:
+    """The packed planes of a host pool over ``layers`` (default all), made once per pool and
+    range: a pool's buffers never move."""
+    L = pool.layout
+    layers = layers if layers is not None else range(L.num_layers)
+    key = (layers.start, layers.stop)
+    try:
+        return _PLANES[pool][key]
+    except KeyError:
+        pass
+    addrs = pool.buffer_addresses()
+    sizes = [b.numel() * b.element_size() for b in pool.buffers]
+    out = []
+    for layer in layers:
+        for part in range(L.num_parts):
+            i = L.buffer_index(layer, part)
+            base, stride = L.part_base_stride(part, pool.num_blocks)
+            out.append((addrs[i] + base, stride, addrs[i] + sizes[i]))
+    packed = pack_planes(out)
+    try:
+        _PLANES.setdefault(pool, {})[key] = packed
+    except TypeError:       # a pool-like object that cannot be weakly referenced: no cache
+        pass
+    return packed
+
+
+def _unpack(packed: bytes) -> list[tuple[int, int, int]]:
+    return [t for t in _TRIPLE.iter_unpack(packed)]
+
+
+def _check(pl: list[tuple[int, int, int]], ids: Sequence[int], part: int) -> None:
+    if not ids:
+        return
+    lo, hi = min(ids), max(ids)
+    if lo < 0:
+        raise ValueError("negative block id")
+    for j, (base, stride, end) in enumerate(pl):
+        if base + hi * stride + part > end:
+            raise ValueError(f"block {hi} outside plane {j}")
+
+
+def py_hash_blocks(packed: bytes, ids: Sequence[int], part: int, group: int) -> list[int]:
+    """The Python twin of the extension's ``hash_blocks``."""
+    pl = _unpack(packed)
+    if group <= 0 or len(pl) % group:
+        raise ValueError("group must divide the number of planes")
+    _check(pl, ids, part)
+    out = []
+    for g in range(len(pl) // group):
+        for b in ids:
+            h = xxhash.xxh3_64()
+            for base, stride, _ in pl[g * group:(g + 1) * group]:
+                h.update((ctypes.c_char * part).from_address(base + b * stride))
+            out.append(h.intdigest())
+    return out
+
+
+def py_copy_blocks(dst: bytes, dst_ids: Sequence[int], src: bytes, src_ids: Sequence[int], part: int,
+                   hash: bool) -> Optional[list[int]]:
+    """The Python twin of the extension's ``copy_blocks``."""
+    dp, sp = _unpack(dst), _unpack(src)
+    if len(dp) != len(sp):
+        raise ValueError("source and destination have different numbers of planes")
+    _check(dp, dst_ids, part)
+    _check(sp, src_ids, part)
+    if len(dst_ids) != len(src_ids):
+        raise ValueError("source and destination name different numbers of blocks")
+    out = []
+    for d, s in zip(dst_ids, src_ids):
+        h = xxhash.xxh3_64() if hash else None
+        for (db, dstr, _), (sb, sstr, _) in zip(dp, sp):
+            ctypes.memmove(db + d * dstr, sb + s * sstr, part)
+            if h is not None:
+                h.update((ctypes.c_char * part).from_address(db + d * dstr))
+        if h is not None:
+            out.append(h.intdigest())
+    return out if hash else None
+
+
+hash_blocks = _native.hash_blocks if NATIVE else py_hash_blocks
+copy_blocks = _native.copy_blocks if NATIVE else py_copy_blocks

@@ -1,0 +1,267 @@
+/* kvbridge._kvcopy: block copies and xxh3-64 block checksums in one pass over the bytes.
+ *
+ * A pool's memory is described by *planes*: one per (layer, part) in canonical order, each
+ * three int64 values (address of block 0's part, stride between blocks, end address of the
+ * buffer). Block b's part in plane p is the `part` bytes at base_p + b * stride_p.
+ *
+ *   hash_blocks(planes, ids, part, group) -> list[int]
+ *       xxh3-64 of each block over `group` consecutive planes, group-major: with
+ *       group == number of planes, one checksum per block (kvbridge.integrity.block_checksums);
+ *       with group == parts per layer, one per (layer, block) (layer_checksums).
+ *   copy_blocks(dst_planes, dst_ids, src_planes, src_ids, part, hash) -> list[int] | None
+ *       copy every block's parts from src to dst, plane by plane; with `hash`, also the xxh3-64
+ *       of each block's bytes *as they landed in dst*, computed chunk by chunk while the chunk
+ *       is still in cache (each byte is read from memory once).
+ *
+ * Every address is checked against its plane before anything is read or written: an id
+ * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
+ * transfers of 64 KiB and more. xxHash (BSD-2-Clause, native/cpu/xxhash/) is built in with
+ * its x86 runtime dispatch, so the checksums equal the `xxhash` package's xxh3_64.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define XXH_STATIC_LINKING_ONLY
+#if defined(KVB_X86_DISPATCH)
+#include "xxh_x86dispatch.h"
+#else
+#include "xxhash.h"
+#endif
+
+#ifndef CHUNK
+#define CHUNK (64 * 1024)
+#endif          /* copy then hash this much at a time: it stays in L2 */
+#define NOGIL_BYTES (64 * 1024)    /* release the GIL for transfers at least this large */
+
+typedef struct {
+    int64_t base, stride, end;
+} plane_t;
+
+typedef struct {
+    const plane_t *p;
+    Py_ssize_t n;
+    Py_buffer buf;
+} planes_t;
+
+static int get_planes(PyObject *obj, planes_t *out) {
+    if (PyObject_GetBuffer(obj, &out->buf, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (out->buf.len % (Py_ssize_t)sizeof(plane_t)) {
+        PyBuffer_Release(&out->buf);
+        PyErr_SetString(PyExc_ValueError, "planes: a multiple of 3 int64 values expected");
+        return -1;
+    }
+    out->p = (const plane_t *)out->buf.buf;
+    out->n = out->buf.len / (Py_ssize_t)sizeof(plane_t);
+    return 0;
+}
+
+/* ids -> int64 array (caller frees); every id checked against every plane */
+static int64_t *get_ids(PyObject *seq, const planes_t *pl, int64_t part, Py_ssize_t *n_out) {
+    PyObject *fast = PySequence_Fast(seq, "ids: a sequence of ints expected");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int64_t *ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (ids == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    int64_t lo = INT64_MAX, hi = -1;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(items[i]);
+        if (v == -1 && PyErr_Occurred()) {
+            PyMem_Free(ids);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        ids[i] = (int64_t)v;
+        if (v < lo) lo = v;
+        if (v > hi) hi = v;
+    }
+    Py_DECREF(fast);
+    if (n && lo < 0) {
+        PyMem_Free(ids);
+        PyErr_SetString(PyExc_ValueError, "negative block id");
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; n && j < pl->n; j++) {
+        const plane_t *p = &pl->p[j];
+        if (p->stride < 0 || p->base < 0 || part < 0 ||
+            (p->end - p->base - part) < 0 ||
+            (p->stride ? hi > (p->end - p->base - part) / p->stride : 0)) {
+            PyMem_Free(ids);
+            PyErr_Format(PyExc_ValueError, "block %lld outside plane %zd", (long long)hi, j);
+            return NULL;
+        }
+    }
+    *n_out = n;
+    return ids;
+}
+
+static PyObject *digest_list(const XXH64_hash_t *d, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)d[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+static PyObject *hash_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *pobj, *idobj;
+    long long part, group;
+    if (!PyArg_ParseTuple(args, "OOLL", &pobj, &idobj, &part, &group))
+        return NULL;
+    planes_t pl;
+    if (get_planes(pobj, &pl) < 0)
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = 0;
+    int64_t *ids = NULL;
+    XXH64_hash_t *d = NULL;
+    XXH3_state_t *st = NULL;
+    if (group <= 0 || pl.n % group) {
+        PyErr_SetString(PyExc_ValueError, "group must divide the number of planes");
+        goto done;
+    }
+    ids = get_ids(idobj, &pl, part, &n);
+    if (ids == NULL)
+        goto done;
+    Py_ssize_t ngroups = pl.n / group;
+    d = PyMem_Malloc((size_t)(ngroups * n > 0 ? ngroups * n : 1) * sizeof(XXH64_hash_t));
+    st = XXH3_createState();
+    if (d == NULL || st == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int nogil = (double)part * (double)n * (double)pl.n >= NOGIL_BYTES;
+    PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t g = 0; g < ngroups; g++) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            XXH3_64bits_reset(st);
+            for (Py_ssize_t j = g * group; j < (g + 1) * group; j++) {
+                const plane_t *p = &pl.p[j];
+                XXH3_64bits_update(st, (const void *)(uintptr_t)(p->base + ids[k] * p->stride), (size_t)part);
+            }
+            d[g * n + k] = XXH3_64bits_digest(st);
+        }
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    res = digest_list(d, ngroups * n);
+done:
+    if (st)
+        XXH3_freeState(st);
+    PyMem_Free(d);
+    PyMem_Free(ids);
+    PyBuffer_Release(&pl.buf);
+    return res;
+}
+
+static PyObject *copy_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *dpobj, *didobj, *spobj, *sidobj;
+    long long part;
+    int hash;
+    if (!PyArg_ParseTuple(args, "OOOOLp", &dpobj, &didobj, &spobj, &sidobj, &part, &hash))
+        return NULL;
+    planes_t dp, sp;
+    if (get_planes(dpobj, &dp) < 0)
+        return NULL;
+    if (get_planes(spobj, &sp) < 0) {
+        PyBuffer_Release(&dp.buf);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t nd = 0, ns = 0;
+    int64_t *did = NULL, *sid = NULL;
+    XXH64_hash_t *d = NULL;
+    XXH3_state_t *st = NULL;
+    if (dp.n != sp.n) {
+        PyErr_SetString(PyExc_ValueError, "source and destination have different numbers of planes");
+        goto done;
+    }
+    did = get_ids(didobj, &dp, part, &nd);
+    if (did == NULL)
+        goto done;
+    sid = get_ids(sidobj, &sp, part, &ns);
+    if (sid == NULL)
+        goto done;
+    if (nd != ns) {
+        PyErr_SetString(PyExc_ValueError, "source and destination name different numbers of blocks");
+        goto done;
+    }
+    if (hash) {
+        d = PyMem_Malloc((size_t)(nd ? nd : 1) * sizeof(XXH64_hash_t));
+        st = XXH3_createState();
+        if (d == NULL || st == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    int nogil = (double)part * (double)nd * (double)dp.n >= NOGIL_BYTES;
+    PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t k = 0; k < nd; k++) {
+        if (hash)
+            XXH3_64bits_reset(st);
+        for (Py_ssize_t j = 0; j < dp.n; j++) {
+            char *dst = (char *)(uintptr_t)(dp.p[j].base + did[k] * dp.p[j].stride);
+            const char *src = (const char *)(uintptr_t)(sp.p[j].base + sid[k] * sp.p[j].stride);
+            for (int64_t off = 0; off < part; off += CHUNK) {
+                size_t c = (size_t)(part - off < CHUNK ? part - off : CHUNK);
+                memcpy(dst + off, src + off, c);
+                if (hash)
+                    XXH3_64bits_update(st, dst + off, c);
+            }
+        }
+        if (hash)
+            d[k] = XXH3_64bits_digest(st);
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    if (hash) {
+        res = digest_list(d, nd);
+    } else {
+        res = Py_None;
+        Py_INCREF(res);
+    }
+done:
+    if (st)
+        XXH3_freeState(st);
+    PyMem_Free(d);
+    PyMem_Free(did);
+    PyMem_Free(sid);
+    PyBuffer_Release(&dp.buf);
+    PyBuffer_Release(&sp.buf);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"hash_blocks", hash_blocks, METH_VARARGS,
+     "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
+    {"copy_blocks", copy_blocks, METH_VARARGS,
+     "copy_blocks(dst_planes, dst_ids, src_planes, src_ids, part, hash) -> per-block xxh3-64 of the landed "
+     "bytes, or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "kvbridge._kvcopy",
+    "Block copies and xxh3-64 block checksums in one pass (see native/cpu/kvcopy.c).", -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__kvcopy(void) {
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,140 @@
+"""kvbridge.blockcopy: the C extension and its Python twin give the same copies and the same
+checksums as xxhash over each block's parts, refuse addresses outside their planes, and a
+whole fetch works with the extension switched off."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import xxhash
+
+from kvbridge import KVLayout, KVPool, blockcopy
+from kvbridge.blockcopy import planes, py_copy_blocks, py_hash_blocks
+from kvbridge.integrity import block_checksums, layer_checksums
+
+pytestmark = pytest.mark.timeout(60)
+
+LAYOUTS = {
+    "kv_first": KVLayout(3, 2, 16, 4, "float16", "kv_first", "NHD", 0, 1),
+    "block_first": KVLayout(2, 1, 32, 8, "bfloat16", "block_first", "HND", 0, 1),
+    "split": KVLayout(2, 2, 8, 16, "float32", "split", "NHD", 0, 1),
+    "latent": KVLayout.mla(3, 64, block_size=4, dtype="float16"),
+}
+
+
+def _filled(layout: KVLayout, n: int, seed: int) -> KVPool:
+    pool = KVPool.allocate(layout, n, allocator="engine")
+    g = torch.Generator().manual_seed(seed)
+    for b in pool.buffers:
+        flat = b.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=g))
+    return pool
+
+
+def _by_hand(pool: KVPool, ids: list[int], layers: range) -> list[int]:
+    """The checksum's definition, spelled out: xxh3-64 over each block's parts, (layer, part) order."""
+    L = pool.layout
+    out = []
+    for b in ids:
+        h = xxhash.xxh3_64()
+        for layer in layers:
+            for part in range(L.num_parts):
+                buf, off, n = L.segment(layer, b, part, pool.num_blocks)
+                h.update(pool.host_views()[buf][off:off + n])
+        out.append(h.intdigest())
+    return out
+
+
+def test_the_extension_is_built():
+    if os.environ.get("KVBRIDGE_NO_NATIVE"):
+        pytest.skip("KVBRIDGE_NO_NATIVE is set: the Python twin runs on purpose")
+    assert blockcopy.NATIVE, "kvbridge._kvcopy did not build: pip install -e . needs gcc and Python's headers"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_checksums_match_the_definition_in_c_and_python(name):
+    pool = _filled(LAYOUTS[name], 9, 1)
+    L = pool.layout
+    ids = [7, 0, 3, 8]
+    want = _by_hand(pool, ids, range(L.num_layers))
+    nplanes = L.num_layers * L.num_parts
+    assert block_checksums(pool, ids) == want
+    assert py_hash_blocks(planes(pool), ids, L.part_nbytes, nplanes) == want
+    assert blockcopy.hash_blocks(planes(pool), ids, L.part_nbytes, nplanes) == want
+    per_layer = [x for layer in range(L.num_layers) for x in _by_hand(pool, ids, range(layer, layer + 1))]
+    assert layer_checksums(pool, ids, range(L.num_layers)) == per_layer
+    assert py_hash_blocks(planes(pool), ids, L.part_nbytes, L.num_parts) == per_layer
+    sub = range(1, L.num_layers)
+    assert block_checksums(pool, ids, sub) == _by_hand(pool, ids, sub)
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_copy_blocks_moves_the_bytes_and_hashes_what_landed(name, impl):
+    if impl == "native" and not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    copy = blockcopy.copy_blocks if impl == "native" else py_copy_blocks
+    layout = LAYOUTS[name]
+    src, dst = _filled(layout, 11, 2), _filled(layout, 6, 3)      # different sizes: different strides
+    rnd = random.Random(4)
+    sid, did = rnd.sample(range(11), 5), rnd.sample(range(6), 5)
+    digests = copy(planes(dst), did, planes(src), sid, layout.part_nbytes, True)
+    assert digests == block_checksums(src, sid) == block_checksums(dst, did)
+    untouched = [b for b in range(6) if b not in did][0]
+    before = block_checksums(dst, [untouched])
+    assert copy(planes(dst), did[:1], planes(src), sid[1:2], layout.part_nbytes, False) is None
+    assert block_checksums(dst, did[:1]) == block_checksums(src, sid[1:2])
+    assert block_checksums(dst, [untouched]) == before              # nothing else written
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+def test_addresses_outside_a_plane_are_refused_before_any_copy(impl):
+    if impl == "native" and not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    copy = blockcopy.copy_blocks if impl == "native" else py_copy_blocks
+    hsh = blockcopy.hash_blocks if impl == "native" else py_hash_blocks
+    layout = LAYOUTS["kv_first"]
+    src, dst = _filled(layout, 4, 5), _filled(layout, 4, 6)
+    before = block_checksums(dst, range(4))
+    p = layout.part_nbytes
+    n = layout.num_layers * layout.num_parts
+    for sid, did in (([0, 4], [0, 1]), ([0, 1], [0, -1]), ([0, 1], [2, 1 << 40])):
+        with pytest.raises(ValueError):
+            copy(planes(dst), did, planes(src), sid, p, True)
+    with pytest.raises(ValueError):
+        copy(planes(dst), [0, 1], planes(src), [0], p, True)
+    with pytest.raises(ValueError):
+        hsh(planes(src), [4], p, n)
+    with pytest.raises(ValueError):
+        hsh(planes(src), [0], p + 1 << 20, n)         # a part longer than the buffer
+    with pytest.raises(ValueError):
+        hsh(planes(src), [0], p, n + 1)               # groups must divide the planes
+    assert block_checksums(dst, range(4)) == before
+
+
+def test_a_fetch_without_the_extension(tmp_path):
+    """The Python twin end to end: shm one-sided and tcp reads, verified, in a fresh process."""
+    code = textwrap.dedent("""
+        import torch
+        from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, blockcopy
+        assert not blockcopy.NATIVE
+        L = KVLayout(2, 1, 64, 4, "float16", "kv_first", "NHD", 0, 1)
+        for url in ("shm://", "tcp://127.0.0.1:0"):
+            src = KVPool.allocate(L, 4, shared=url.startswith("shm"), allocator="engine")
+            src.buffers[0].view(-1).view(torch.uint8)[:] = 7
+            dst = KVPool.allocate(L, 4, allocator="engine")
+            with KVSender(src, url, leases=False) as s, KVReceiver(dst, leases=False) as r:
+                res = r.fetch(s.publish("r", [1, 2], 8), [3, 0])
+                assert res.ok, res.error
+                assert bool((dst.buffers[0][:, 3] == src.buffers[0][:, 1]).all())
+        print("ok")
+    """)
+    env = dict(os.environ, KVBRIDGE_NO_NATIVE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
