@@ -80,12 +80,16 @@ class Retry:
         return delay
 
     def call(self, fn: Callable[[], T], on_retry: Optional[Callable[[BaseException, int], None]] = None) -> T:
-        dl = Deadline(self.deadline)
+        start = time.monotonic()
+        dl: Optional[Deadline] = None
         attempt = 0
         while True:
             try:
                 return fn()
             except Exception as exc:
+                if dl is None:            # made on the first failure (most calls never fail), from the start
+                    dl = Deadline(None)
+                    dl.at = None if self.deadline is None else start + self.deadline
                 delay = self._should_retry(exc, attempt, dl)
                 if delay is None:
                     raise

@@ -51,13 +51,22 @@ class Spans:
     :attr:`watched` is true.
     """
 
-    __slots__ = ("pool", "segments", "nbytes", "_views", "_runs", "verifier", "cancel", "claimed", "block_ids",
-                 "want_digests", "digests")
+    __slots__ = ("pool", "_segments", "_layers", "nbytes", "_views", "_runs", "verifier", "cancel", "claimed",
+                 "block_ids", "want_digests", "digests")
 
-    def __init__(self, pool: "KVPool", segments: list[Segment], block_ids: Optional[list[int]] = None) -> None:
+    def __init__(self, pool: "KVPool", segments: Optional[list[Segment]], block_ids: Optional[list[int]] = None,
+                 layers: Optional[range] = None) -> None:
+        """``segments``, or None for ``block_ids`` over ``layers`` (segments then made on first use)."""
         self.pool = pool
-        self.segments = segments
-        self.nbytes = sum(n for _, _, n in segments)
+        self._segments = segments
+        self._layers = layers
+        if segments is not None:
+            self.nbytes = sum(n for _, _, n in segments)
+        else:
+            assert block_ids is not None
+            L = pool.layout
+            nl = L.num_layers if layers is None else len(layers)
+            self.nbytes = len(block_ids) * nl * L.num_parts * L.part_nbytes
         self._views: Optional[list[memoryview]] = None
         self._runs: Optional[list[Run]] = None
         self.verifier: Optional["StreamVerifier"] = None   # hashes bytes as they land
@@ -69,6 +78,13 @@ class Spans:
         self.block_ids = block_ids
         self.want_digests = False
         self.digests: Optional[list[int]] = None
+
+    @property
+    def segments(self) -> list[Segment]:
+        if self._segments is None:
+            assert self.block_ids is not None
+            self._segments = list(self.pool.layout.segments(self.block_ids, self.pool.num_blocks, self._layers))
+        return self._segments
 
     @property
     def watched(self) -> bool:
@@ -88,8 +104,13 @@ class Spans:
     @classmethod
     def of_blocks(cls, pool: "KVPool", block_ids: Sequence[int], layers: Optional[range] = None) -> "Spans":
         ids = list(block_ids)
-        whole = layers is None or (layers.start == 0 and layers.stop == pool.layout.num_layers and layers.step == 1)
-        return cls(pool, list(pool.layout.segments(ids, pool.num_blocks, layers)), ids if whole else None)
+        if layers is None or (layers.start == 0 and layers.stop == pool.layout.num_layers and layers.step == 1):
+            nb = pool.num_blocks
+            for b in ids:            # checked now, as making the segments would
+                if not 0 <= b < nb:
+                    raise IndexError(f"block {b} outside a pool of {nb} blocks")
+            return cls(pool, None, ids)
+        return cls(pool, list(pool.layout.segments(ids, pool.num_blocks, layers)))
 
     def iter_views(self) -> Iterator[memoryview]:
         """The views one by one, made as they are needed (a windowed socket loop's source)."""

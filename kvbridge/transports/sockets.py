@@ -412,6 +412,8 @@ class SocketClient:
         self._req = 0
         self.opened = 0
         self._pending: list[bytes] = []   # RELEASE_NOREPLY frames riding on the next request
+        self._scheduled = False           # the flusher will visit this client
+        self._waited = False              # ... and has already put its sending off once
 
     def acquire(self) -> socket.socket:
         with self._lock:
@@ -449,7 +451,8 @@ class SocketClient:
             frame = pack(Kind.RELEASE_NOREPLY, self.next_id(), handle.to_bytes())
             with self._lock:
                 self._pending.append(frame)
-                first = len(self._pending) == 1
+                first = not self._scheduled      # one flusher visit per linger, not one per release
+                self._scheduled = True
             if first:
                 _FLUSHER.schedule(self)
             return
@@ -463,24 +466,31 @@ class SocketClient:
             pending, self._pending = self._pending, []
         return b"".join((frame, *pending))
 
-    def flush(self) -> None:
-        """Send the deferred releases now. A failure is logged: the sender frees at expiry."""
+    def flush(self, idle_only: bool = False) -> bool:
+        """Send the deferred releases now; False when ``idle_only``, no pooled connection is
+        idle (perhaps a request in flight, which the releases will ride behind next) and the
+        last visit did not wait already. A failure is logged: the sender frees at expiry."""
         with self._lock:
+            if idle_only and not self._idle and self._pending and not self._waited:
+                self._waited = True
+                return False
             pending, self._pending = self._pending, []
+            self._scheduled = self._waited = False
         if not pending:
-            return
+            return True
         try:
             sock = self.acquire()
         except KVBridgeError as exc:
             log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
-            return
+            return True
         try:
             sock.sendall(b"".join(pending))
         except OSError as exc:
             sock.close()
             log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
-            return
+            return True
         self.put_back(sock)
+        return True
 
     def control(self, kind: Kind, payload: bytes, what: str) -> tuple[Kind, bytes]:
         """One control round trip: the reply's kind and body; an ERROR reply is raised."""
@@ -514,7 +524,8 @@ class SocketClient:
 
 class _Flusher:
     """One daemon thread per process that sends deferred releases no request has carried
-    within ``RELEASE_LINGER``: a released handle's blocks are freed at most that much later."""
+    within ``RELEASE_LINGER`` (twice that when every connection was busy at the first visit):
+    a released handle's blocks are freed at most that much later."""
 
     def __init__(self, linger: float = RELEASE_LINGER) -> None:
         self.linger = linger
@@ -538,11 +549,16 @@ class _Flusher:
             self._wake.clear()
             self.flush_all()
 
-    def flush_all(self) -> None:
+    def flush_all(self, final: bool = False) -> None:
+        """Send what is due. A client whose connections are all busy is visited again after
+        the next linger (never opening a connection beside a busy one), unless ``final``."""
         with self._lock:
             due, self._due = self._due, []
-        for c in dict.fromkeys(due):
-            c.flush()
+        later = [c for c in dict.fromkeys(due) if not c.flush(idle_only=not final)]
+        if later:
+            with self._lock:
+                self._due.extend(later)
+            self._wake.set()
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
@@ -552,4 +568,4 @@ class _Flusher:
 
 _FLUSHER = _Flusher()
 os.register_at_fork(after_in_child=_FLUSHER._after_fork)
-atexit.register(_FLUSHER.flush_all)
+atexit.register(_FLUSHER.flush_all, True)
