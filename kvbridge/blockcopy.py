@@ -33,7 +33,7 @@ __all__ = ["NATIVE", "planes", "pack_planes", "hash_blocks", "copy_blocks", "py_
 _native: Any = None
 if not os.environ.get("KVBRIDGE_NO_NATIVE"):
     try:
-        from . import _kvcopy as _native   # type: ignore[attr-defined, no-redef]
+        from . import _kvcopy as _native
     except ImportError:                     # not built (no compiler at install): the Python twin
         _native = None
 NATIVE: bool = _native is not None
