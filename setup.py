@@ -17,5 +17,6 @@ if X86:   # xxHash's runtime dispatch (SSE2/AVX2/AVX-512) needs baseline flags, 
 
 setup(ext_modules=[Extension(
     "kvbridge._kvcopy", SOURCES, include_dirs=["native/cpu/xxhash"], define_macros=MACROS,
+    optional=True,   # no compiler: install anyway, and the Python twin runs (blockcopy.NATIVE is False)
     extra_compile_args=["-O3", "-std=gnu11"] if sysconfig.get_platform().startswith("linux") else [],
 )])
