@@ -16,6 +16,7 @@ leaked raw. Each class says what the caller should do through ``action``::
         ├── IntegrityError             bytes failed their checksum   action=REFETCH
         ├── StaleHandle                blocks were freed or reused   action=REPREFILL
         │   ├── HandleNotFound         the sender has no such live handle
+        │   ├── Unvouched              the sender served the bytes, could not vouch for the lease
         │   └── LeaseError             lease lifecycle refusals      action=REPREFILL
         │       ├── LeaseExpired       the lease TTL lapsed or the owner revoked it
         │       ├── LeaseNotFound      no such lease
@@ -33,7 +34,10 @@ leaked raw. Each class says what the caller should do through ``action``::
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from .lease.base import Claim
 
 __all__ = [
     "Action", "KVBridgeError", "RetryableError", "FinalError", "PeerUnavailable",
@@ -41,6 +45,7 @@ __all__ = [
     "LayoutMismatch", "IntegrityError", "StaleHandle", "HandleNotFound", "LeaseError",
     "LeaseExpired", "LeaseNotFound", "LeaseConflict", "StaleFence", "AccessDenied",
     "ProtocolError", "FrameTooLarge", "PoolError", "BackendUnavailable", "ConfigError", "TransferCancelled",
+    "Unvouched",
     "ERROR_CODES", "error_from_code",
 ]
 
@@ -148,6 +153,20 @@ class HandleNotFound(StaleHandle):
     """The sender has no live handle with this id."""
 
     code = 25
+
+
+class Unvouched(StaleHandle):
+    """The sender served the bytes but, once the last one had left, could not vouch for the
+    handle's lease: it had ended the handle, or the lease was near its TTL. The bytes are not
+    used. A receiver reports the lease store's refusal instead where there is one; this error
+    means the store still had the claim (the receiver then aborts it). ``claim``: the claim
+    the read was served under."""
+
+    code = 35
+
+    def __init__(self, message: str = "", claim: Optional["Claim"] = None, *, hint: Optional[str] = None) -> None:
+        super().__init__(message, hint=hint)
+        self.claim = claim
 
 
 class LeaseError(StaleHandle):

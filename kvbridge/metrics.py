@@ -56,7 +56,9 @@ class SenderStats(_Counters):
 class ReceiverStats(_Counters):
     fetches: int = 0
     claimed: int = 0             # leases claimed
-    released: int = 0            # leases released after a verified fetch
+    released: int = 0            # leases released after a verified fetch (counted once the store took it)
+    released_later: int = 0      # ... of them, sent after the fetch had returned (off its critical path)
+    release_failures: int = 0    # releases sent after the fetch that the store refused or never got
     aborted: int = 0             # claims given up after a failed fetch
     stale_refused: int = 0       # fetches whose bytes a lease check refused (never used)
     cancelled: int = 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -10,6 +11,7 @@ from .frames import FrameStore
 from .handle import KVHandle
 from .lease import Claim
 from .transports.base import Spans
+from .transports.wire import Vouch
 
 if TYPE_CHECKING:
     from .sender import KVSender
@@ -33,6 +35,7 @@ class Record:
     ready: int = 0            # layers 0..ready-1 are final
     sums: list[list[int]] = field(default_factory=list)   # layer-wise: per layer, per block
     frames: Optional[FrameStore] = None                   # a coded handle's frames
+    alive_until: float = 0.0  # monotonic: the lease is certainly within its TTL until then (holds_until)
 
 
 @dataclass
@@ -47,6 +50,24 @@ class Grant:
 
     def still_valid(self) -> bool:
         return self.rec.live and self.sender.pool.generations(self.rec.block_ids) == list(self.rec.handle.generations)
+
+    def vouch(self) -> Vouch:
+        """The owner's validate-after-read, called once the last byte of the read has left (handed
+        to the kernel, or copied): OK when the blocks still hold the handle's generations and,
+        for a leased handle, the handle is live -- the owner has begun no end of it (revoke,
+        expiry, close: ``live`` falls before any revoke is sent; releases and aborts come
+        only from the claimer) -- and its lease is certainly within its TTL by this clock.
+        UNSURE when only the lease is in doubt (the grant still holds the blocks, so the bytes
+        are intact), STALE when the blocks moved on. A handle without a lease has no claim to
+        be in force: its bytes being the handle's is all there is to vouch for."""
+        rec = self.rec
+        if self.sender.pool.generations(rec.block_ids) != list(rec.handle.generations):
+            return Vouch.STALE
+        if not rec.handle.lease_id or self.sender.leases is None:
+            return Vouch.OK
+        if not rec.live or time.monotonic() >= rec.alive_until:
+            return Vouch.UNSURE
+        return Vouch.OK
 
     def close(self) -> None:
         if not self.closed:

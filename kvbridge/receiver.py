@@ -15,7 +15,12 @@ cannot match, bad destination block ids -- raises at once.
 
 A leased handle is moved as claim -> read (under the claim's fence) -> validate after
 the bytes landed -> verify checksums -> release; any failure aborts the claim so the
-owner frees at once. Only bytes that passed validate-after-read are reported ok.
+owner frees at once. Only bytes that passed validate-after-read are reported ok. Where the
+transport validated every read after its last byte (tcp's trailer, inproc, ucx: the owner;
+shm: the reader's re-check) and the claim certainly still holds by this receiver's clock,
+validate-after-read needs no lease round trip and the release is sent after the fetch
+returns; otherwise the release (or ``validate``) in the lease store is the validate-after-read
+(``docs/LEASES.md``).
 
 Push mode (``listen=`` and :meth:`KVReceiver.reserve`): the receiver offers destination
 blocks under a signed reservation with its own lease; the writer claims the lease (one
@@ -35,7 +40,7 @@ from typing import Any, Optional, Sequence, Union
 
 from .errors import (AccessDenied, BadHandle, ConfigError, IntegrityError, KVBridgeError,
                      LayoutMismatch, LeaseError, PeerUnavailable, PoolError, ProtocolError,
-                     TransferCancelled, TransferTimeout)
+                     TransferCancelled, TransferTimeout, Unvouched)
 from .frames import FrameLoader, check_codec
 from .handle import KVHandle
 from .integrity import StreamVerifier, block_checksums, layer_checksums, unpack_sums
@@ -45,6 +50,7 @@ from .policy import Retry, Timeout
 from .pool import KVPool
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
+from .releases import AfterRead, Releaser, claim_batch, release_batch
 from .reservations import ReservationDesk
 from .transports.base import Chunk, ReadOp, Server, Spans, Transport, WriteGrant
 from .transports.registry import get_transport_class, scheme_of
@@ -74,6 +80,7 @@ class _Job:
     t0: float = field(default_factory=time.perf_counter)
     claim: Optional[Claim] = None
     released: Any = None          # fetch_many: the outcome of this job's release, sent in one batch
+    since: float = field(default_factory=time.monotonic)   # before any claim of this fetch was sent
 
 
 class KVReceiver:
@@ -83,17 +90,21 @@ class KVReceiver:
     ``leases``: a Redis URL or :class:`LeaseStore` to claim in; None uses the lease server
     named in each handle (this process's embedded one if the handle names none); False
     claims nothing (only for handles published without leases). ``workers``: threads
-    that run started transfers.
+    that run started transfers. ``clock_margin``: seconds of a claim's TTL left unused when
+    judging, by this clock, that the claim still holds (the release must land in them).
     """
 
     def __init__(self, pool: KVPool, *, secret: Optional[bytes] = None, retry: Retry = Retry(),
                  timeout: Timeout = Timeout(), verify: bool = True, leases: LeasesArg = None,
                  claimer: Optional[str] = None, claim_ttl: float = 30.0, lease_namespace: str = "kvb",
                  listen: Union[str, Sequence[str], None] = None, reservation_ttl: float = 60.0,
-                 workers: int = 32) -> None:
+                 workers: int = 32, clock_margin: float = 1.0) -> None:
         self.pool = pool
         self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.claim_ttl = claim_ttl
+        self.clock_margin = clock_margin
+        self._after = AfterRead(self.transport, claim_ttl, clock_margin)
+        self._releaser = Releaser(self.claimer, retry, self._released_later)
         self.reservation_ttl = reservation_ttl
         self.secret = secret
         self.retry = retry
@@ -189,7 +200,9 @@ class KVReceiver:
     def _claim(self, store: Optional[LeaseStore], h: KVHandle) -> Optional[Claim]:
         if store is None:
             return None
+        sent = time.monotonic()
         lease = self.retry.call(lambda: store.claim(h.lease_id, self.claimer, self.claim_ttl), self._on_retry)
+        self._after.clock.note(h.lease_id, lease, sent)
         self.stats.add(claimed=1)
         return Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
 
@@ -364,8 +377,16 @@ class KVReceiver:
         return sorted({i % nb for i, (a, b) in enumerate(zip(got, want)) if a != b})
 
     def _settle(self, j: _Job) -> FetchResult:
-        """Validate-after-read (with the release when there is one), or abort; record stats."""
+        """Validate-after-read and the release, or abort; record stats. Where the transport and
+        this clock already showed validate-after-read (:class:`~kvbridge.releases.AfterRead`),
+        the release is lifecycle only and goes after the fetch returns (``release=False``:
+        nothing to send); otherwise the release (or ``validate``) in the store is it."""
         res, h, c, store = j.res, j.h, j.claim, j.store
+        if isinstance(res.error, Unvouched):          # the owner could not vouch: ask the store why
+            served = res.error.claim
+            if c is not None and c.epoch == 0 and served is not None and served.epoch:
+                c = j.claim = served
+            self._unvouched(j, c)
         if c is not None and c.epoch == 0:           # asked the sender to claim; never heard the fence
             c = j.claim = None
             if res.error is None:
@@ -376,25 +397,28 @@ class KVReceiver:
                     c = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
                 except KVBridgeError:
                     c = None
+        if res.error is None and self.pool.generations(j.dst) != j.gens:
+            res.error = PoolError(f"destination blocks of {h.request_id!r} were freed or retired during the "
+                                  "transfer; their contents are not this request's KV")
         if res.error is None and store is not None and c is not None:
             # A release succeeds only while the lease is claimed by us with this fence -- so
             # before the owner could have revoked it and freed the blocks.
+            checked = self._checked_after_read(j, c)
             try:
                 if j.release:
                     if isinstance(j.released, KVBridgeError):
                         raise j.released
-                    if j.released is None:
+                    if j.released is None and not (checked and self._releaser.submit(store, h.lease_id, c.fence)):
                         self.retry.call(lambda: store.release(h.lease_id, c.claimer, c.fence), self._on_retry)
-                    self.stats.add(released=1)
-                else:
+                        self.stats.add(released=1)
+                    elif j.released is not None:
+                        self.stats.add(released=1)
+                elif not checked:
                     self.retry.call(lambda: store.validate(h.lease_id, c.claimer, c.fence), self._on_retry)
             except KVBridgeError as exc:
                 res.error = exc
                 if isinstance(exc, LeaseError):
                     self.stats.add(stale_refused=1)
-        if res.error is None and self.pool.generations(j.dst) != j.gens:
-            res.error = PoolError(f"destination blocks of {h.request_id!r} were freed or retired during the "
-                                  "transfer; their contents are not this request's KV")
         if res.error is not None:
             if not res.failed_block_ids:
                 res.failed_block_ids = list(j.dst)
@@ -412,12 +436,35 @@ class KVReceiver:
             res.ok = True
             if j.release and c is None:
                 self.release(h, wait=False)
+        if c is not None and c.epoch and (j.release or not res.ok):
+            self._after.clock.forget(h.lease_id, c)
         res.seconds = time.perf_counter() - j.t0
         if res.ok:
             self.stats.add(fetches=1, ok=1, bytes=res.nbytes, seconds=res.seconds)
         else:
             self.stats.add(fetches=1, seconds=res.seconds)
         return res
+
+    def _checked_after_read(self, j: _Job, c: Claim) -> bool:
+        """Whether validate-after-read already holds without the lease store (see AfterRead)."""
+        return j.released is None and self._after.holds(j.h, j.since, c)   # else fetch_many's batch did it
+
+    def _unvouched(self, j: _Job, c: Optional[Claim]) -> None:
+        """The owner served the bytes but could not vouch for the lease after the last one left
+        (it ended the handle, or the lease neared its TTL). The bytes are never used; the
+        error reported is the lease store's answer where it refuses the claim."""
+        store = j.store
+        if store is None or c is None or not c.epoch:
+            return
+        try:
+            self.retry.call(lambda: store.validate(j.h.lease_id, c.claimer, c.fence), self._on_retry)
+        except KVBridgeError as exc:
+            j.res.error = exc
+            if isinstance(exc, LeaseError):
+                self.stats.add(stale_refused=1)
+
+    def _released_later(self, ok: int, failed: int) -> None:
+        self.stats.add(released=ok, released_later=ok, release_failures=failed)
 
     # -- public faces of the pipeline ------------------------------------------------------
     def _transfer(self, j: _Job) -> Transfer:
@@ -448,7 +495,7 @@ class KVReceiver:
         """Fetch many handles: claims batched per lease server (one round trip), reads
         pipelined per sender on one connection."""
         jobs = [self._prepare(h, d, None, release) for h, d in items]
-        self._claim_batch(jobs)
+        claim_batch(self, jobs)
         groups: dict[str, list[tuple[_Job, ReadOp]]] = {}
         for j in jobs:
             if j.res.error is None and not j.h.layerwise and j.h.codec == "raw":
@@ -467,7 +514,7 @@ class KVReceiver:
                     self._verify_whole(j, op.dst)
                 except KVBridgeError as exc:
                     j.res.error = exc
-        self._release_batch([j for j in jobs if not (j.h.layerwise or j.h.codec != "raw")])
+        release_batch(self, [j for j in jobs if not (j.h.layerwise or j.h.codec != "raw")])
         out = []
         for j in jobs:
             if j.res.error is None and (j.h.layerwise or j.h.codec != "raw"):
@@ -475,53 +522,6 @@ class KVReceiver:
             else:
                 out.append(self._settle(j))
         return out
-
-    def _release_batch(self, jobs: list[_Job]) -> None:
-        """The releases (validates-after-read) of read jobs, one pipelined round trip per store."""
-        by_store: dict[int, list[_Job]] = {}
-        for j in jobs:
-            c = j.claim
-            if j.res.error is None and j.release and j.store is not None and c is not None and c.epoch:
-                by_store.setdefault(id(j.store), []).append(j)
-        for js in by_store.values():
-            many = getattr(js[0].store, "release_many", None)
-            if many is None or len(js) < 2:
-                continue                                   # released one by one in _settle
-            items = [(j.h.lease_id, c.fence) for j in js if (c := j.claim) is not None]
-            try:
-                got = self.retry.call(lambda: many(self.claimer, items), self._on_retry)
-            except KVBridgeError as exc:
-                got = [exc] * len(js)
-            for j, r in zip(js, got):
-                j.released = r if isinstance(r, KVBridgeError) else True
-
-    def _claim_batch(self, jobs: list[_Job]) -> None:
-        by_store: dict[int, list[_Job]] = {}
-        for j in jobs:
-            if j.store is not None:
-                by_store.setdefault(id(j.store), []).append(j)
-        for js in by_store.values():
-            store = js[0].store
-            assert store is not None
-            many = getattr(store, "claim_many", None)
-            try:
-                if many is None:
-                    got: list[Any] = [self._claim(store, j.h) for j in js]
-                else:
-                    got = self.retry.call(lambda: many(self.claimer, [j.h.lease_id for j in js], self.claim_ttl),
-                                          self._on_retry)
-            except KVBridgeError as exc:
-                for j in js:
-                    j.res.error = exc
-                continue
-            for j, lease in zip(js, got):
-                if isinstance(lease, KVBridgeError):
-                    j.res.error = lease
-                elif isinstance(lease, Claim):
-                    j.claim = lease
-                else:
-                    j.claim = Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
-                    self.stats.add(claimed=1)
 
     async def afetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                           release: bool = True) -> list[FetchResult]:
@@ -574,10 +574,12 @@ class KVReceiver:
         self._desk.abort_remote(ticket_bytes)
 
     def close(self) -> None:
+        """Stop serving; send the releases still pending (bounded), then close connections."""
         for s in self.servers:
             s.close()
         self._desk.close()
         self._workers.close()
+        self._releaser.close()
         with self._lock:
             ts = list(self._transports.values())
             self._transports.clear()

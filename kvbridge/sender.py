@@ -17,7 +17,8 @@ under the reservation's lease: it claims it (one writer wins), writes under the
 claim's fence, and releases it when the last layer has landed and verified there.
 
 Leases (``leases=``, see ``docs/LEASES.md``): each handle gets a lease in Redis
-(owner, TTL, fence). Reads must present the claimer's current fence; the sender learns
+(owner, TTL, fence). Reads must present the claimer's current fence, and after the last
+byte of each the sender vouches for it (:meth:`Grant.vouch`); the sender learns
 of releases and aborts from its event stream (with a periodic sweep as fallback) and,
 before freeing for any other reason, revokes the lease in Redis first. If Redis is
 unreachable it keeps the blocks until its local deadline (TTL plus a margin for clock
@@ -41,7 +42,7 @@ from .frames import FrameStore, check_codec
 from .handle import KVHandle, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
 from .logs import RateLimitedLog
-from .lease import Claim, LeaseState, LeaseStore, owner_deadline
+from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout
 from .pool import KVPool
@@ -223,7 +224,7 @@ class KVSender:
         handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
         deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
         rec = Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers,
-                      frames=frames)
+                     frames=frames, alive_until=holds_until(sent_at, ttl, margin_s=self.clock_margin))
         with self._lock:
             if self._closed:
                 closed = True
@@ -567,6 +568,7 @@ class KVSender:
         if self.leases is not None and rec.handle.lease_id:
             self.leases.renew(rec.handle.lease_id, self.owner, ttl)
             rec.deadline = max(rec.deadline, owner_deadline(sent_at, ttl, margin_s=self.clock_margin))
+            rec.alive_until = max(rec.alive_until, holds_until(sent_at, ttl, margin_s=self.clock_margin))
         else:
             rec.deadline = max(rec.deadline, sent_at + ttl)
 

@@ -16,6 +16,11 @@ Clock assumptions
   expiry is earlier than the local deadline as long as the two clocks' rates
   differ by less than ``rate_margin``. Any validate after that point reaches the
   server, where the lease has expired or been lost: freeing is safe (invariant 1).
+* A TTL is certainly still running, by a client's clock, until :func:`holds_until`: the
+  monotonic time taken before the call that set it, plus the TTL shrunk by the rate
+  margin, less a fixed margin. An owner vouches for its lease with it after serving a read,
+  a claimer for its claim before it skips the validate-after-read round trip
+  (``docs/LEASES.md``).
 * Fences are ``(epoch, counter)``: the epoch is random per server dataset, so a
   server restart that lost its data never repeats a fence (invariant 4).
 """
@@ -31,7 +36,7 @@ from typing import ClassVar, List, NamedTuple, Optional, Sequence, TypeVar
 
 __all__ = [
     "LeaseState", "Fence", "Lease", "LeaseEvent", "LeaseStats", "LeaseStore",
-    "owner_deadline", "EVENT_KINDS", "Claim",
+    "owner_deadline", "holds_until", "EVENT_KINDS", "Claim",
 ]
 
 U64_MAX = (1 << 64) - 1
@@ -139,6 +144,18 @@ def owner_deadline(sent_at: float, ttl_s: float, *, margin_s: float = 1.0,
     cut off from the server may free the blocks. Keep the maximum over renewals.
     """
     return sent_at + ttl_s * (1.0 + rate_margin) + margin_s
+
+
+def holds_until(sent_at: float, ttl_s: float, *, margin_s: float = 1.0, rate_margin: float = 0.01) -> float:
+    """The local (``time.monotonic()``) time until which a TTL is certainly still running.
+
+    The lower-bound twin of :func:`owner_deadline`: ``sent_at`` is ``time.monotonic()`` taken
+    *before* the call that set (or extended) the TTL was sent, so the server started the TTL
+    after it. Before the returned time -- the TTL shrunk by the clock-rate margin, less
+    ``margin_s`` -- the server cannot have ended it, as long as the two clocks' rates differ
+    by less than ``rate_margin``; ``margin_s`` leaves room for what must still happen under it
+    (the last bytes landing, a release reaching the server)."""
+    return sent_at + ttl_s * (1.0 - rate_margin) - margin_s
 
 
 class LeaseStore(abc.ABC):

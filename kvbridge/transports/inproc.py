@@ -13,6 +13,7 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
 from .staging import copy_slices, device_slices
+from .wire import settle_vouch, vouch_of
 
 __all__ = ["InprocTransport"]
 
@@ -41,6 +42,9 @@ def _copy(dst: Spans, src: Spans) -> int:
 class InprocTransport(Transport):
     scheme = "inproc"
     claims_on_read = True
+    # the owner's validate-after-read runs right after each copy, as tcp's trailer (see .wire)
+    validates_after_read = True
+    vouches_lease_ttl = True
 
     @classmethod
     def serve(cls, url: str, source: Any, timeout: Timeout = Timeout()) -> Server:
@@ -67,7 +71,9 @@ class InprocTransport(Transport):
         grant = self._endpoint(url, "open_read").open_read(handle.to_bytes(), indices, claim)
         try:
             dst.claimed = grant.claim
-            return _copy(dst, grant.spans)
+            n = _copy(dst, grant.spans)
+            settle_vouch(vouch_of(grant), grant.claim or claim, f"read {url}")
+            return n
         finally:
             grant.close()
 
@@ -76,7 +82,9 @@ class InprocTransport(Transport):
         grant = self._endpoint(url, "open_read").open_read(handle.to_bytes(), indices, claim, (first, end))
         try:
             lo, hi = grant.layers
-            return Chunk(lo, hi, grant.sums, _copy(spans_for(lo, hi, grant.spans.nbytes), grant.spans), grant.claim)
+            n = _copy(spans_for(lo, hi, grant.spans.nbytes), grant.spans)
+            settle_vouch(vouch_of(grant), grant.claim or claim, f"read layers of {url}")
+            return Chunk(lo, hi, grant.sums, n, grant.claim)
         finally:
             grant.close()
 

@@ -318,6 +318,7 @@ class NVLinkTransport(ShmTransport):
     scheme = "nvlink"
     server_class = NVLinkServer
     claims_on_read = True
+    validates_after_read = False   # not shm's re-check: its leased fetches keep the store's validate
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)

@@ -13,7 +13,12 @@ sender sends OPEN, which is authorized like a MAP and answers where the sender's
 block generations and its live-handle table are; the receiver maps them read-only and
 from then on reads with no message at all -- check, copy, re-check, seqlock-style (see
 :mod:`.shmtable` for the safety argument). Leased handles are claimed by the receiver in
-the lease store and validated there after the read, as for any transport.
+the lease store. The re-check after the copy (DONE, on the MAP path) is the validate-after-read
+of the bytes and of the handle (the owner ends a handle in its table before it revokes or frees
+anything); the claim's reply, which the receiver keeps, bounds how long the claim certainly
+holds. Together they let a leased fetch skip the lease round trip after the copy
+(``docs/LEASES.md``). The owner does not vouch for its lease's TTL here: a claim the receiver
+did not make itself (``CLAIM_ME`` on the MAP path) is validated in the store after the read.
 
 Push: the receiver's pool must live in shared memory. WMAP asks for the reserved
 blocks of some layers; the writer maps that segment writable, copies, and WDONE hands
@@ -213,6 +218,8 @@ class ShmTransport(Transport):
     server_class: type[ShmServer] = ShmServer
     # One-sided reads carry no message to claim in: the receiver claims in the lease store itself.
     claims_on_read = not ONE_SIDED
+    validates_after_read = True   # the post-copy re-check (one-sided) or DONE (MAP path)
+    vouches_lease_ttl = False     # ... of the bytes and the handle only: the claim's own reply bounds it
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)

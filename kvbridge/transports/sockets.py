@@ -20,9 +20,9 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
-from .wire import (FENCE, HEADER, MAX_CONTROL, Budget, FrameReader, Kind, RateGuard, decode_error, decode_request,
-                   encode_error, encode_layers, map_os_error, pack, recv_exact, send_iter, set_os_timeouts,
-                   unpack_header)
+from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
+                   decode_request, encode_error, encode_layers, encode_trailer, map_os_error, pack, recv_exact,
+                   send_iter, set_os_timeouts, unpack_header, vouch_of)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
@@ -37,6 +37,7 @@ MAX_PING = 64              # PING payload echoed back, at most
 MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
 RATE_GRACE = 2.0
 RELEASE_LINGER = 0.002  # seconds a deferred release waits for a request to ride on
+_MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its trailer joins it in one segment
 
 
 def tune(sock: socket.socket) -> None:
@@ -287,19 +288,22 @@ class SocketServer(Server):
             spans = grant.spans
             c = grant.claim
             prefix = FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0)
-            if req.layers is None:
-                head = pack(Kind.DATA, req_id, prefix, length=len(prefix) + spans.nbytes)
-            else:
+            if req.layers is not None:
                 prefix += encode_layers(*grant.layers, grant.sums)
-                head = pack(Kind.LDATA, req_id, prefix, length=len(prefix) + spans.nbytes)
+            head = pack(Kind.DATA if req.layers is None else Kind.LDATA, req_id, prefix,
+                        length=len(prefix) + spans.nbytes + TRAILER.size)
             if spans.pool.is_host:
-                send_iter(conn, head, spans.iter_views(), RateGuard(MIN_RATE, RATE_GRACE))
+                send_iter(conn, head, spans.iter_views(), RateGuard(MIN_RATE, RATE_GRACE),
+                          _MORE if conn.family in (socket.AF_INET, socket.AF_INET6) else 0)
             else:
                 ring = self._rings.take()
                 try:
                     send_staged(conn, spans, ring, head)
                 finally:
                     self._rings.give(ring)
+            # validate-after-read: every byte has been handed to the kernel, so no later change
+            # to the pool can alter what was sent; the grant still holds the blocks
+            conn.sendall(encode_trailer(vouch_of(grant)))
         finally:
             grant.close()
         return True

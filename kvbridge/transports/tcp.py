@@ -4,10 +4,12 @@ Pull: the receiver sends one READ frame (the handle, optional block indices, opt
 layer range); the server authorizes it against the sender (live handle, token/MAC,
 generations, claim fence), answers with a DATA (or, for layers, LDATA) header and
 ``sendmsg``s the pool memory; the receiver ``recvmsg_into``s directly into destination
-pool memory. Push: the writer sends a WRITE frame (reservation, layers, checksums)
-followed by the bytes, which the receiver's server takes straight into the reserved
-blocks. No intermediate buffers, no per-block ``bytes``. Connections are pooled;
-``read_many`` pipelines requests on one connection; one thread per connection on the
+pool memory. After the last byte the server sends the reply's trailer: the owner's
+validate-after-read (:mod:`.wire`), which the receiver checks before it keeps the bytes.
+Push: the writer sends a WRITE frame (reservation, layers, checksums) followed by the
+bytes, which the receiver's server takes straight into the reserved blocks. No
+intermediate buffers, no per-block ``bytes``. Connections are pooled; ``read_many``
+pipelines requests on one connection; one thread per connection on the
 server (:mod:`.sockets`).
 """
 
@@ -18,15 +20,15 @@ import threading
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, KVBridgeError, ProtocolError
+from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport
 from .sockets import SocketClient, SocketServer, connector
 from .staging import RingPool, recv_staged, send_staged
-from .wire import (FENCE, HEADER, LAYERS, Kind, decode_error, decode_layers, encode_request, map_os_error, pack,
-                   recv_exact, recv_iter, send_iter, unpack_header)
+from .wire import (FENCE, HEADER, LAYERS, TRAILER, Kind, check_trailer, decode_error, decode_layers, encode_request,
+                   map_os_error, pack, recv_exact, recv_iter, send_iter, unpack_header)
 
 __all__ = ["TCPTransport", "parse_tcp_url"]
 
@@ -68,19 +70,29 @@ def _claim_of(prefix: bytes, claim: Optional[Claim]) -> Optional[Claim]:
 
 def _read_reply_data(sock: socket.socket, kind: Kind, length: int, dst: Spans, what: str,
                      claim: Optional[Claim]) -> int:
+    """A DATA reply into ``dst``, its trailer checked last: a StaleHandle raised here means the
+    frame was read whole (an ERROR reply, or a trailer that refused the bytes)."""
     if kind is Kind.ERROR:
         raise decode_error(recv_exact(sock, length))
-    if kind is not Kind.DATA or length < FENCE.size:
+    if kind is not Kind.DATA or length < FENCE.size + TRAILER.size:
         raise ProtocolError(f"{what}: expected DATA, got {kind.name}")
-    if length - FENCE.size != dst.nbytes:
-        raise ProtocolError(f"{what}: sender offers {length - FENCE.size} bytes, destination holds {dst.nbytes}")
+    if length - FENCE.size - TRAILER.size != dst.nbytes:
+        raise ProtocolError(f"{what}: sender offers {length - FENCE.size - TRAILER.size} bytes, "
+                            f"destination holds {dst.nbytes}")
     dst.claimed = _claim_of(recv_exact(sock, FENCE.size), claim)
-    return _recv_into(sock, dst)
+    n = _recv_into(sock, dst)
+    check_trailer(recv_exact(sock, TRAILER.size), dst.claimed or claim, what)
+    return n
 
 
 class TCPTransport(Transport):
     scheme = "tcp"
     claims_on_read = True
+    # Every read reply ends with the owner's validate-after-read (the trailer, see .wire), which
+    # also vouches for the lease's TTL: with the claim's own TTL, checked by the receiver, a
+    # leased fetch needs no lease round trip after its bytes land (docs/LEASES.md).
+    validates_after_read = True
+    vouches_lease_ttl = True
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
@@ -145,11 +157,14 @@ class TCPTransport(Transport):
                 head += recv_exact(sock, 8 * nsums)
             nb = len(indices) if indices is not None else handle.num_blocks
             lo, hi, sums, used = decode_layers(head, nb, (first, end))
-            used += FENCE.size
+            used += FENCE.size + TRAILER.size
+            if length < used:
+                raise ProtocolError(f"{what}: LDATA frame too short for its trailer")
             dst = spans_for(lo, hi, length - used)
             if length - used != dst.nbytes:
                 raise ProtocolError(f"{what}: sender offers {length - used} bytes, destination holds {dst.nbytes}")
             n = _recv_into(sock, dst)
+            check_trailer(recv_exact(sock, TRAILER.size), got_claim or claim, what)
         except BaseException as exc:
             sock.close()
             raise map_os_error(exc, what) from None
@@ -183,6 +198,8 @@ class TCPTransport(Transport):
                     raise ProtocolError(f"pipelined reply {rid} out of order (expected {ids[i]})")
                 try:
                     op.result = _read_reply_data(sock, kind, length, op.dst, f"read {url}", op.claim)
+                except StaleHandle as exc:      # refused by its ERROR reply or its trailer: read whole
+                    op.result = exc
                 except KVBridgeError as exc:
                     if kind is not Kind.ERROR:
                         raise

@@ -126,6 +126,11 @@ class _Peer:
 
 class UCXTransport(Transport):
     scheme = "ucx"
+    # Every read reply is validated after its bytes were copied (inline replies) or sent (the
+    # trailer): the bytes and the handle, as shm's re-check. Not the lease's TTL: the receiver
+    # claims in the store itself, and the claim's reply bounds the claim (docs/LEASES.md).
+    validates_after_read = True
+    vouches_lease_ttl = False
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)

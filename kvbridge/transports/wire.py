@@ -5,6 +5,30 @@ type, request id, payload length. Control payloads are capped
 (:data:`MAX_CONTROL`); a DATA payload's length must equal what the request asked
 for. Anything else is a :class:`ProtocolError`. Socket errors are mapped to the
 kvbridge tree here, at the boundary.
+
+A read's reply (version 3)::
+
+    DATA   header | FENCE (!QQ: the claim it was served under; 0, 0: none) | bytes | TRAILER
+    LDATA  header | FENCE | LAYERS (!HHI) + checksums | bytes | TRAILER
+
+The declared length covers all of it, so a reply is exactly ``FENCE + LAYERS prefix +
+the bytes asked for + TRAILER``: a peer that declares anything else is refused before a
+byte is read into the destination. ``TRAILER`` (``!BBH``: status, two zero bytes) is the
+owner's validate-after-read, taken *after* the last byte was handed to the kernel (later
+changes to pool memory cannot alter bytes already sent). Its status (:class:`Vouch`):
+
+* ``OK`` -- the blocks still had the handle's generations, the handle was live (not
+  revoked, expired, closed or released), and, for a leased handle, its lease was certainly
+  within its TTL by the owner's clock (:func:`~kvbridge.lease.holds_until`);
+* ``UNSURE`` -- the bytes were the handle's, but the owner cannot vouch for its lease (it
+  ended the handle, or the lease is within the owner's clock margin of its TTL): the
+  reader raises :class:`~kvbridge.errors.Unvouched` and asks the lease store;
+* ``STALE`` -- the blocks were freed or reused: the bytes are not the handle's
+  (:class:`~kvbridge.errors.StaleHandle`).
+
+Every DATA and LDATA reply carries it (``read``, pipelined ``read_many`` and layer reads
+alike); a trailer that refuses a reply leaves the connection in step (the frame was read
+whole), so a pipeline goes on with the next reply.
 """
 
 from __future__ import annotations
@@ -16,18 +40,18 @@ import threading
 import time
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
-from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError,
-                      TransferTimeout, error_from_code)
+from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError, StaleHandle,
+                      TransferTimeout, Unvouched, error_from_code)
 from ..lease.base import Claim
 
 __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER", "MAX_CONTROL", "pack",
            "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS", "FENCE",
-           "CLAIM_ME",
+           "CLAIM_ME", "TRAILER", "Vouch", "encode_trailer", "check_trailer", "vouch_of", "settle_vouch",
            "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
            "RateGuard"]
 
 MAGIC = b"KB"
-VERSION = 2
+VERSION = 3
 HEADER = struct.Struct("!2sBBIQ")
 MAX_CONTROL = 16 << 20
 IOV_MAX = 1024
@@ -79,6 +103,50 @@ _CLAIM = struct.Struct("!QQH")
 LAYERS = struct.Struct("!HHI")    # first layer, end layer, number of checksums (reply prefix)
 FENCE = struct.Struct("!QQ")      # every read reply starts with the fence it was served under (0, 0: none)
 F_INDICES, F_CLAIM, F_LAYERS, F_LAST, F_DATA = 1, 2, 4, 8, 16
+
+
+TRAILER = struct.Struct("!BBH")  # every read reply ends with it: status, two zero bytes
+
+
+class Vouch(enum.IntEnum):
+    """What the owner says of a read once its last byte has left (the reply's trailer)."""
+
+    OK = 0       # the bytes were the handle's; the handle live and its lease within its TTL
+    UNSURE = 1   # the bytes were the handle's; the owner cannot vouch for the lease: ask the store
+    STALE = 2    # the blocks were freed or reused: the bytes are not the handle's
+
+
+def vouch_of(grant: object) -> Vouch:
+    """The owner's verdict on a read grant after the last byte left: its ``vouch()``, or for a
+    grant that has none, ``still_valid()`` (which knows nothing of the lease's TTL)."""
+    vouch = getattr(grant, "vouch", None)
+    if vouch is not None:
+        return Vouch(vouch())
+    return Vouch.OK if grant.still_valid() else Vouch.STALE  # type: ignore[attr-defined]
+
+
+def encode_trailer(status: Vouch) -> bytes:
+    return TRAILER.pack(status, 0, 0)
+
+
+def settle_vouch(status: int, claim: Optional[Claim], what: str) -> None:
+    """Raise unless the owner vouched for the read (``claim``: what it was served under)."""
+    if status == Vouch.OK:
+        return
+    if status == Vouch.STALE:
+        raise StaleHandle(f"{what}: the blocks were freed or reused while they were sent; bytes discarded")
+    if status == Vouch.UNSURE:
+        raise Unvouched(f"{what}: the sender ended the handle, or its lease neared its TTL, while serving it; "
+                        "bytes not used", claim)
+    raise ProtocolError(f"{what}: unknown trailer status {status}")
+
+
+def check_trailer(raw: bytes, claim: Optional[Claim], what: str) -> None:
+    """Parse a read reply's trailer and :func:`settle_vouch` it."""
+    status, z1, z2 = TRAILER.unpack(raw)
+    if z1 or z2:
+        raise ProtocolError(f"{what}: malformed trailer")
+    settle_vouch(status, claim, what)
 
 
 def CLAIM_ME(claimer: str, ttl: float) -> Claim:
@@ -467,8 +535,9 @@ def recv_iter(sock: socket.socket, views: Iterator[memoryview],
 
 
 def send_iter(sock: socket.socket, head: bytes, views: Iterator[memoryview],
-              guard: Optional["RateGuard"] = None) -> int:
-    """:func:`send_all` of ``head`` then buffers produced as they are needed."""
+              guard: Optional["RateGuard"] = None, flags: int = 0) -> int:
+    """:func:`send_all` of ``head`` then buffers produced as they are needed (``flags``: for
+    ``sendmsg``, e.g. ``MSG_MORE`` when a trailer follows at once)."""
     window: list[memoryview] = [memoryview(head)] if head else []
     have = len(head)
     sent = 0
@@ -476,7 +545,7 @@ def send_iter(sock: socket.socket, head: bytes, views: Iterator[memoryview],
         have = _fill_window(window, have, views, SEND_WINDOW)
         if not window:
             return sent
-        k = sock.sendmsg(window)
+        k = sock.sendmsg(window, (), flags) if flags else sock.sendmsg(window)
         sent += k
         have -= k
         del window[:_advance(window, 0, k)]

@@ -173,6 +173,60 @@ def test_leased_fetch_one_sided() -> None:
         p.close()
 
 
+def _wait(cond: Any, timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not cond():
+        time.sleep(0.01)
+    return bool(cond())
+
+
+def test_leased_one_sided_fetch_releases_after_it_returns() -> None:
+    """The re-check after the copy and the claim's own reply show validate-after-read: the
+    release goes after the fetch returns. Revoked between copy and re-check: never ok."""
+    p = Pair(allocator="engine", leases=True)
+    try:
+        src, dst = [1, 2], [3, 4]
+        assert p.rcv.fetch(p.publish(src), dst).ok
+        assert _wait(lambda: p.rcv.stats.released_later == 1 and p.snd.num_live == 0)
+        h = p.publish(src)
+        p.tr.after_copy = lambda handle: p.snd.revoke(h)          # the owner ends it under the copy
+        res = p.rcv.fetch(h, dst)
+        p.tr.after_copy = None
+        assert isinstance(res.error, StaleHandle) and not res.ok and res.failed_block_ids == dst, res.error
+        assert p.rcv.lease_store(h).get(h.lease_id) is None       # revoked in the store: nothing to release
+        assert p.rcv.stats.released_later == 1
+    finally:
+        p.close()
+
+
+@pytest.mark.parametrize("lapsed", [False, True])
+def test_leased_claim_older_than_ttl_margin_is_validated_in_the_store(lapsed: bool) -> None:
+    """The claim is within the receiver's clock margin of its TTL when the copy's re-check
+    passes: the release is made at once, in the store, as the validate-after-read -- ok while
+    the claim holds, refused once it lapsed."""
+    p = Pair(allocator="engine", leases=True)
+    rcv = KVReceiver(p.dst, claim_ttl=0.6 if lapsed else 2.0, clock_margin=0.3 if lapsed else 1.0)
+    try:
+        src, dst = [5, 6], [7, 8]
+        tr = rcv.transport(p.snd.url)
+        assert rcv.fetch(p.publish([9]), [9]).ok                  # mapping open
+        h = p.publish(src)
+        tr.after_copy = lambda handle: time.sleep(0.8 if lapsed else 1.1)   # past TTL - margin
+        res = rcv.fetch(h, dst)
+        tr.after_copy = None
+        if lapsed:
+            assert not res.ok and isinstance(res.error, StaleHandle), res.error
+        else:
+            assert res.ok, res.error
+            assert mismatched_blocks(p.dst, dst, p.src, src) == []
+            lease = rcv.lease_store(h).get(h.lease_id)
+            assert lease is not None and lease.state.value == "released"   # before fetch returned
+        assert _wait(lambda: rcv.stats.released_later == 1)         # only the first fetch's went later
+    finally:
+        rcv.close()
+        p.close()
+
+
 def test_sender_closed_or_killed_after_mapping() -> None:
     p = Pair()
     try:

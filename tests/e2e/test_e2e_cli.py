@@ -85,6 +85,12 @@ def test_leases_separates_live_from_released(lease_url: str, capsys: pytest.Capt
         done = snd.publish("req-done", src.alloc(2), 8)
         waiting = snd.publish("req-waiting", src.alloc(2), 8)
         assert rcv.fetch(done, dst.alloc(2)).ok
+        store = rcv.lease_store(done)
+        assert store is not None
+        deadline = time.monotonic() + 5.0       # the release goes after the fetch has returned
+        while (lease := store.get(done.lease_id)) is not None and lease.state.value != "released" \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         url = lease_url
         capsys.readouterr()
         assert main(["leases", "--url", url, "--owner", snd.owner]) == 0

@@ -124,6 +124,9 @@ class _HeldGrant:
     def still_valid(self) -> bool:
         return bool(self._inner.still_valid())
 
+    def vouch(self) -> Any:
+        return self._inner.vouch()
+
     def close(self) -> None:
         self._owner._check_owned(self._inner.rec)   # the bytes have just been sent
         self._inner.close()

@@ -238,3 +238,45 @@ def test_idle_connections_cost_no_threads(child: Child) -> None:
         assert res.ok, res.error
     for s in socks:
         s.close()
+
+
+@pytest.mark.parametrize("reply", ["no_trailer", "bad_status", "nonzero_pad", "stale", "unsure"])
+def test_hostile_sender_data_reply_and_trailer(reply: str) -> None:
+    """A sender's DATA reply must declare exactly FENCE + the bytes asked for + TRAILER, and its
+    trailer must vouch for them: anything else is refused; the bytes are never reported ok."""
+    import dataclasses
+    import threading
+
+    from kvbridge import StaleHandle
+    from kvbridge.transports.wire import FENCE, HEADER, TRAILER, Vouch, recv_exact, unpack_header
+    L = KVLayout.vllm_flash(1, 1, 4, block_size=2, dtype="float16")
+    with KVSender(KVPool.allocate(L, 4), "inproc://", leases=False) as snd:
+        real = snd.publish("real", snd.pool.alloc(2), 4)
+    nbytes = 2 * L.block_nbytes
+    status, pad = {"bad_status": (9, 0), "nonzero_pad": (0, 1), "stale": (Vouch.STALE, 0),
+                   "unsure": (Vouch.UNSURE, 0)}.get(reply, (0, 0))
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = lst.accept()
+        with conn:
+            _, rid, length = unpack_header(recv_exact(conn, HEADER.size))
+            recv_exact(conn, length)
+            body = FENCE.pack(0, 0) + b"\x01" * nbytes
+            if reply != "no_trailer":
+                body += TRAILER.pack(status, pad, 0)
+            conn.sendall(pack(Kind.DATA, rid, body))
+            try:
+                conn.recv(1)                           # until the receiver closes
+            except OSError:
+                pass
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    h = dataclasses.replace(real, urls=(f"tcp://127.0.0.1:{lst.getsockname()[1]}",))
+    with KVReceiver(KVPool.allocate(L, 4), leases=False, verify=False) as rcv:
+        res = rcv.fetch(h, [0, 1], release=False)
+    t.join(5)
+    lst.close()
+    assert not res.ok
+    want = StaleHandle if reply in ("stale", "unsure") else ProtocolError
+    assert isinstance(res.error, want), repr(res.error)
