@@ -55,7 +55,7 @@ def planes(pool: "KVPool", layers: Optional[range] = None) -> bytes:
     key = (layers.start, layers.stop)
     try:
         return _PLANES[pool][key]
-    except KeyError:
+    except (KeyError, TypeError):
         pass
     addrs = pool.buffer_addresses()
     sizes = [b.numel() * b.element_size() for b in pool.buffers]

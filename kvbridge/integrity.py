@@ -6,6 +6,9 @@ its layers (:func:`block_checksums`); a layer-wise handle's checksums are comput
 (:func:`layer_checksums`). Both hash each part in (layer, part) order, which is the order
 bytes arrive in, so :class:`StreamVerifier` computes either while the bytes land.
 
+Host pools are hashed by :mod:`kvbridge.blockcopy` (one C pass over the blocks' parts, or its
+Python twin); shm:// one-sided reads hash each block as it lands, in the same pass as the copy.
+
 Device pools (CUDA) have the same checksums, computed over their bytes as they pass through
 host memory: :func:`block_checksums` stages the blocks (one gather and one device-to-host
 copy per ring slot, :func:`~kvbridge.transports.staging.stage_out`) and hashes each slot;

@@ -71,3 +71,12 @@ class ReceiverStats(_Counters):
     writes_refused: int = 0      # push mode: writes refused (bad ticket, stale fence, late)
     bytes: int = 0
     seconds: float = 0.0
+
+    def fetched(self, ok: bool, nbytes: int, seconds: float) -> None:
+        """One fetch ended (the hot path's single update)."""
+        with self._lock:
+            self.fetches += 1
+            self.seconds += seconds
+            if ok:
+                self.ok += 1
+                self.bytes += nbytes

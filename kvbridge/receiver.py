@@ -148,6 +148,8 @@ class KVReceiver:
 
     # -- input checks (on the caller's thread: cheap, and they raise) ----------------------
     def _parse(self, handle: HandleLike) -> KVHandle:
+        if type(handle) is KVHandle and self.secret is None:     # the common case, first
+            return handle
         if isinstance(handle, (bytes, bytearray, memoryview)):
             return KVHandle.from_bytes(handle, self.secret)
         if isinstance(handle, dict):
@@ -162,7 +164,7 @@ class KVReceiver:
         dst = [int(b) for b in dst_block_ids]
         if len(dst) != want:
             raise PoolError(f"{want} blocks to move but {len(dst)} destination block ids")
-        if len(set(dst)) != len(dst):
+        if len(dst) > 1 and len(set(dst)) != len(dst):
             raise PoolError("duplicate destination block ids")
         self.pool._check_ids(dst)
         return dst
@@ -234,8 +236,8 @@ class KVReceiver:
         """Destination memory; with verification on, hashed as it lands."""
         spans = Spans.of_blocks(self.pool, j.dst)
         if self.verify and j.h.checksums:
-            spans.want_digests = self.pool.is_host
-            if spans.nbytes > HASH_AFTER or not self.pool.is_host:
+            host = spans.want_digests = self.pool.is_host
+            if not host or spans.nbytes > HASH_AFTER:
                 spans.verifier = StreamVerifier(self.pool, j.dst)
         if t is not None:
             spans.cancel = t.cancel_event
@@ -439,10 +441,7 @@ class KVReceiver:
         if c is not None and c.epoch and (j.release or not res.ok):
             self._after.clock.forget(h.lease_id, c)
         res.seconds = time.perf_counter() - j.t0
-        if res.ok:
-            self.stats.add(fetches=1, ok=1, bytes=res.nbytes, seconds=res.seconds)
-        else:
-            self.stats.add(fetches=1, seconds=res.seconds)
+        self.stats.fetched(res.ok, res.nbytes, res.seconds)
         return res
 
     def _checked_after_read(self, j: _Job, c: Claim) -> bool:

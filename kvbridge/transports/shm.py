@@ -403,7 +403,7 @@ class ShmTransport(Transport):
             if not 0 <= b < nb or gens[b] != g:
                 return None
         if indices is None:
-            sel = list(ids)
+            sel = ids
         else:
             n = len(ids)
             if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
@@ -423,7 +423,10 @@ class ShmTransport(Transport):
             nbytes = copy_into(dst.views(), m.source_views(sel), dst.on_landed)
         if self.after_copy is not None:
             self.after_copy(handle)
-        if not m.still(*hit) or any(gens[b] != g for b, g in zip(ids, want)):
+        stale = not m.still(*hit)
+        for b, g in zip(ids, want):
+            stale = stale or gens[b] != g
+        if stale:
             dst.digests = None
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
         alive = True

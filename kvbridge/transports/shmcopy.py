@@ -1,4 +1,5 @@
-"""The copy loop of shm:// reads: memoryview slice assignment (one C memcpy, less call
+"""The general copy loop of shm:// reads (whole blocks go through :func:`kvbridge.blockcopy.copy_blocks`
+instead, one C pass that also hashes them): memoryview slice assignment (one C memcpy, less call
 overhead than ``ctypes.memmove``), in chunks small enough to stay in L2, each chunk hashed
 by the verifier right after it lands -- so verification reads it from cache, not memory.
 
