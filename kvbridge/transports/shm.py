@@ -37,7 +37,7 @@ import socket
 import struct
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
 from ..blockcopy import copy_blocks, planes
@@ -402,6 +402,7 @@ class ShmTransport(Transport):
         for b, g in zip(ids, want):
             if not 0 <= b < nb or gens[b] != g:
                 return None
+        sel: Sequence[int]
         if indices is None:
             sel = ids
         else:
@@ -420,7 +421,7 @@ class ShmTransport(Transport):
                 raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
             nbytes = dst.nbytes
         else:
-            nbytes = copy_into(dst.views(), m.source_views(sel), dst.on_landed)
+            nbytes = copy_into(dst.views(), m.source_views(list(sel)), dst.on_landed)
         if self.after_copy is not None:
             self.after_copy(handle)
         stale = not m.still(*hit)
