@@ -174,6 +174,7 @@ class SenderMap:
         self.nslots = n
         self.watch: Any = None                    # the control connection OPEN came on: EOF = sender gone
         self.poll: Any = None                     # a poll object watching it
+        self.polled = 0.0                         # when it was last asked (monotonic)
 
     def lookup(self, raw: bytes) -> Optional[tuple[int, int]]:
         """(slot, seq) of a live handle with exactly these bytes, or None."""

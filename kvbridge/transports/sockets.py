@@ -454,19 +454,20 @@ class SocketClient:
         for s in idle:
             s.close()
 
-    def release(self, handle: KVHandle, wait: bool, what: str) -> None:
+    def release(self, handle: KVHandle, wait: bool, url: str) -> None:
         """RELEASE (and read the answer), or RELEASE_NOREPLY without a send of its own: the
         frame rides behind this client's next request, or goes alone after ``RELEASE_LINGER``."""
         if not wait:
-            frame = pack(Kind.RELEASE_NOREPLY, self.next_id(), handle.to_bytes())
+            raw = handle.to_bytes()
             with self._lock:
-                self._pending.append(frame)
+                self._req = rid = (self._req + 1) & 0xFFFFFFFF
+                self._pending.append(pack(Kind.RELEASE_NOREPLY, rid, raw))
                 first = not self._scheduled      # one flusher visit per linger, not one per release
                 self._scheduled = True
             if first:
                 _FLUSHER.schedule(self)
             return
-        self.control(Kind.RELEASE, handle.to_bytes(), what)
+        self.control(Kind.RELEASE, handle.to_bytes(), f"release {url}")
 
     def frames(self, frame: bytes) -> bytes:
         """``frame`` followed by the deferred releases (served after it: they never delay it)."""

@@ -304,7 +304,7 @@ class TCPTransport(Transport):
         self._client(url).control(Kind.WABORT, ticket.to_bytes(), f"abort write to {url}")
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
-        self._client(url).release(handle, wait, f"release {url}")
+        self._client(url).release(handle, wait, url)
 
     def ping(self, url: str, payload: bytes = b"") -> None:
         self._client(url).control(Kind.PING, payload, f"ping {url}")
