@@ -20,5 +20,5 @@ du -sh .whl
 cat <<'CMD'
 On the GPU machine, from the repository root (with .whl/ copied alongside):
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD && python3 -m bench.gpu --out "${OUT:-/tmp}/gpu"
+    && export PYTHONPATH=/tmp/site:$PWD && (python3 setup.py -q build_ext --inplace || true) && python3 -m bench.gpu --out "${OUT:-/tmp}/gpu"
 CMD
