@@ -9,6 +9,8 @@ from typing import Any
 
 __all__ = ["SenderStats", "ReceiverStats"]
 
+_BLOCKS: dict[str, str] = {}   # reason -> its blocks_<reason> counter
+
 
 @dataclass
 class _Counters:
@@ -50,6 +52,20 @@ class SenderStats(_Counters):
     bytes_served: int = 0
     bytes_pushed: int = 0
     refused: int = 0
+
+    def ended(self, reason: str, nblocks: int) -> None:
+        """A handle ended for ``reason`` (a counter's name) and its ``nblocks`` blocks were freed."""
+        with self._lock:
+            setattr(self, reason, getattr(self, reason) + 1)
+            blocks = _BLOCKS.get(reason) or _BLOCKS.setdefault(reason, "blocks_" + reason)
+            setattr(self, blocks, getattr(self, blocks) + nblocks)
+            self.blocks_freed += nblocks
+
+    def served(self, nbytes: int) -> None:
+        """One read granted (the hot path's single update)."""
+        with self._lock:
+            self.reads += 1
+            self.bytes_served += nbytes
 
 
 @dataclass

@@ -392,6 +392,14 @@ class KVPool:
         g = self._gens
         return [g[b] for b in block_ids]
 
+    def same_generations(self, block_ids: Sequence[int], gens: Sequence[int]) -> bool:
+        """Whether ``block_ids`` still have generations ``gens`` (equal lengths)."""
+        g = self._gens
+        for b, want in zip(block_ids, gens):
+            if g[b] != want:
+                return False
+        return True
+
     def close(self) -> None:
         self._views = None
         self.buffers = []

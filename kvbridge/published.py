@@ -49,7 +49,7 @@ class Grant:
     closed: bool = field(default=False)
 
     def still_valid(self) -> bool:
-        return self.rec.live and self.sender.pool.generations(self.rec.block_ids) == list(self.rec.handle.generations)
+        return self.rec.live and self.sender.pool.same_generations(self.rec.block_ids, self.rec.handle.generations)
 
     def vouch(self) -> Vouch:
         """The owner's validate-after-read, called once the last byte of the read has left (handed
@@ -61,7 +61,7 @@ class Grant:
         are intact), STALE when the blocks moved on. A handle without a lease has no claim to
         be in force: its bytes being the handle's is all there is to vouch for."""
         rec = self.rec
-        if self.sender.pool.generations(rec.block_ids) != list(rec.handle.generations):
+        if not self.sender.pool.same_generations(rec.block_ids, rec.handle.generations):
             return Vouch.STALE
         if not rec.handle.lease_id or self.sender.leases is None:
             return Vouch.OK

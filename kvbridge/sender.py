@@ -355,7 +355,7 @@ class KVSender:
             if not rec.live:
                 self.stats.add(refused=1)
                 raise StaleHandle(f"handle {rec.handle.id} was {rec.reason}; its blocks are gone")
-            if self.pool.generations(rec.block_ids) != list(rec.handle.generations):
+            if not self.pool.same_generations(rec.block_ids, rec.handle.generations):
                 self.stats.add(refused=1)
                 raise StaleHandle(f"blocks of handle {rec.handle.id} were freed and reused")
             if layers is None and (rec.ready < L or rec.frames is not None):
@@ -379,7 +379,7 @@ class KVSender:
         except BaseException:
             self._read_done(rec)
             raise
-        self.stats.add(reads=1, bytes_served=spans.nbytes)
+        self.stats.served(spans.nbytes)
         return Grant(self, rec, spans, (lo, hi), sums, claim)
 
     def release_remote(self, handle_bytes: bytes) -> None:
@@ -493,7 +493,7 @@ class KVSender:
         if rec.frames is not None:
             rec.frames.close()
         n = len(rec.block_ids)
-        self.stats.add(**{rec.reason: 1, f"blocks_{rec.reason}": n, "blocks_freed": n})
+        self.stats.ended(rec.reason, n)
         if self.on_free is not None:
             try:
                 self.on_free(rec.handle, rec.reason)
