@@ -53,8 +53,8 @@ HEAD = struct.Struct("=8sI")
 HEAD_SIZE = 64
 SLOT = 32            # u32 seq | u32 pad | 16-byte digest | pad
 SEQ_STRIDE = SLOT // 4
-PROBE = 8            # slots a handle may sit in, from its home slot
-MIN_SLOTS = 4096     # 128 KiB: a few thousand live handles, whatever the pool's size
+PROBE = 16           # slots a handle may sit in, from its home slot
+MIN_SLOTS = 16384    # 512 KiB: thousands of live handles at a low load, whatever the pool's size
 MAX_SLOTS = 1 << 20
 
 
