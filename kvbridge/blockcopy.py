@@ -38,7 +38,7 @@ if not os.environ.get("KVBRIDGE_NO_NATIVE"):
         _native = None
 NATIVE: bool = _native is not None
 
-_PLANES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], bytes]]" = weakref.WeakKeyDictionary()
+_PLANES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], tuple[Any, bytes]]]" = weakref.WeakKeyDictionary()
 _TRIPLE = struct.Struct("=3q")
 
 
@@ -49,16 +49,24 @@ def pack_planes(triples: Sequence[tuple[int, int, int]]) -> bytes:
 
 def planes(pool: "KVPool", layers: Optional[range] = None) -> bytes:
     """The packed planes of a host pool over ``layers`` (default all), made once per pool and
-    range: a pool's buffers never move."""
+    range (a pool's buffers never move) and made again if its buffers were replaced. A closed
+    pool (no buffers) is refused. Callers hold ``pool.buffers`` across the C call, so a pool
+    closed meanwhile cannot free the memory under it."""
     L = pool.layout
     layers = layers if layers is not None else range(L.num_layers)
     key = (layers.start, layers.stop)
+    bufs = pool.buffers
     try:
-        return _PLANES[pool][key]
+        owner, packed = _PLANES[pool][key]
+        if owner is bufs:
+            return packed
     except (KeyError, TypeError):
         pass
+    if not bufs:
+        from .errors import PoolError
+        raise PoolError("the pool is closed")
     addrs = pool.buffer_addresses()
-    sizes = [b.numel() * b.element_size() for b in pool.buffers]
+    sizes = [b.numel() * b.element_size() for b in bufs]
     out = []
     for layer in layers:
         for part in range(L.num_parts):
@@ -67,7 +75,7 @@ def planes(pool: "KVPool", layers: Optional[range] = None) -> bytes:
             out.append((addrs[i] + base, stride, addrs[i] + sizes[i]))
     packed = pack_planes(out)
     try:
-        _PLANES.setdefault(pool, {})[key] = packed
+        _PLANES.setdefault(pool, {})[key] = (bufs, packed)
     except TypeError:       # a pool-like object that cannot be weakly referenced: no cache
         pass
     return packed

@@ -51,7 +51,10 @@ def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[ran
     layers = layers if layers is not None else range(pool.layout.num_layers)
     if not block_ids or not len(layers):
         return [xxhash.xxh3_64_intdigest(b"") for _ in block_ids]
-    return hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, len(layers) * pool.layout.num_parts)
+    bufs = pool.buffers            # held across the C call (see blockcopy.planes)
+    sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, len(layers) * pool.layout.num_parts)
+    del bufs
+    return sums
 
 
 def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> list[int]:
@@ -60,7 +63,10 @@ def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> li
         return _staged_checksums(pool, block_ids, layers, True)
     if not block_ids or not len(layers):
         return []
-    return hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, pool.layout.num_parts)
+    bufs = pool.buffers            # held across the C call (see blockcopy.planes)
+    sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, pool.layout.num_parts)
+    del bufs
+    return sums
 
 
 def pack_sums(sums: Sequence[int]) -> bytes:

@@ -418,11 +418,19 @@ class ShmTransport(Transport):
             # whole blocks: one C pass copies them and, when asked, hashes each as it lands
             if dst.cancel is not None and dst.cancel.is_set():
                 raise TransferCancelled("transfer cancelled")
+            # Both memories stay mapped across the C call: the destination's buffers are held
+            # here, and a slice of the sender's mapping makes closing it fail (BufferError).
+            bufs, pin = dst.pool.buffers, None
             try:
+                pin = m.view[0:0]             # ValueError once this reader closed the mapping
                 dst.digests = copy_blocks(planes(dst.pool), dst.block_ids, m.packed, sel, m.part,
                                           dst.want_digests or dst.verifier is not None)
             except ValueError as exc:
                 raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
+            finally:
+                if pin is not None:
+                    pin.release()
+                del bufs
             nbytes = dst.nbytes
         else:
             nbytes = copy_into(dst.views(), m.source_views(list(sel)), dst.on_landed)

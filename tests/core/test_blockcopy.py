@@ -138,3 +138,22 @@ def test_a_fetch_without_the_extension(tmp_path):
     env = dict(os.environ, KVBRIDGE_NO_NATIVE="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=50)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_closed_pool_is_refused_never_touched():
+    """The C pass takes raw addresses: a pool closed after its planes were cached must be
+    refused, not read or written (its memory may be gone)."""
+    from kvbridge import KVReceiver, KVSender, PoolError
+    layout = LAYOUTS["kv_first"]
+    pool = _filled(layout, 4, 7)
+    block_checksums(pool, [0, 1])                     # planes cached
+    pool.close()
+    with pytest.raises(PoolError):
+        block_checksums(pool, [0])
+    src = KVPool.allocate(layout, 4, shared=True, allocator="engine")
+    dst = KVPool.allocate(layout, 4, allocator="engine")
+    with KVSender(src, "shm://", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        assert rcv.fetch(snd.publish("a", [0], 4), [1]).ok   # the one-sided path and dst's planes cached
+        dst.close()
+        res = rcv.fetch(snd.publish("b", [1], 4), [2])
+        assert not res.ok and isinstance(res.error, PoolError), res.error
