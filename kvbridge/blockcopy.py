@@ -86,13 +86,13 @@ def _unpack(packed: bytes) -> list[tuple[int, int, int]]:
 
 
 def _check(pl: list[tuple[int, int, int]], ids: Sequence[int], part: int) -> None:
-    if not ids:
+    if not len(ids):
         return
     lo, hi = min(ids), max(ids)
     if lo < 0:
         raise ValueError("negative block id")
     for j, (base, stride, end) in enumerate(pl):
-        if base + hi * stride + part > end:
+        if stride < 0 or base < 0 or part < 0 or base + hi * stride + part > end:
             raise ValueError(f"block {hi} outside plane {j}")
 
 

@@ -49,7 +49,7 @@ def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[ran
         return _staged_checksums(pool, block_ids, layers if layers is not None else range(pool.layout.num_layers),
                                  False)
     layers = layers if layers is not None else range(pool.layout.num_layers)
-    if not block_ids or not len(layers):
+    if not len(block_ids) or not len(layers):
         return [xxhash.xxh3_64_intdigest(b"") for _ in block_ids]
     bufs = pool.buffers            # held across the C call (see blockcopy.planes)
     sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, len(layers) * pool.layout.num_parts)
@@ -61,7 +61,7 @@ def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> li
     """One xxh3 per (layer, block), layer-major: ``len(layers) * len(block_ids)`` values."""
     if not pool.is_host:
         return _staged_checksums(pool, block_ids, layers, True)
-    if not block_ids or not len(layers):
+    if not len(block_ids) or not len(layers):
         return []
     bufs = pool.buffers            # held across the C call (see blockcopy.planes)
     sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, pool.layout.num_parts)

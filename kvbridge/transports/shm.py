@@ -414,15 +414,21 @@ class ShmTransport(Transport):
             if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
                 return None
             sel = [ids[i] for i in indices]
-        if dst.block_ids is not None and len(dst.block_ids) == len(sel):
-            # whole blocks: one C pass copies them and, when asked, hashes each as it lands
+        if (dst.block_ids is not None and len(dst.block_ids) == len(sel) and m.part == dst.pool.layout.part_nbytes
+                and m.layout.compat_hash == dst.pool.layout.compat_hash):
+            # whole blocks of the same geometry on both sides (a sender announcing another
+            # layout would have each copy spill into the next destination block: not here)
+            # -- one C pass copies them and, when asked, hashes each as it lands
             if dst.cancel is not None and dst.cancel.is_set():
                 raise TransferCancelled("transfer cancelled")
             # Both memories stay mapped across the C call: the destination's buffers are held
             # here, and a slice of the sender's mapping makes closing it fail (BufferError).
             bufs, pin = dst.pool.buffers, None
             try:
-                pin = m.view[0:0]             # ValueError once this reader closed the mapping
+                try:
+                    pin = m.view[0:0]
+                except ValueError:            # released: this reader is closing the mapping
+                    raise ProtocolError("the sender's mapping was closed by this reader") from None
                 dst.digests = copy_blocks(planes(dst.pool), dst.block_ids, m.packed, sel, m.part,
                                           dst.want_digests or dst.verifier is not None)
             except ValueError as exc:
@@ -474,6 +480,7 @@ class ShmTransport(Transport):
                 n = self._read_one_sided(url, m, handle, dst, indices)
                 if n is not None:
                     return n
+                dst.digests = None            # whatever a copy left is not what MAP/DONE will land
 
         def move(body: bytes) -> tuple[int, bytes]:
             dst.claimed = _claim_of(body, claim)

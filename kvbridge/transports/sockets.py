@@ -475,6 +475,7 @@ class SocketClient:
             return frame
         with self._lock:
             pending, self._pending = self._pending, []
+            self._scheduled = self._waited = False   # carried: the next release schedules a visit again
         return b"".join((frame, *pending))
 
     def flush(self, idle_only: bool = False) -> bool:
@@ -567,7 +568,10 @@ class _Flusher:
             self._wake.wait()
             time.sleep(self.linger)
             self._wake.clear()
-            self.flush_all()
+            try:
+                self.flush_all()
+            except Exception:      # never let one bad client stop every later release
+                log.exception("sending deferred releases failed")
 
     def flush_all(self, final: bool = False) -> None:
         """Send what is due. A client whose connections are all busy is visited again after

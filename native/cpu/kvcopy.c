@@ -40,30 +40,38 @@ typedef struct {
 } plane_t;
 
 typedef struct {
-    const plane_t *p;
+    plane_t *p;     /* a private copy: the caller's buffer may change once the GIL is released */
     Py_ssize_t n;
-    Py_buffer buf;
 } planes_t;
 
 static int get_planes(PyObject *obj, planes_t *out) {
-    if (PyObject_GetBuffer(obj, &out->buf, PyBUF_SIMPLE) < 0)
+    Py_buffer buf;
+    if (PyObject_GetBuffer(obj, &buf, PyBUF_SIMPLE) < 0)
         return -1;
-    if (out->buf.len % (Py_ssize_t)sizeof(plane_t)) {
-        PyBuffer_Release(&out->buf);
+    if (buf.len % (Py_ssize_t)sizeof(plane_t)) {
+        PyBuffer_Release(&buf);
         PyErr_SetString(PyExc_ValueError, "planes: a multiple of 3 int64 values expected");
         return -1;
     }
-    out->p = (const plane_t *)out->buf.buf;
-    out->n = out->buf.len / (Py_ssize_t)sizeof(plane_t);
+    out->n = buf.len / (Py_ssize_t)sizeof(plane_t);
+    out->p = PyMem_Malloc((size_t)(buf.len ? buf.len : 1));
+    if (out->p == NULL) {
+        PyBuffer_Release(&buf);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(out->p, buf.buf, (size_t)buf.len);
+    PyBuffer_Release(&buf);
     return 0;
 }
 
 /* ids -> int64 array (caller frees); every id checked against every plane */
 static int64_t *get_ids(PyObject *seq, const planes_t *pl, int64_t part, Py_ssize_t *n_out) {
-    PyObject *fast = PySequence_Fast(seq, "ids: a sequence of ints expected");
+    /* a tuple snapshot: converting an item cannot change the sequence under us */
+    PyObject *fast = PyTuple_Check(seq) ? (Py_INCREF(seq), seq) : PySequence_Tuple(seq);
     if (fast == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    Py_ssize_t n = PyTuple_GET_SIZE(fast);
     int64_t *ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
     if (ids == NULL) {
         Py_DECREF(fast);
@@ -71,7 +79,7 @@ static int64_t *get_ids(PyObject *seq, const planes_t *pl, int64_t part, Py_ssiz
         return NULL;
     }
     int64_t lo = INT64_MAX, hi = -1;
-    PyObject **items = PySequence_Fast_ITEMS(fast);
+    PyObject **items = &PyTuple_GET_ITEM(fast, 0);
     for (Py_ssize_t i = 0; i < n; i++) {
         long long v = PyLong_AsLongLong(items[i]);
         if (v == -1 && PyErr_Occurred()) {
@@ -166,7 +174,7 @@ done:
         XXH3_freeState(st);
     PyMem_Free(d);
     PyMem_Free(ids);
-    PyBuffer_Release(&pl.buf);
+    PyMem_Free(pl.p);
     return res;
 }
 
@@ -181,7 +189,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     if (get_planes(dpobj, &dp) < 0)
         return NULL;
     if (get_planes(spobj, &sp) < 0) {
-        PyBuffer_Release(&dp.buf);
+        PyMem_Free(dp.p);
         return NULL;
     }
     PyObject *res = NULL;
@@ -221,7 +229,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
             const char *src = (const char *)(uintptr_t)(sp.p[j].base + sid[k] * sp.p[j].stride);
             for (int64_t off = 0; off < part; off += CHUNK) {
                 size_t c = (size_t)(part - off < CHUNK ? part - off : CHUNK);
-                memcpy(dst + off, src + off, c);
+                memmove(dst + off, src + off, c);   /* a block read into itself overlaps */
                 if (hash)
                     XXH3_64bits_update(st, dst + off, c);
             }
@@ -243,8 +251,8 @@ done:
     PyMem_Free(d);
     PyMem_Free(did);
     PyMem_Free(sid);
-    PyBuffer_Release(&dp.buf);
-    PyBuffer_Release(&sp.buf);
+    PyMem_Free(dp.p);
+    PyMem_Free(sp.p);
     return res;
 }
 

@@ -157,3 +157,27 @@ def test_a_closed_pool_is_refused_never_touched():
         dst.close()
         res = rcv.fetch(snd.publish("b", [1], 4), [2])
         assert not res.ok and isinstance(res.error, PoolError), res.error
+
+
+def test_a_sender_announcing_another_geometry_never_spills_into_other_blocks():
+    """The C pass trusts the part size: a one-sided read whose sender announced another
+    geometry (a hostile OPEN reply) must not take it -- the read is refused before a byte is
+    written, and no other block changes."""
+    from kvbridge import KVReceiver, KVSender, ProtocolError
+    layout = LAYOUTS["kv_first"]
+    src = _filled(layout, 4, 8)
+    shared = KVPool.allocate(layout, 4, shared=True, allocator="engine")
+    for a, b in zip(shared.buffers, src.buffers):
+        a.copy_(b)
+    dst = _filled(layout, 4, 9)
+    neighbours = block_checksums(dst, [0, 2, 3])
+    with KVSender(shared, "shm://", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        h = snd.publish("a", [0], 4)
+        url = snd.urls[0]
+        tr = rcv.transport(url)
+        tr._sender(url, h, None).part *= 2               # as if OPEN had announced twice the head_dim
+        before = block_checksums(dst, [1])
+        res = rcv.fetch(h, [1])
+        assert not res.ok and isinstance(res.error, ProtocolError), res.error
+    assert block_checksums(dst, [1]) == before
+    assert block_checksums(dst, [0, 2, 3]) == neighbours
