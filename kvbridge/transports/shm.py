@@ -414,10 +414,11 @@ class ShmTransport(Transport):
             if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
                 return None
             sel = [ids[i] for i in indices]
-        if (dst.block_ids is not None and len(dst.block_ids) == len(sel) and m.part == dst.pool.layout.part_nbytes
+        if (dst.block_ids is not None and len(dst.block_ids) == len(sel)
                 and m.layout.compat_hash == dst.pool.layout.compat_hash):
             # whole blocks of the same geometry on both sides (a sender announcing another
-            # layout would have each copy spill into the next destination block: not here)
+            # layout would have each copy spill into the next destination block: not here;
+            # m.part is derived from m.layout, so an equal compat hash means an equal part)
             # -- one C pass copies them and, when asked, hashes each as it lands
             if dst.cancel is not None and dst.cancel.is_set():
                 raise TransferCancelled("transfer cancelled")

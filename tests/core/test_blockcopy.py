@@ -175,7 +175,10 @@ def test_a_sender_announcing_another_geometry_never_spills_into_other_blocks():
         h = snd.publish("a", [0], 4)
         url = snd.urls[0]
         tr = rcv.transport(url)
-        tr._sender(url, h, None).part *= 2               # as if OPEN had announced twice the head_dim
+        m = tr._sender(url, h, None)                     # as if OPEN had announced twice the head_dim
+        import dataclasses
+        m.layout = dataclasses.replace(m.layout, head_dim=2 * m.layout.head_dim)
+        m.part = m.layout.part_nbytes
         before = block_checksums(dst, [1])
         res = rcv.fetch(h, [1])
         assert not res.ok and isinstance(res.error, ProtocolError), res.error
