@@ -8,9 +8,11 @@ pool memory. After the last byte the server sends the reply's trailer: the owner
 validate-after-read (:mod:`.wire`), which the receiver checks before it keeps the bytes.
 Push: the writer sends a WRITE frame (reservation, layers, checksums) followed by the
 bytes, which the receiver's server takes straight into the reserved blocks. No
-intermediate buffers, no per-block ``bytes``. Connections are pooled; ``read_many``
-pipelines requests on one connection; one thread per connection on the
-server (:mod:`.sockets`).
+intermediate buffers, no per-block ``bytes`` -- except for reads of up to ``SMALL_READ``
+bytes of host pools, which the sender copies out, validates and sends in one call, and the
+receiver takes in one receive into a private buffer before copying it into place
+(:func:`_read_small`). Connections are pooled; ``read_many`` pipelines requests on one
+connection; one thread per connection on the server (:mod:`.sockets`).
 """
 
 from __future__ import annotations
