@@ -12,8 +12,12 @@ One-sided reads (whole raw handles, host destinations, x86-64): the first read f
 sender sends OPEN, which is authorized like a MAP and answers where the sender's pool, its
 block generations and its live-handle table are; the receiver maps them read-only and
 from then on reads with no message at all -- check, copy, re-check, seqlock-style (see
-:mod:`.shmtable` for the safety argument). Leased handles are claimed by the receiver in
-the lease store. The re-check after the copy (DONE, on the MAP path) is the validate-after-read
+:mod:`.shmtable` for the safety argument). Whole blocks of a sender of this pool's geometry
+are copied by one C pass (:func:`kvbridge.blockcopy.copy_blocks`) that hashes each block as
+it lands; whether the sender still lives is asked at most once per ``LIVENESS_EVERY`` (a
+read just after it died still passed the checks above, so its bytes are the handle's).
+Leased handles are claimed by the receiver in the lease store. The re-check after the copy
+(DONE, on the MAP path) is the validate-after-read
 of the bytes and of the handle (the owner ends a handle in its table before it revokes or frees
 anything); the claim's reply, which the receiver keeps, bounds how long the claim certainly
 holds. Together they let a leased fetch skip the lease round trip after the copy
