@@ -43,6 +43,14 @@ def _staged_checksums(pool: KVPool, block_ids: Sequence[int], layers: range, per
     return v.digests()
 
 
+def _hash(pool: KVPool, block_ids: Sequence[int], layers: range, group: int) -> list[int]:
+    """xxh3-64 per block over each ``group`` of planes of ``layers`` (host pools, one C pass)."""
+    bufs = pool.buffers            # held across the C call (see blockcopy.planes)
+    sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, group)
+    del bufs
+    return sums
+
+
 def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[range] = None) -> list[int]:
     """One 64-bit xxh3 per block over ``layers`` (default all) and parts, in (layer, part) order."""
     if not pool.is_host:
@@ -51,10 +59,7 @@ def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[ran
     layers = layers if layers is not None else range(pool.layout.num_layers)
     if not len(block_ids) or not len(layers):
         return [xxhash.xxh3_64_intdigest(b"") for _ in block_ids]
-    bufs = pool.buffers            # held across the C call (see blockcopy.planes)
-    sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, len(layers) * pool.layout.num_parts)
-    del bufs
-    return sums
+    return _hash(pool, block_ids, layers, len(layers) * pool.layout.num_parts)
 
 
 def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> list[int]:
@@ -63,10 +68,7 @@ def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> li
         return _staged_checksums(pool, block_ids, layers, True)
     if not len(block_ids) or not len(layers):
         return []
-    bufs = pool.buffers            # held across the C call (see blockcopy.planes)
-    sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, pool.layout.num_parts)
-    del bufs
-    return sums
+    return _hash(pool, block_ids, layers, pool.layout.num_parts)
 
 
 def pack_sums(sums: Sequence[int]) -> bytes:

@@ -178,9 +178,9 @@ class SenderMap:
 
     def lookup(self, raw: bytes) -> Optional[tuple[int, int]]:
         """(slot, seq) of a live handle with exactly these bytes, or None."""
-        d = hashlib.blake2b(raw, digest_size=16).digest()      # digest(), inlined: the hot path
+        d = digest(raw)
         n, seq, tv = self.nslots, self.seq, self.tview
-        home = int.from_bytes(d[:4], "little") & (n - 1)
+        home = _home(d, n)
         for k in range(PROBE):
             i = (home + k) & (n - 1)
             s = seq[i * SEQ_STRIDE]
