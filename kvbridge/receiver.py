@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from .errors import (AccessDenied, BadHandle, ConfigError, IntegrityError, KVBridgeError,
-                     LayoutMismatch, LeaseError, PeerUnavailable, PoolError, ProtocolError,
+                     LayoutMismatch, LeaseError, LeaseExpired, PeerUnavailable, PoolError, ProtocolError,
                      TransferCancelled, TransferTimeout, Unvouched)
 from .frames import FrameLoader, check_codec
 from .handle import KVHandle
@@ -199,9 +199,17 @@ class KVReceiver:
         self.stats.add(retries=1)
         log.info("retrying after %s (attempt %d)", exc, attempt + 1)
 
+    def _not_released(self, h: KVHandle) -> None:
+        """A claim is re-entrant for its claimer, so until the store has this receiver's release
+        of ``h`` it would grant the handle again: refuse it as the store will."""
+        if self._releaser.releasing(h.lease_id):
+            raise LeaseExpired(f"lease {h.lease_id!r} is already released (by this receiver; "
+                               "the release is on its way)")
+
     def _claim(self, store: Optional[LeaseStore], h: KVHandle) -> Optional[Claim]:
         if store is None:
             return None
+        self._not_released(h)
         sent = time.monotonic()
         lease = self.retry.call(lambda: store.claim(h.lease_id, self.claimer, self.claim_ttl), self._on_retry)
         self._after.clock.note(h.lease_id, lease, sent)
@@ -214,6 +222,8 @@ class KVReceiver:
         try:
             if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled before it started")
+            if j.store is not None:
+                self._not_released(j.h)
             if j.claim is None and j.store is not None:
                 if self.transport(j.h.urls[0]).claims_on_read:
                     j.claim = CLAIM_ME(self.claimer, self.claim_ttl)   # the sender claims as it serves

@@ -136,6 +136,7 @@ class Releaser:
         self.on_done = on_done
         self.limit = limit
         self._queue: deque[tuple[LeaseStore, str, Fence]] = deque()
+        self._sent: dict[str, int] = {}   # lease ids submitted, not yet answered (a count each)
         self._busy = 0                 # releases taken off the queue, not yet answered
         self._hurry = 0                # flushes waiting: send without lingering
         self._cv = threading.Condition()
@@ -147,11 +148,17 @@ class Releaser:
         with self._cv:
             return len(self._queue) + self._busy
 
+    def releasing(self, lease_id: str) -> bool:
+        """Whether a release of ``lease_id`` was submitted and the store has not answered it
+        yet: the lease is this receiver's to end, and ended as far as its fetches go."""
+        return lease_id in self._sent
+
     def submit(self, store: LeaseStore, lease_id: str, fence: Fence) -> bool:
         with self._cv:
             if self._closed or len(self._queue) >= self.limit:
                 return False
             self._queue.append((store, lease_id, fence))
+            self._sent[lease_id] = self._sent.get(lease_id, 0) + 1
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvb-release", daemon=True)
                 self._thread.start()
@@ -182,6 +189,7 @@ class Releaser:
         with self._cv:
             self._closed = True
             self._queue.clear()
+            self._sent.clear()
             self._cv.notify_all()
             thread = self._thread
         if thread is not None and thread is not threading.current_thread():
@@ -205,6 +213,10 @@ class Releaser:
                 log.exception("lease release thread")
             with self._cv:
                 self._busy = 0
+                for _, lease_id, _ in batch:
+                    n = self._sent.pop(lease_id, 1) - 1
+                    if n > 0:
+                        self._sent[lease_id] = n
                 self._cv.notify_all()
 
     def _send(self, batch: list[tuple[LeaseStore, str, Fence]]) -> None:
@@ -241,7 +253,12 @@ def claim_batch(r: "KVReceiver", jobs: list["_Job"]) -> None:
     """``fetch_many``'s claims: one pipelined round trip per lease store."""
     by_store: dict[int, list["_Job"]] = {}
     for j in jobs:
-        if j.store is not None:
+        if j.store is not None and j.res.error is None:
+            try:
+                r._not_released(j.h)
+            except KVBridgeError as exc:
+                j.res.error = exc
+                continue
             by_store.setdefault(id(j.store), []).append(j)
     for js in by_store.values():
         store = js[0].store

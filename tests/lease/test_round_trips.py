@@ -15,6 +15,7 @@ import redis
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
 from kvbridge import releases
+from kvbridge.errors import Action, LeaseExpired
 from kvbridge import sender as sender_module
 from kvbridge.lease import EmbeddedRedis, LeaseState, RedisLeaseStore
 
@@ -141,3 +142,29 @@ def test_fetch_many_is_one_lease_round_trip_then_one_for_the_releases(own_server
             assert trips == 2      # the four releases, in one pipelined round trip
         finally:
             ls._call = call  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "shm://", "inproc://"])
+def test_a_handle_fetched_with_release_is_consumed_before_the_release_lands(
+        own_server: EmbeddedRedis, slow_release: None, listen: str) -> None:
+    """A claim is re-entrant for its claimer, so the store alone would grant this receiver the
+    handle again while its release waits in the queue: the receiver itself refuses it, with the
+    error the store gives once the release has landed, and touches no destination block."""
+    dst = KVPool.allocate(L, 8)
+    src = KVPool.allocate(L, 8, shared=listen == "shm://", allocator="engine")
+    src.buffers[0].fill_(3)
+    with RedisLeaseStore(own_server.url) as ls, KVSender(src, listen, leases=ls) as snd, \
+            KVReceiver(dst, leases=ls) as rcv:
+        h = snd.publish("once", [1, 2], 8)
+        assert rcv.fetch(h, [3, 4]).ok
+        assert _state(ls, h.lease_id) is LeaseState.CLAIMED               # the release is still queued
+        before = [b.clone() for b in dst.buffers]
+        again = rcv.fetch(h, [5, 6])
+        assert not again.ok and isinstance(again.error, LeaseExpired)
+        assert again.error.action is Action.REPREFILL and "already released" in str(again.error)
+        assert all(bool((a == b).all()) for a, b in zip(before, dst.buffers))
+        assert (rcv.fetch_many([(h, [5, 6])])[0].error.__class__ is LeaseExpired)
+        assert _wait(lambda: _state(ls, h.lease_id) is LeaseState.RELEASED)
+        late = rcv.fetch(h, [5, 6])                  # afterwards the store (or the owner, who freed it) says so
+        assert not late.ok and late.error is not None and late.error.action is Action.REPREFILL
+        assert rcv.stats.release_failures == 0
