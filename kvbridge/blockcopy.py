@@ -9,6 +9,9 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
   :func:`kvbridge.integrity.block_checksums`' definition.
 - :func:`copy_blocks`: copy blocks between two plane sets and, optionally, hash each block's
   bytes as they land, chunk by chunk while the chunk is in cache (shm:// one-sided reads).
+- :func:`gather_blocks` / :func:`scatter_blocks`: blocks to and from one buffer in canonical
+  (wire) order -- plane by plane, ids in the order given -- for tcp:// small reads: the
+  sender's reply is built in one buffer, the receiver's lands (and is hashed) in one pass.
 
 The extension is built by ``pip install`` (it needs a C compiler and Python's headers). Without
 it -- or with ``KVBRIDGE_NO_NATIVE=1`` in the environment -- the Python twin runs; the tests run
@@ -28,7 +31,8 @@ import xxhash
 if TYPE_CHECKING:
     from .pool import KVPool
 
-__all__ = ["NATIVE", "planes", "pack_planes", "hash_blocks", "copy_blocks", "py_hash_blocks", "py_copy_blocks"]
+__all__ = ["NATIVE", "planes", "pack_planes", "hash_blocks", "copy_blocks", "gather_blocks", "scatter_blocks",
+           "py_hash_blocks", "py_copy_blocks", "py_gather_blocks", "py_scatter_blocks"]
 
 _native: Any = None
 if not os.environ.get("KVBRIDGE_NO_NATIVE"):
@@ -134,5 +138,46 @@ def py_copy_blocks(dst: bytes, dst_ids: Sequence[int], src: bytes, src_ids: Sequ
     return out if hash else None
 
 
+def py_gather_blocks(packed: bytes, ids: Sequence[int], part: int, head: int, tail: int) -> bytearray:
+    """The Python twin of the extension's ``gather_blocks``."""
+    if head < 0 or tail < 0:
+        raise ValueError("negative head or tail")
+    pl = _unpack(packed)
+    _check(pl, ids, part)
+    out = bytearray(head + len(pl) * len(ids) * part + tail)
+    w = head
+    for base, stride, _ in pl:
+        for b in ids:
+            out[w:w + part] = (ctypes.c_char * part).from_address(base + b * stride)
+            w += part
+    return out
+
+
+def py_scatter_blocks(dst: bytes, dst_ids: Sequence[int], src: Any, offset: int, part: int,
+                      hash: bool) -> Optional[list[int]]:
+    """The Python twin of the extension's ``scatter_blocks``."""
+    dp = _unpack(dst)
+    _check(dp, dst_ids, part)
+    mv = memoryview(src).cast("B")
+    n = len(dst_ids)
+    if offset < 0 or offset + len(dp) * n * part > len(mv):
+        raise ValueError(f"scatter_blocks: the source holds {len(mv)} bytes, {len(dp) * n * part} wanted "
+                         f"from offset {offset}")
+    out = []
+    for k, b in enumerate(dst_ids):
+        h = xxhash.xxh3_64() if hash else None
+        for j, (base, stride, _) in enumerate(dp):
+            land = (ctypes.c_char * part).from_address(base + b * stride)
+            o = offset + (j * n + k) * part
+            memoryview(land).cast("B")[:] = mv[o:o + part]
+            if h is not None:
+                h.update(land)
+        if h is not None:
+            out.append(h.intdigest())
+    return out if hash else None
+
+
 hash_blocks = _native.hash_blocks if NATIVE else py_hash_blocks
 copy_blocks = _native.copy_blocks if NATIVE else py_copy_blocks
+gather_blocks = _native.gather_blocks if NATIVE else py_gather_blocks
+scatter_blocks = _native.scatter_blocks if NATIVE else py_scatter_blocks

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import blockcopy
 from ..errors import ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
 from ..handle import KVHandle
 from ..policy import Timeout
@@ -295,6 +296,15 @@ class SocketServer(Server):
                         length=len(prefix) + spans.nbytes + TRAILER.size)
             if spans.pool.is_host and spans.nbytes <= SMALL_REPLY:
                 # copied out first, validated after the copy, sent whole: one send per small read
+                if blockcopy.NATIVE and spans.block_ids is not None:   # built in one buffer, in C
+                    pool, pinned = spans.pool, spans.pool.buffers       # held across the C copy
+                    out = blockcopy.gather_blocks(blockcopy.planes(pool), spans.block_ids, pool.layout.part_nbytes,
+                                                  len(head), TRAILER.size)
+                    del pinned
+                    out[:len(head)] = head
+                    out[len(out) - TRAILER.size:] = encode_trailer(vouch_of(grant))
+                    conn.sendall(out)
+                    return True
                 body = b"".join(spans.views())
                 conn.sendall(b"".join((head, body, encode_trailer(vouch_of(grant)))))
                 return True

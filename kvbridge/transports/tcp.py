@@ -22,7 +22,8 @@ import threading
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ConnectionLost, KVBridgeError, ProtocolError, StaleHandle
+from .. import blockcopy
+from ..errors import ConfigError, ConnectionLost, KVBridgeError, PoolError, ProtocolError, StaleHandle
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
@@ -123,6 +124,20 @@ def _read_small(sock: socket.socket, rid: int, dst: Spans, what: str, claim: Opt
     dst.claimed = _claim_of(bytes(buf[HEADER.size:HEADER.size + FENCE.size]), claim)
     check_trailer(bytes(buf[want - TRAILER.size:]), dst.claimed or claim, what)
     off = HEADER.size + FENCE.size
+    if blockcopy.NATIVE and dst.block_ids is not None:     # lands, and is hashed, in one C pass
+        pool = dst.pool
+        pinned = pool.buffers                               # held across the C copy
+        try:
+            got_sums = blockcopy.scatter_blocks(blockcopy.planes(pool), dst.block_ids, buf, off,
+                                                pool.layout.part_nbytes, dst.want_digests)
+        except ValueError as exc:                           # our own ids: checked before the read
+            raise PoolError(f"{what}: destination blocks {dst.block_ids} do not fit the pool: {exc}") from None
+        del pinned
+        if dst.want_digests:
+            dst.digests = got_sums
+        if dst.watched:
+            dst.landed(dst.nbytes)
+        return dst.nbytes
     for v in dst.views():
         v[:] = mv[off:off + len(v)]
         off += len(v)

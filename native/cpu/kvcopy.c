@@ -13,6 +13,13 @@
  *       of each block's bytes *as they landed in dst*, computed chunk by chunk while the chunk
  *       is still in cache (each byte is read from memory once).
  *
+ *   gather_blocks(planes, ids, part, head, tail) -> bytearray
+ *       `head` zero bytes, then the blocks' parts in canonical (wire) order -- plane by plane,
+ *       ids in the order given -- then `tail` zero bytes: a small reply built in one buffer.
+ *   scatter_blocks(dst_planes, dst_ids, src, offset, part, hash) -> list[int] | None
+ *       the reverse: wire-ordered bytes of `src` (any buffer) from `offset` into the blocks;
+ *       with `hash`, the xxh3-64 of each block as it landed (as copy_blocks).
+ *
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
  * transfers of 64 KiB and more. xxHash (BSD-2-Clause, native/cpu/xxhash/) is built in with
@@ -256,12 +263,132 @@ done:
     return res;
 }
 
+/* wire order: plane j, block k at (j * n + k) * part from the start of the run of blocks */
+static PyObject *gather_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *pobj, *idobj;
+    long long part, head, tail;
+    if (!PyArg_ParseTuple(args, "OOLLL", &pobj, &idobj, &part, &head, &tail))
+        return NULL;
+    if (head < 0 || tail < 0) {
+        PyErr_SetString(PyExc_ValueError, "negative head or tail");
+        return NULL;
+    }
+    planes_t pl;
+    if (get_planes(pobj, &pl) < 0)
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t n = 0;
+    int64_t *ids = get_ids(idobj, &pl, part, &n);
+    if (ids == NULL)
+        goto done;
+    double total = (double)head + (double)tail + (double)part * (double)n * (double)pl.n;
+    if (total > (double)PY_SSIZE_T_MAX / 2) {
+        PyErr_SetString(PyExc_OverflowError, "gather_blocks: too many bytes");
+        goto done;
+    }
+    out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)total);
+    if (out == NULL)
+        goto done;
+    char *o = PyByteArray_AS_STRING(out);
+    memset(o, 0, (size_t)head);
+    memset(o + (Py_ssize_t)total - tail, 0, (size_t)tail);
+    char *w = o + head;
+    /* the new bytearray is private to this call: nothing else can resize it meanwhile */
+    PyThreadState *ts = total >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t j = 0; j < pl.n; j++) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            memcpy(w, (const void *)(uintptr_t)(pl.p[j].base + ids[k] * pl.p[j].stride), (size_t)part);
+            w += part;
+        }
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+done:
+    PyMem_Free(ids);
+    PyMem_Free(pl.p);
+    return out;
+}
+
+static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *dpobj, *didobj, *srcobj;
+    long long offset, part;
+    int hash;
+    if (!PyArg_ParseTuple(args, "OOOLLp", &dpobj, &didobj, &srcobj, &offset, &part, &hash))
+        return NULL;
+    planes_t dp;
+    if (get_planes(dpobj, &dp) < 0)
+        return NULL;
+    Py_buffer src;
+    if (PyObject_GetBuffer(srcobj, &src, PyBUF_SIMPLE) < 0) {
+        PyMem_Free(dp.p);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    Py_ssize_t n = 0;
+    XXH64_hash_t *d = NULL;
+    XXH3_state_t *st = NULL;
+    int64_t *ids = get_ids(didobj, &dp, part, &n);
+    if (ids == NULL)
+        goto done;
+    double need = (double)part * (double)n * (double)dp.n;
+    if (offset < 0 || (double)offset + need > (double)src.len) {
+        PyErr_Format(PyExc_ValueError, "scatter_blocks: the source holds %zd bytes, %.0f wanted from offset %lld",
+                     src.len, need, offset);
+        goto done;
+    }
+    if (hash) {
+        d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
+        st = XXH3_createState();
+        if (d == NULL || st == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    const char *base = (const char *)src.buf + offset;
+    /* the exported buffer cannot be resized or freed while we hold it */
+    PyThreadState *ts = need >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (hash)
+            XXH3_64bits_reset(st);
+        for (Py_ssize_t j = 0; j < dp.n; j++) {
+            char *dst = (char *)(uintptr_t)(dp.p[j].base + ids[k] * dp.p[j].stride);
+            memmove(dst, base + (j * n + k) * part, (size_t)part);
+            if (hash)
+                XXH3_64bits_update(st, dst, (size_t)part);
+        }
+        if (hash)
+            d[k] = XXH3_64bits_digest(st);
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    if (hash) {
+        res = digest_list(d, n);
+    } else {
+        res = Py_None;
+        Py_INCREF(res);
+    }
+done:
+    if (st)
+        XXH3_freeState(st);
+    PyMem_Free(d);
+    PyMem_Free(ids);
+    PyMem_Free(dp.p);
+    PyBuffer_Release(&src);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
     {"copy_blocks", copy_blocks, METH_VARARGS,
      "copy_blocks(dst_planes, dst_ids, src_planes, src_ids, part, hash) -> per-block xxh3-64 of the landed "
      "bytes, or None"},
+    {"gather_blocks", gather_blocks, METH_VARARGS,
+     "gather_blocks(planes, ids, part, head, tail) -> bytearray: head zeros, the blocks in wire order, tail zeros"},
+    {"scatter_blocks", scatter_blocks, METH_VARARGS,
+     "scatter_blocks(dst_planes, dst_ids, src, offset, part, hash) -> per-block xxh3-64 of the landed bytes, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from kvbridge import KVLayout, KVPool, blockcopy
-from kvbridge.blockcopy import planes, py_copy_blocks, py_hash_blocks
+from kvbridge.blockcopy import planes, py_copy_blocks, py_gather_blocks, py_hash_blocks, py_scatter_blocks
 from kvbridge.integrity import block_checksums, layer_checksums
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,6 +91,41 @@ def test_copy_blocks_moves_the_bytes_and_hashes_what_landed(name, impl):
     assert copy(planes(dst), did[:1], planes(src), sid[1:2], layout.part_nbytes, False) is None
     assert block_checksums(dst, did[:1]) == block_checksums(src, sid[1:2])
     assert block_checksums(dst, [untouched]) == before              # nothing else written
+
+
+@pytest.mark.parametrize("impl", ["native", "python"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_gather_and_scatter_are_the_wire_order_of_the_segments(name, impl):
+    """gather_blocks lays blocks out exactly as the segments of Spans.of_blocks (the tcp wire
+    order), between head and tail bytes; scatter_blocks puts them back, hashing what landed."""
+    if impl == "native" and not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    gather = blockcopy.gather_blocks if impl == "native" else py_gather_blocks
+    scatter = blockcopy.scatter_blocks if impl == "native" else py_scatter_blocks
+    from kvbridge.transports.base import Spans
+    layout = LAYOUTS[name]
+    src, dst = _filled(layout, 11, 7), _filled(layout, 6, 8)
+    sid, did = [9, 2, 3, 0], [5, 1, 0, 4]
+    p = layout.part_nbytes
+    wire = bytes(b"".join(bytes(v) for v in Spans.of_blocks(src, sid).views()))
+    got = gather(planes(src), sid, p, 7, 4)
+    assert isinstance(got, bytearray) and bytes(got) == bytes(7) + wire + bytes(4)
+    untouched = block_checksums(dst, [2, 3])
+    digests = scatter(planes(dst), did, got, 7, p, True)
+    assert digests == block_checksums(src, sid) == block_checksums(dst, did)
+    assert block_checksums(dst, [2, 3]) == untouched                # nothing else written
+    assert scatter(planes(dst), did[:1], memoryview(wire), 0, p, False) is None
+    with pytest.raises(ValueError):                                 # the source is too short
+        scatter(planes(dst), did, got, 12, p, True)
+    with pytest.raises(ValueError):
+        scatter(planes(dst), did, got, -1, p, True)
+    with pytest.raises(ValueError):
+        scatter(planes(dst), [6], got, 0, p, True)                  # outside the pool
+    with pytest.raises(ValueError):
+        gather(planes(src), [11], p, 0, 0)
+    with pytest.raises(ValueError):
+        gather(planes(src), [0], p, -1, 0)
+    assert block_checksums(dst, [2, 3]) == untouched
 
 
 @pytest.mark.parametrize("impl", ["native", "python"])
