@@ -185,6 +185,8 @@ def _run_proxy(a: argparse.Namespace) -> int:
                               model_name=a.model, max_body_bytes=a.max_body_bytes),
                   tokenizer=load_tokenizer(a.model if os.path.isdir(a.model) else None))
     server = proxy.serve(a.host, a.port)
+    from .workers.server import freeze_heap
+    freeze_heap()
     print(json.dumps({"event": "ready", "role": "proxy", "url": server.url, "pid": os.getpid()}), flush=True)
     StopSignals().wait()
     proxy.close()
