@@ -485,7 +485,7 @@ class SocketClient:
             return frame
         with self._lock:
             pending, self._pending = self._pending, []
-            self._scheduled = self._waited = False   # carried: the next release schedules a visit again
+            self._waited = False   # carried; a visit already scheduled stays (it finds nothing, or the next ones)
         return b"".join((frame, *pending))
 
     def flush(self, idle_only: bool = False) -> bool:
