@@ -9,9 +9,10 @@ validate-after-read (:mod:`.wire`), which the receiver checks before it keeps th
 Push: the writer sends a WRITE frame (reservation, layers, checksums) followed by the
 bytes, which the receiver's server takes straight into the reserved blocks. No
 intermediate buffers, no per-block ``bytes`` -- except for reads of up to ``SMALL_READ``
-bytes of host pools, which the sender copies out, validates and sends in one call, and the
-receiver takes in one receive into a private buffer before copying it into place
-(:func:`_read_small`). Connections are pooled; ``read_many`` pipelines requests on one
+bytes of host pools, which the sender copies out (one C gather of whole blocks,
+:func:`kvbridge.blockcopy.gather_blocks`), validates and sends in one call, and the receiver
+takes in one receive into a private buffer before copying it into place, hashing each block
+as it lands (one C scatter, :func:`kvbridge.blockcopy.scatter_blocks`; :func:`_read_small`). Connections are pooled; ``read_many`` pipelines requests on one
 connection; one thread per connection on the server (:mod:`.sockets`).
 """
 
