@@ -12,8 +12,9 @@ intermediate buffers, no per-block ``bytes`` -- except for reads of up to ``SMAL
 bytes of host pools, which the sender copies out (one C gather of whole blocks,
 :func:`kvbridge.blockcopy.gather_blocks`), validates and sends in one call, and the receiver
 takes in one receive into a private buffer before copying it into place, hashing each block
-as it lands (one C scatter, :func:`kvbridge.blockcopy.scatter_blocks`; :func:`_read_small`). Connections are pooled; ``read_many`` pipelines requests on one
-connection; one thread per connection on the server (:mod:`.sockets`).
+as it lands (one C scatter, :func:`kvbridge.blockcopy.scatter_blocks`; :func:`_read_small`).
+Connections are pooled; ``read_many`` pipelines requests on one connection; one thread per
+connection on the server (:mod:`.sockets`).
 """
 
 from __future__ import annotations
