@@ -23,7 +23,7 @@ from bench._transport_cases import (
     summarize,
     tensor_view,
 )
-from bench._transport_peers import NixlPair, PlainClient, SenderProc, _pin_all
+from bench._transport_peers import MooncakePair, NixlPair, PlainClient, SenderProc, _pin_all
 
 
 
@@ -42,6 +42,12 @@ def kvbridge_variants(name: str, rv: Any, rnv: Any, tr: Any, url: str, handle: A
         f"{name} fetch (with release), verify": lambda h: ok(rv.fetch(h, dst)),
     }
 
+# the peers' rows (names start with these), who they are, and kvbridge's target against them:
+# within 2x of NIXL; faster than Mooncake's Transfer Engine
+PEERS = ("NIXL", "Mooncake")
+PEERS_TARGET = {"NIXL": ("NIXL", NIXL_LATENCY_TARGET), "Mooncake": ("Mooncake", 1.0)}
+
+
 class LatencyRuns:
     """The latency sections; :class:`bench.transport.Bench` supplies the plumbing
     (``_setup``, ``_handles``, ``_recv_pool``, ``_check_dst``, ``_ucx_client``) and the settings."""
@@ -49,6 +55,7 @@ class LatencyRuns:
     sender: Optional[SenderProc]
     nixl: bool
     nixl_shm: bool
+    mooncake: bool
     lat_iters: int
     lat_reps: int
     latency_results: list[dict[str, Any]]
@@ -81,16 +88,28 @@ class LatencyRuns:
         client = PlainClient(info["plain_port"])
         rv, rnv = KVReceiver(pool), KVReceiver(pool, verify=False)
         url = info["url"]
+        mc: Optional[MooncakePair] = None
+        if self.mooncake:     # spawned from this pinned process: its two processes share the core
+            mc, why = MooncakePair.start(4096)
+            if mc is None:
+                log(f"  Mooncake Transfer Engine peer skipped: {why}")
         try:
             rows, long_h = self._kvbridge_rows("tcp", case, pool, rv, rnv, url)
             variants: dict[str, Callable[[Any], None]] = {
                 "plain 4 KiB ping-pong": lambda _: client.fetch(plain_view, 4096),
                 **rows,
             }
+            if mc is not None:
+                m = mc
+                variants["Mooncake TE READ 4 KiB (tcp)"] = lambda _: m.run()
             self._latency_rounds(case, variants, "tcp fetch (with release), verify", LATENCY_TARGET,
                                  "plain ping-pong", pinned=None)
             self._check_dst(pool, case, long_h)
+            if mc is not None and not mc.check():
+                raise RuntimeError("Mooncake's reads did not deliver the target's bytes")
         finally:
+            if mc is not None:
+                mc.close()
             client.close()
             rv.close()
             rnv.close()
@@ -204,7 +223,7 @@ class LatencyRuns:
             ratios = [m / b for m, b in zip(meds, base)]
             target = None if n == names[0] else target_ratio
             rs = summarize(ratios)
-            if n.startswith("NIXL"):
+            if n.startswith(PEERS):
                 target = None                      # a peer, not kvbridge
             self.latency_results.append({
                 "case": n, "nbytes": 4096, "iters_per_rep": n_it, "reps": self.lat_reps, "baseline": base_name,
@@ -217,17 +236,17 @@ class LatencyRuns:
                 "is_base": n == names[0], "samples_ns": samples[n],
                 **({} if pinned is None else {"pinned_to_one_core": pinned}),
             })
-        peer = next((n for n in names if n.startswith("NIXL")), None)
-        if peer is not None:                       # kvbridge vs NIXL, paired per repetition
+        for peer in (n for n in names if n.startswith(PEERS)):   # kvbridge vs a peer, paired per repetition
+            who, goal = PEERS_TARGET[next(p for p in PEERS if peer.startswith(p))]
             pm = [statistics.median(x) for x in samples[peer]]
             for n in names[1:]:
-                if n == peer:
+                if n.startswith(PEERS):
                     continue
                 meds = [statistics.median(x) for x in samples[n]]
                 ratios = [m / b for m, b in zip(meds, pm)]
                 rs = summarize(ratios)
                 self.latency_results.append({
-                    "case": f"{n} vs NIXL", "nbytes": 4096, "baseline": peer, "vs_peer": True,
+                    "case": f"{n} vs {who}", "nbytes": 4096, "baseline": peer, "vs_peer": True, "peer": who,
                     "median_us": summarize([m / 1e3 for m in meds]), "peer_median_us": summarize([m / 1e3 for m in pm]),
-                    "ratio_vs_pingpong": rs, "ratios": ratios, "target": NIXL_LATENCY_TARGET,
-                    "pass": rs["median"] <= NIXL_LATENCY_TARGET, "pinned_to_one_core": False})
+                    "ratio_vs_pingpong": rs, "ratios": ratios, "target": goal,
+                    "pass": rs["median"] <= goal, **({} if pinned is None else {"pinned_to_one_core": pinned})})

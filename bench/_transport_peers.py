@@ -206,6 +206,120 @@ class NixlPair:
                 p.kill()
 
 
+def mooncake_main(conn: Any, role: str) -> None:
+    """A Mooncake Transfer Engine (tcp protocol, P2P handshake: no metadata server) in its own
+    process. The target registers a buffer and serves; the initiator READs 4 KiB of it into its
+    own registered buffer with ``transfer_sync_read`` and times each read itself. The engine
+    needs ``libcuda.so.1``, ``libibverbs.so.1`` and ``libcudart.so.12`` at import even for tcp
+    (README: how to provide them on a machine without CUDA or RDMA)."""
+    try:
+        import torch
+        from mooncake.engine import TransferEngine  # type: ignore[import-not-found]
+        torch.set_num_threads(1)
+        engine = TransferEngine()
+        if engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("TransferEngine.initialize failed")
+    except Exception as exc:                 # not installed, or its native libraries are missing
+        conn.send(("err", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ok", None))
+    buf: Any = None
+    peer, remote = "", 0
+    while True:
+        try:
+            cmd, arg = conn.recv()
+        except EOFError:
+            return
+        try:
+            if cmd == "setup":
+                buf = host_buffer(arg["nbytes"], seed=PLAIN_SEED if role == "target" else None)
+                if engine.register_memory(buf.data_ptr(), buf.numel()) != 0:
+                    raise RuntimeError("register_memory failed")
+                if role == "target":
+                    conn.send(("ok", (f"127.0.0.1:{engine.get_rpc_port()}", buf.data_ptr())))
+                else:
+                    peer, remote = arg["peer"], arg["addr"]
+                    conn.send(("ok", None))
+            elif cmd == "run":
+                t0 = time.perf_counter()
+                rc = engine.transfer_sync_read(peer, buf.data_ptr(), remote, arg)
+                dt = time.perf_counter() - t0
+                conn.send(("ok", dt) if rc == 0 else ("err", f"transfer_sync_read returned {rc}"))
+            elif cmd == "check":
+                want = host_buffer(arg, seed=PLAIN_SEED)
+                conn.send(("ok", bool(torch.equal(buf[:arg], want[:arg]))))
+            elif cmd == "exit":
+                conn.send(("ok", None))
+                return
+            else:
+                conn.send(("err", f"unknown command {cmd!r}"))
+        except Exception as exc:  # report, keep serving
+            conn.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+class MooncakePair:
+    """A Mooncake Transfer Engine target and initiator (two spawned processes), reading
+    ``nbytes`` from the target's buffer. :meth:`start` returns None when the engine cannot
+    run here (not installed, or its native libraries missing), saying why."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        self.nbytes = 0
+        for role in ("target", "initiator"):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=mooncake_main, args=(child, role), daemon=True, name=f"kvb-bench-mooncake-{role}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    @classmethod
+    def start(cls, nbytes: int) -> tuple[Optional["MooncakePair"], str]:
+        pair = cls()
+        try:
+            for k in (0, 1):
+                pair._call(k, None)                  # the engine's own start-up answer
+            peer, addr = pair._call(0, "setup", {"nbytes": nbytes})
+            pair._call(1, "setup", {"nbytes": nbytes, "peer": peer, "addr": addr})
+            pair.nbytes = nbytes
+            return pair, ""
+        except Exception as exc:
+            pair.close()
+            return None, str(exc)
+
+    def _call(self, k: int, cmd: Optional[str], arg: Any = None, timeout: float = 120.0) -> Any:
+        if cmd is not None:
+            self.conns[k].send((cmd, arg))
+        if not self.conns[k].poll(timeout):
+            raise TimeoutError(f"Mooncake {cmd} did not answer within {timeout} s")
+        status, val = self.conns[k].recv()
+        if status != "ok":
+            raise RuntimeError(f"Mooncake: {val}")
+        return val
+
+    @property
+    def pids(self) -> list[Optional[int]]:
+        return [p.pid for p in self.procs]
+
+    def run(self, i: int = 0) -> float:
+        return float(self._call(1, "run", self.nbytes))
+
+    def check(self) -> bool:
+        return bool(self._call(1, "check", self.nbytes))
+
+    def close(self) -> None:
+        for k, p in enumerate(self.procs):
+            try:
+                if p.is_alive():
+                    self._call(k, "exit", timeout=10)
+            except Exception:
+                pass
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
 def nixl_pieces(case: Case, seed: int) -> tuple[int, list[tuple[int, int]]]:
     """Buffer size and pieces for NIXL: one piece for a contiguous case; for a block-shaped
     one, its runs as every-other piece of a buffer twice the size, shuffled (scattered)."""

@@ -45,6 +45,7 @@ sample and the summaries to ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import gc
 import json
 import os
@@ -85,7 +86,7 @@ from bench._transport_cases import (  # noqa: F401  (re-exported: tests and othe
     summarize,
     tensor_view,
 )
-from bench._transport_latency import LatencyRuns
+from bench._transport_latency import PEERS, LatencyRuns
 from bench._transport_peers import (  # noqa: F401  (re-exported, as above)
     REQ,
     UCX_DATA_TAG,
@@ -117,6 +118,8 @@ class Bench(LatencyRuns):
         self.ucx_client: Optional[BareUCXClient] = None
         self.nixl = "ucx" in self.transports and nixl_available()
         self.nixl_shm = "shm" in self.transports and nixl_available()   # NIXL over UCX, same host
+        # Mooncake's Transfer Engine over tcp as the peer of the tcp 4 KiB rows, when it imports
+        self.mooncake = "tcp" in self.transports and importlib.util.find_spec("mooncake") is not None
         self.reps = reps
         self.quick = quick
         self.lat_iters = lat_iters
@@ -455,7 +458,7 @@ class Bench(LatencyRuns):
                       "|---|---:|---:|---|---|---|"]
             base = 0.0
             for r in self.latency_results:
-                if r["target"] is None and r["case"].startswith("NIXL"):
+                if r["target"] is None and r["case"].startswith(PEERS):
                     rt = r["ratio_vs_pingpong"]
                     lines.append(f"| {r['case']} (peer) | {r['median_us']['median']:.1f} | {base:.1f} | "
                                  f"{rt['median']:.2f} [{rt['min']:.2f}–{rt['max']:.2f}] | — | — |")
@@ -471,9 +474,10 @@ class Bench(LatencyRuns):
                     continue
                 if r.get("vs_peer"):
                     rt = r["ratio_vs_pingpong"]
+                    who = r.get("peer", "NIXL")
                     lines.append(f"| {r['case']} | {r['median_us']['median']:.1f} | "
-                                 f"{r['peer_median_us']['median']:.1f} (NIXL) | {rt['median']:.2f} "
-                                 f"[{rt['min']:.2f}–{rt['max']:.2f}] | ≤ {r['target']:.1f}× NIXL | "
+                                 f"{r['peer_median_us']['median']:.1f} ({who}) | {rt['median']:.2f} "
+                                 f"[{rt['min']:.2f}–{rt['max']:.2f}] | ≤ {r['target']:.1f}× {who} | "
                                  f"{'PASS' if r['pass'] else 'FAIL'} |")
                     continue
                 rt = r["ratio_vs_pingpong"]
@@ -497,6 +501,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-blocks", action="store_true")
     ap.add_argument("--no-latency", action="store_true")
     ap.add_argument("--no-nixl", action="store_true", help="skip the NIXL peer column even if nixl is installed")
+    ap.add_argument("--no-mooncake", action="store_true",
+                    help="skip the Mooncake Transfer Engine peer row even if mooncake is installed")
     ap.add_argument("--transports", default=None, help="comma-separated subset of tcp,shm,ucx (default: all "
                     "available)")
     a = ap.parse_args(argv)
@@ -507,6 +513,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               transports=a.transports.split(",") if a.transports else None)
     if a.no_nixl:
         b.nixl = b.nixl_shm = False
+    if a.no_mooncake:
+        b.mooncake = False
     b.run()
     emit(b, a.out, a.md)
     return 0
