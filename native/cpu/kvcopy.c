@@ -185,6 +185,56 @@ done:
     return res;
 }
 
+/* The copy loop of copy_blocks and scatter_blocks: block sid[k] of each source plane j to
+ * block did[k] of destination plane j, in CHUNK pieces; with `hash`, the xxh3-64 of each
+ * destination block as it landed. Addresses were checked by the callers. Returns the digest
+ * list, None, or NULL with an exception set. */
+static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
+                           Py_ssize_t n, int64_t part, int hash) {
+    PyObject *res = NULL;
+    XXH64_hash_t *d = NULL;
+    XXH3_state_t *st = NULL;
+    if (hash) {
+        d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
+        st = XXH3_createState();
+        if (d == NULL || st == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    int nogil = (double)part * (double)n * (double)dp->n >= NOGIL_BYTES;
+    PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (hash)
+            XXH3_64bits_reset(st);
+        for (Py_ssize_t j = 0; j < dp->n; j++) {
+            char *dst = (char *)(uintptr_t)(dp->p[j].base + did[k] * dp->p[j].stride);
+            const char *src = (const char *)(uintptr_t)(sp->p[j].base + sid[k] * sp->p[j].stride);
+            for (int64_t off = 0; off < part; off += CHUNK) {
+                size_t c = (size_t)(part - off < CHUNK ? part - off : CHUNK);
+                memmove(dst + off, src + off, c);   /* a block read into itself overlaps */
+                if (hash)
+                    XXH3_64bits_update(st, dst + off, c);
+            }
+        }
+        if (hash)
+            d[k] = XXH3_64bits_digest(st);
+    }
+    if (ts)
+        PyEval_RestoreThread(ts);
+    if (hash) {
+        res = digest_list(d, n);
+    } else {
+        res = Py_None;
+        Py_INCREF(res);
+    }
+done:
+    if (st)
+        XXH3_freeState(st);
+    PyMem_Free(d);
+    return res;
+}
+
 static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *dpobj, *didobj, *spobj, *sidobj;
@@ -202,8 +252,6 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     Py_ssize_t nd = 0, ns = 0;
     int64_t *did = NULL, *sid = NULL;
-    XXH64_hash_t *d = NULL;
-    XXH3_state_t *st = NULL;
     if (dp.n != sp.n) {
         PyErr_SetString(PyExc_ValueError, "source and destination have different numbers of planes");
         goto done;
@@ -218,44 +266,8 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "source and destination name different numbers of blocks");
         goto done;
     }
-    if (hash) {
-        d = PyMem_Malloc((size_t)(nd ? nd : 1) * sizeof(XXH64_hash_t));
-        st = XXH3_createState();
-        if (d == NULL || st == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    int nogil = (double)part * (double)nd * (double)dp.n >= NOGIL_BYTES;
-    PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t k = 0; k < nd; k++) {
-        if (hash)
-            XXH3_64bits_reset(st);
-        for (Py_ssize_t j = 0; j < dp.n; j++) {
-            char *dst = (char *)(uintptr_t)(dp.p[j].base + did[k] * dp.p[j].stride);
-            const char *src = (const char *)(uintptr_t)(sp.p[j].base + sid[k] * sp.p[j].stride);
-            for (int64_t off = 0; off < part; off += CHUNK) {
-                size_t c = (size_t)(part - off < CHUNK ? part - off : CHUNK);
-                memmove(dst + off, src + off, c);   /* a block read into itself overlaps */
-                if (hash)
-                    XXH3_64bits_update(st, dst + off, c);
-            }
-        }
-        if (hash)
-            d[k] = XXH3_64bits_digest(st);
-    }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    if (hash) {
-        res = digest_list(d, nd);
-    } else {
-        res = Py_None;
-        Py_INCREF(res);
-    }
+    res = copy_core(&dp, did, &sp, sid, nd, part, hash);
 done:
-    if (st)
-        XXH3_freeState(st);
-    PyMem_Free(d);
     PyMem_Free(did);
     PyMem_Free(sid);
     PyMem_Free(dp.p);
@@ -317,7 +329,7 @@ static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
     int hash;
     if (!PyArg_ParseTuple(args, "OOOLLp", &dpobj, &didobj, &srcobj, &offset, &part, &hash))
         return NULL;
-    planes_t dp;
+    planes_t dp, sp = {NULL, 0};
     if (get_planes(dpobj, &dp) < 0)
         return NULL;
     Py_buffer src;
@@ -327,8 +339,7 @@ static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
     }
     PyObject *res = NULL;
     Py_ssize_t n = 0;
-    XXH64_hash_t *d = NULL;
-    XXH3_state_t *st = NULL;
+    int64_t *sid = NULL;
     int64_t *ids = get_ids(didobj, &dp, part, &n);
     if (ids == NULL)
         goto done;
@@ -338,41 +349,26 @@ static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
                      src.len, need, offset);
         goto done;
     }
-    if (hash) {
-        d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
-        st = XXH3_createState();
-        if (d == NULL || st == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
+    /* the source as planes too: plane j holds blocks 0..n-1 back to back from offset + j*n*part;
+     * the exported buffer cannot be resized or freed while we hold it */
+    sp.n = dp.n;
+    sp.p = PyMem_Malloc((size_t)(dp.n ? dp.n : 1) * sizeof(plane_t));
+    sid = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (sp.p == NULL || sid == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
-    const char *base = (const char *)src.buf + offset;
-    /* the exported buffer cannot be resized or freed while we hold it */
-    PyThreadState *ts = need >= NOGIL_BYTES ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (hash)
-            XXH3_64bits_reset(st);
-        for (Py_ssize_t j = 0; j < dp.n; j++) {
-            char *dst = (char *)(uintptr_t)(dp.p[j].base + ids[k] * dp.p[j].stride);
-            memmove(dst, base + (j * n + k) * part, (size_t)part);
-            if (hash)
-                XXH3_64bits_update(st, dst, (size_t)part);
-        }
-        if (hash)
-            d[k] = XXH3_64bits_digest(st);
+    for (Py_ssize_t j = 0; j < dp.n; j++) {
+        sp.p[j].base = (int64_t)(uintptr_t)src.buf + offset + (int64_t)j * n * part;
+        sp.p[j].stride = part;
+        sp.p[j].end = sp.p[j].base + (int64_t)n * part;
     }
-    if (ts)
-        PyEval_RestoreThread(ts);
-    if (hash) {
-        res = digest_list(d, n);
-    } else {
-        res = Py_None;
-        Py_INCREF(res);
-    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        sid[k] = k;
+    res = copy_core(&dp, ids, &sp, sid, n, part, hash);
 done:
-    if (st)
-        XXH3_freeState(st);
-    PyMem_Free(d);
+    PyMem_Free(sid);
+    PyMem_Free(sp.p);
     PyMem_Free(ids);
     PyMem_Free(dp.p);
     PyBuffer_Release(&src);
