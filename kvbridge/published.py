@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
 from .errors import BadHandle
 from .frames import FrameStore
@@ -16,7 +18,7 @@ from .transports.wire import Vouch
 if TYPE_CHECKING:
     from .sender import KVSender
 
-__all__ = ["Record", "Grant", "parse_ticket"]
+__all__ = ["Record", "Grant", "Deadlines", "parse_ticket"]
 
 
 @dataclass
@@ -36,6 +38,47 @@ class Record:
     sums: list[list[int]] = field(default_factory=list)   # layer-wise: per layer, per block
     frames: Optional[FrameStore] = None                   # a coded handle's frames
     alive_until: float = 0.0  # monotonic: the lease is certainly within its TTL until then (holds_until)
+
+
+class Deadlines:
+    """The sender's local deadlines, earliest first: a heap of (deadline, seq, record), used
+    under the sender's lock. Entries of ended or renewed records stay until they surface
+    (skipped, or put back at the new deadline); :meth:`push` rebuilds the heap from the live
+    records when such entries pile up."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Record]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    @property
+    def earliest(self) -> Optional[float]:
+        return self._heap[0][0] if self._heap else None
+
+    def push(self, rec: Record, live: Iterable[Record], num_live: int) -> bool:
+        """Add ``rec``'s deadline; True when it is the new earliest (the sweeper must wake)."""
+        h = self._heap
+        if len(h) > 2 * num_live + 1024:          # mostly ended or renewed entries: rebuild
+            h[:] = [(r.deadline, next(self._seq), r) for r in live if r is not rec]
+            heapq.heapify(h)
+        first = not h or rec.deadline < h[0][0]
+        heapq.heappush(h, (rec.deadline, next(self._seq), rec))
+        return first
+
+    def due(self, now: float) -> list[Record]:
+        """Live records whose deadline passed, taken off the heap: O(log n) each, not a scan."""
+        h, out = self._heap, []
+        while h and h[0][0] <= now:
+            _, _, rec = heapq.heappop(h)
+            if not rec.live:
+                continue
+            if rec.deadline > now:                 # renewed since: back in at its new deadline
+                heapq.heappush(h, (rec.deadline, next(self._seq), rec))
+            else:
+                out.append(rec)
+        return out
 
 
 @dataclass

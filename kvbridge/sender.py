@@ -27,8 +27,6 @@ rate), after which Redis has certainly expired the lease.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import os
 import socket
@@ -48,7 +46,7 @@ from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout
 from .pool import KVPool
-from .published import Grant, parse_ticket, Record
+from .published import Deadlines, Grant, parse_ticket, Record
 from .pushing import run_push
 from .stores import LeasesArg, StoreCache
 from .transfer import Transfer, Workers
@@ -109,10 +107,7 @@ class KVSender:
         self._by_lease: dict[str, Record] = {}
         self._by_block: dict[int, Record] = {}   # engine pools: which live handle pins a block
         self._pending: list[Record] = []
-        # local deadlines, earliest first: (deadline, seq, record); entries of ended or renewed
-        # records stay until they surface (skipped then), and the heap is rebuilt when they pile up
-        self._deadlines: list[tuple[float, int, Record]] = []
-        self._seq = itertools.count()
+        self._deadlines = Deadlines()   # local deadlines, earliest first (the sweeper's)
         self._lock = threading.Condition()
         self._ready_cv = threading.Condition(self._lock)  # type: ignore[arg-type]  # one lock, two conditions
         self.stats = SenderStats()
@@ -507,29 +502,9 @@ class KVSender:
                 log.exception("on_free callback failed")
 
     def _schedule(self, rec: Record) -> None:
-        """Put ``rec``'s deadline in the sweeper's heap (under the lock); wake the sweeper only
-        when it is the new earliest -- the sweeper sleeps until the earliest one."""
-        dl = self._deadlines
-        if len(dl) > 2 * len(self._records) + 1024:   # mostly ended or renewed entries: rebuild
-            dl[:] = [(r.deadline, next(self._seq), r) for r in self._records.values() if r is not rec]
-            heapq.heapify(dl)
-        earliest = not dl or rec.deadline < dl[0][0]
-        heapq.heappush(dl, (rec.deadline, next(self._seq), rec))
-        if earliest:
+        """``rec``'s deadline to the sweeper (under the lock), woken only when it is the earliest."""
+        if self._deadlines.push(rec, self._records.values(), len(self._records)):
             self._lock.notify_all()
-
-    def _due(self, now: float) -> list[Record]:
-        """Live records whose deadline passed (under the lock); O(log n) per record, not a scan."""
-        dl, due = self._deadlines, []
-        while dl and dl[0][0] <= now:
-            _, _, rec = heapq.heappop(dl)
-            if not rec.live:
-                continue
-            if rec.deadline > now:            # renewed since: back in at its new deadline
-                heapq.heappush(dl, (rec.deadline, next(self._seq), rec))
-            else:
-                due.append(rec)
-        return due
 
     def _sweep_loop(self) -> None:
         """Local deadlines: expire unreleased handles; free revoked ones Redis never heard of."""
@@ -538,14 +513,14 @@ class KVSender:
                 if self._closed and not self._pending:
                     return
                 now = time.monotonic()
-                due = self._due(now)
+                due = self._deadlines.due(now)
                 ripe = [r for r in self._pending if r.free_after <= now and r.inflight == 0]
                 if ripe:
                     self._pending = [r for r in self._pending if r not in ripe]
                 if not due and not ripe:
                     times = [r.free_after for r in self._pending]
-                    if self._deadlines:
-                        times.append(self._deadlines[0][0])
+                    if self._deadlines.earliest is not None:
+                        times.append(self._deadlines.earliest)
                     nxt = min(times, default=now + 1.0)
                     self._lock.wait(timeout=max(0.005, min(1.0, nxt - now)))
                     continue
