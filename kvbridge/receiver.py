@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .errors import (AccessDenied, BadHandle, ConfigError, IntegrityError, KVBridgeError,
+from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
                      LayoutMismatch, LeaseError, LeaseExpired, PeerUnavailable, PoolError, ProtocolError,
                      TransferCancelled, TransferTimeout, Unvouched)
 from .frames import FrameLoader, check_codec
@@ -64,6 +64,7 @@ HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 # they land: for a few blocks, following the stream costs more than the hashing (host pools;
 # a device pool is hashed in the host slot its bytes pass through, never read back).
 HASH_AFTER = 256 << 10
+RELEASED_KEPT = 4096    # released handles remembered (far longer than a deferred release takes to land)
 
 
 @dataclass(slots=True)
@@ -115,6 +116,9 @@ class KVReceiver:
         self._transports: dict[str, Transport] = {}
         self._by_url: dict[str, Transport] = {}
         self._lock = threading.Condition()
+        # handles without a lease this receiver released (the latest RELEASED_KEPT): their
+        # releases may still be on their way, and until they land the sender would serve them
+        self._released: dict[bytes, None] = {}
         self._workers = Workers("kvb-fetch", workers)
         self._desk = ReservationDesk(self, secret if secret is not None else os.urandom(32))
         self.servers: list[Server] = []
@@ -199,6 +203,15 @@ class KVReceiver:
         self.stats.add(retries=1)
         log.info("retrying after %s (attempt %d)", exc, attempt + 1)
 
+    def _not_consumed(self, j: _Job) -> None:
+        """Refuse a handle this receiver already released: its release may not have reached the
+        lease store or the sender yet, which would still grant or serve it."""
+        if j.store is not None:
+            self._not_released(j.h)
+        elif j.h.handle_id in self._released:
+            raise HandleNotFound(f"handle {j.h.id} of request {j.h.request_id!r} was released by this "
+                                 "receiver; its KV is gone")
+
     def _not_released(self, h: KVHandle) -> None:
         """A claim is re-entrant for its claimer, so until the store has this receiver's release
         of ``h`` it would grant the handle again: refuse it as the store will."""
@@ -222,8 +235,7 @@ class KVReceiver:
         try:
             if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled before it started")
-            if j.store is not None:
-                self._not_released(j.h)
+            self._not_consumed(j)
             if j.claim is None and j.store is not None:
                 if self.transport(j.h.urls[0]).claims_on_read:
                     j.claim = CLAIM_ME(self.claimer, self.claim_ttl)   # the sender claims as it serves
@@ -559,6 +571,11 @@ class KVReceiver:
         for url in handle.urls:
             try:
                 self.transport(url).release(url, handle, wait)
+                if not handle.lease_id:
+                    with self._lock:
+                        self._released[handle.handle_id] = None
+                        if len(self._released) > RELEASED_KEPT:
+                            del self._released[next(iter(self._released))]
                 return True
             except KVBridgeError as exc:
                 log.warning("release of %s via %s failed: %s", handle.request_id, url, exc)

@@ -253,12 +253,13 @@ def claim_batch(r: "KVReceiver", jobs: list["_Job"]) -> None:
     """``fetch_many``'s claims: one pipelined round trip per lease store."""
     by_store: dict[int, list["_Job"]] = {}
     for j in jobs:
-        if j.store is not None and j.res.error is None:
+        if j.res.error is None:
             try:
-                r._not_released(j.h)
+                r._not_consumed(j)
             except KVBridgeError as exc:
                 j.res.error = exc
                 continue
+        if j.store is not None and j.res.error is None:
             by_store.setdefault(id(j.store), []).append(j)
     for js in by_store.values():
         store = js[0].store

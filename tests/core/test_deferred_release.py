@@ -73,3 +73,26 @@ def test_close_sends_waiting_releases(pair, monkeypatch):
     assert rcv.fetch(h, [6, 7]).ok
     rcv.close()
     assert ev.wait(5) and freed == ["d:released"]
+
+
+def test_a_released_handle_is_not_served_again_while_its_release_waits(pair, monkeypatch):
+    """The release waits for a request to ride on; meanwhile the sender still holds the handle
+    and would serve it. The receiver that released it refuses it itself, like the sender will:
+    re-prefill, no destination byte touched (fetch and fetch_many)."""
+    from kvbridge.errors import Action, HandleNotFound
+    snd, rcv, freed, ev = pair
+    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # the release stays queued
+    h = snd.publish("e", snd.pool.alloc(2), 8)
+    assert rcv.fetch(h, [0, 1]).ok
+    before = [b.clone() for b in rcv.pool.buffers]
+    again = rcv.fetch(h, [2, 3])
+    assert not again.ok and isinstance(again.error, HandleNotFound)
+    assert again.error.action is Action.REPREFILL and again.failed_block_ids == [2, 3]
+    assert isinstance(rcv.fetch_many([(h, [2, 3])])[0].error, HandleNotFound)
+    assert all(bool(torch.equal(a, b)) for a, b in zip(before, rcv.pool.buffers))
+    assert freed == []                                  # the refusal was this receiver's own
+    other = KVReceiver(rcv.pool, leases=False)          # another receiver is not told: the sender decides
+    try:
+        assert other.fetch(h, [4, 5], release=False).ok
+    finally:
+        other.close()
