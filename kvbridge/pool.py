@@ -180,6 +180,7 @@ class KVPool:
             self._shared_gens = segment.view[gen_offset:gen_offset + GEN_SIZE * num_blocks].cast("I")
         self._views: Optional[list[memoryview]] = None
         self._staged = False
+        self._cpu = self.device.type == "cpu"     # is_host is asked on every read: no torch call then
         self.on_free: list[Callable[[list[int]], None]] = []
         self.on_retire: list[Callable[[list[int]], None]] = []   # engine pools: pinned blocks retired
 
@@ -254,7 +255,7 @@ class KVPool:
     def is_host(self) -> bool:
         """True when transports may address the memory directly (a CPU pool). Device pools
         are staged through host buffers; ``_staged`` makes a CPU pool behave like one."""
-        return self.device.type == "cpu" and not self._staged
+        return self._cpu and not self._staged
 
     def host_views(self) -> list[memoryview]:
         """Byte memoryviews over each buffer (CPU pools only); built once, reused."""
