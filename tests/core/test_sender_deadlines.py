@@ -7,24 +7,16 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
 
 import pytest
 
 from kvbridge import KVLayout, KVPool, KVSender
 
+from ._peer import wait_until
+
 pytestmark = pytest.mark.timeout(60)
 
 L = KVLayout.vllm_flash(1, 1, 8, block_size=4, dtype="float16")
-
-
-def _wait(cond: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 def test_deadlines_expire_in_order_and_renewal_moves_one() -> None:
@@ -35,10 +27,10 @@ def test_deadlines_expire_in_order_and_renewal_moves_one() -> None:
         snd.publish("short", [1], 4, ttl=0.3)
         kept = snd.publish("kept", [2], 4, ttl=0.3)
         snd.renew(kept, 1.5)                      # its first heap entry surfaces at 0.3 s: skipped
-        assert _wait(lambda: "short" in freed, 5.0)
+        assert wait_until(lambda: "short" in freed, 5.0)
         time.sleep(0.4)
         assert "kept" not in freed and snd.num_live == 2
-        assert _wait(lambda: "kept" in freed, 5.0)
+        assert wait_until(lambda: "kept" in freed, 5.0)
         assert "long" not in freed and snd.num_live == 1
 
 
@@ -53,7 +45,7 @@ def test_bulk_publish_and_release_keeps_every_live_deadline() -> None:
             h = snd.publish(f"gone{i}", [10 + i % 50], 4, ttl=3600.0)
             snd.release_remote(h.to_bytes())
         assert len(snd._deadlines) <= 2 * 5 + 1025    # compacted (at most 5 live meanwhile), not 6,004 entries
-        assert _wait(lambda: all(f"live{i}:expired" in freed for i in range(4)), 10.0)
+        assert wait_until(lambda: all(f"live{i}:expired" in freed for i in range(4)), 10.0)
         assert snd.num_live == 0 and len(live) == 4
 
 
