@@ -56,10 +56,15 @@ def planes(pool: "KVPool", layers: Optional[range] = None) -> bytes:
     range (a pool's buffers never move) and made again if its buffers were replaced. A closed
     pool (no buffers) is refused. Callers hold ``pool.buffers`` across the C call, so a pool
     closed meanwhile cannot free the memory under it."""
+    bufs = pool.buffers
+    if layers is None:      # the hot case (every small read, both sides): kept on the pool itself
+        mine = getattr(pool, "_planes_all", None)
+        if mine is not None and mine[0] is bufs:
+            return mine[1]  # type: ignore[no-any-return]
     L = pool.layout
+    whole = layers is None
     layers = layers if layers is not None else range(L.num_layers)
     key = (layers.start, layers.stop)
-    bufs = pool.buffers
     try:
         owner, packed = _PLANES[pool][key]
         if owner is bufs:
@@ -78,6 +83,11 @@ def planes(pool: "KVPool", layers: Optional[range] = None) -> bytes:
             base, stride = L.part_base_stride(part, pool.num_blocks)
             out.append((addrs[i] + base, stride, addrs[i] + sizes[i]))
     packed = pack_planes(out)
+    if whole:
+        try:
+            pool._planes_all = (bufs, packed)
+        except AttributeError:
+            pass
     try:
         _PLANES.setdefault(pool, {})[key] = (bufs, packed)
     except TypeError:       # a pool-like object that cannot be weakly referenced: no cache

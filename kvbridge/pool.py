@@ -156,6 +156,9 @@ class KVPool:
     ``i`` as numbered by :meth:`KVLayout.buffer_index`.
     """
 
+    # the packed planes of every layer, with the buffers they describe (kvbridge.blockcopy.planes)
+    _planes_all: Optional[tuple[list[torch.Tensor], bytes]] = None
+
     def __init__(self, layout: KVLayout, buffers: Sequence[torch.Tensor], num_blocks: int,
                  segment: Optional[SharedSegment] = None, buffer_offsets: Sequence[int] = (),
                  allocator: str = "kvbridge", gen_offset: Optional[int] = None) -> None:

@@ -81,7 +81,7 @@ class Deadlines:
         return out
 
 
-@dataclass
+@dataclass(slots=True)
 class Grant:
     sender: "KVSender"
     rec: Record

@@ -35,6 +35,7 @@ import os
 import socket
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
@@ -118,7 +119,8 @@ class KVReceiver:
         self._lock = threading.Condition()
         # handles without a lease this receiver released (the latest RELEASED_KEPT): their
         # releases may still be on their way, and until they land the sender would serve them
-        self._released: dict[bytes, None] = {}
+        # (an OrderedDict: dropping the oldest is O(1); a dict would walk the holes its deletions left)
+        self._released: OrderedDict[bytes, None] = OrderedDict()
         self._workers = Workers("kvb-fetch", workers)
         self._desk = ReservationDesk(self, secret if secret is not None else os.urandom(32))
         self.servers: list[Server] = []
@@ -575,7 +577,7 @@ class KVReceiver:
                     with self._lock:
                         self._released[handle.handle_id] = None
                         if len(self._released) > RELEASED_KEPT:
-                            del self._released[next(iter(self._released))]
+                            self._released.popitem(last=False)
                 return True
             except KVBridgeError as exc:
                 log.warning("release of %s via %s failed: %s", handle.request_id, url, exc)

@@ -110,6 +110,7 @@ class KVSender:
         self._deadlines = Deadlines()   # local deadlines, earliest first (the sweeper's)
         self._lock = threading.Condition()
         self._ready_cv = threading.Condition(self._lock)  # type: ignore[arg-type]  # one lock, two conditions
+        self._layer_waiters = 0     # reads and pushes waiting in _wait_layers (under the lock)
         self.stats = SenderStats()
         self.owner = owner or f"sender-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.clock_margin = clock_margin
@@ -308,7 +309,11 @@ class KVSender:
     def _wait_layers(self, rec: Record, first: int, end: int) -> int:
         """Wait (bounded) until layer ``first`` is ready; the end of the ready part of [first, end)."""
         with self._ready_cv:
-            self._ready_cv.wait_for(lambda: rec.ready > first or not rec.live, LAYER_WAIT)
+            self._layer_waiters += 1
+            try:
+                self._ready_cv.wait_for(lambda: rec.ready > first or not rec.live, LAYER_WAIT)
+            finally:
+                self._layer_waiters -= 1
             return max(first, min(end, rec.ready))
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
@@ -447,10 +452,19 @@ class KVSender:
                 for b in rec.block_ids:
                     if self._by_block.get(b) is rec:
                         del self._by_block[b]
-            self._ready_cv.notify_all()   # readers and pushes waiting for its layers: it is over
+            if self._layer_waiters:
+                self._ready_cv.notify_all()   # readers and pushes waiting for its layers: it is over
             revoke = (self.leases is not None and bool(rec.handle.lease_id)
                       and reason not in ("released", "aborted"))
             rec.revoking = revoke   # a read draining meanwhile must not free before the revoke lands
+            if not revoke and rec.inflight == 0 and not rec.freed:   # the usual end: freed at once
+                rec.freed = True
+                free_now = True
+            else:
+                free_now = False
+        if free_now:
+            self._release_blocks(rec)
+            return True
         if revoke:
             assert self.leases is not None
             # Revoke in Redis first: after this, no claimer's validate can succeed.
@@ -487,6 +501,10 @@ class KVSender:
             if rec.freed:
                 return
             rec.freed = True
+        self._release_blocks(rec)
+
+    def _release_blocks(self, rec: Record) -> None:
+        """Give a record's blocks back (once: the caller set ``rec.freed`` under the lock)."""
         try:
             self.pool.free(rec.block_ids)
         except PoolError as exc:   # the engine freed them behind our back

@@ -42,6 +42,9 @@ SMALL_REPLY = 64 << 10     # host reads up to this are copied out, validated and
 _MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its trailer joins it in one segment
 
 
+_NO_FENCE = FENCE.pack(0, 0)    # the reply to a read that was not leased
+
+
 def tune(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -58,6 +61,7 @@ class SocketServer(Server):
     def __init__(self, listener: socket.socket, url: str, endpoint: Any, timeout: Timeout) -> None:
         self.url = url
         self.endpoint = endpoint
+        self._source: Optional[BlockSource] = endpoint if hasattr(endpoint, "open_read") else None
         self.timeout = timeout
         self._listener = listener
         self._closed = threading.Event()
@@ -82,9 +86,9 @@ class SocketServer(Server):
 
     @property
     def source(self) -> BlockSource:
-        if not hasattr(self.endpoint, "open_read"):
+        if self._source is None:
             raise ProtocolError("this endpoint serves no reads (it is a receiver's push endpoint)")
-        return self.endpoint  # type: ignore[no-any-return]
+        return self._source
 
     @property
     def sink(self) -> BlockSink:
@@ -289,7 +293,7 @@ class SocketServer(Server):
         try:
             spans = grant.spans
             c = grant.claim
-            prefix = FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0)
+            prefix = FENCE.pack(c.epoch, c.counter) if c is not None else _NO_FENCE
             if req.layers is not None:
                 prefix += encode_layers(*grant.layers, grant.sums)
             head = pack(Kind.DATA if req.layers is None else Kind.LDATA, req_id, prefix,
@@ -529,9 +533,12 @@ class SocketClient:
 
     def send(self, kind: Kind, payload: bytes, what: str) -> tuple[socket.socket, int]:
         """Send one frame (and the deferred releases behind it); the caller reads the reply."""
-        sock = self.acquire()
+        with self._lock:
+            sock = self._idle.pop() if self._idle else None
+            self._req = rid = (self._req + 1) & 0xFFFFFFFF
+        if sock is None:
+            sock = self.acquire()
         try:
-            rid = self.next_id()
             sock.sendall(self.frames(pack(kind, rid, payload)))
             return sock, rid
         except BaseException as exc:

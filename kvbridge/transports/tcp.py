@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 from urllib.parse import urlsplit
 
 from .. import blockcopy
@@ -32,13 +32,15 @@ from ..policy import Timeout
 from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport
 from .sockets import SocketClient, SocketServer, connector
 from .staging import RingPool, recv_staged, send_staged
-from .wire import (FENCE, HEADER, LAYERS, TRAILER, Kind, check_trailer, decode_error, decode_layers, encode_request,
-                   map_os_error, pack, recv_exact, recv_iter, send_iter, unpack_header)
+from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
+                   decode_layers, encode_request, map_os_error, pack, recv_exact, recv_iter, send_iter, unpack_header)
 
 __all__ = ["TCPTransport", "parse_tcp_url"]
 
 PIPELINE_WINDOW = 16
 SMALL_READ = 64 << 10   # host reads up to this take their whole reply in one receive
+_NO_FENCE = (0, 0)      # a reply's fence when the read was not leased
+_VOUCHED = (Vouch.OK, 0, 0)   # the trailer of a reply the owner vouched for
 _RINGS = RingPool()
 
 
@@ -99,32 +101,23 @@ def _read_small(sock: socket.socket, rid: int, dst: Spans, what: str, claim: Opt
     want = HEADER.size + FENCE.size + dst.nbytes + TRAILER.size
     buf = bytearray(want)
     mv = memoryview(buf)
-    got = 0
+    k = got = sock.recv_into(mv)
     while got < HEADER.size:
-        k = sock.recv_into(mv[got:])
         if not k:
             raise ConnectionLost("peer closed the connection")
+        k = sock.recv_into(mv[got:])
         got += k
-    kind, got_id, length = unpack_header(buf)
-    if kind is Kind.ERROR:
-        body = bytes(buf[HEADER.size:got])
-        if len(body) < length:
-            body += recv_exact(sock, length - len(body))
-        raise decode_error(body[:length])
-    if kind is not Kind.DATA:
-        raise ProtocolError(f"{what}: expected DATA, got {kind.name}")
-    if got_id != rid:
-        raise ProtocolError(f"{what}: reply for request {got_id}, expected {rid}")
-    if length != want - HEADER.size:
-        raise ProtocolError(f"{what}: sender offers {length - FENCE.size - TRAILER.size} bytes, "
-                            f"destination holds {dst.nbytes}")
+    if HEADER.unpack_from(buf) != (MAGIC, VERSION, Kind.DATA, rid, want - HEADER.size):   # not the usual reply
+        _refuse_small(sock, buf, got, rid, want, what)
     while got < want:
         k = sock.recv_into(mv[got:])
         if not k:
             raise ConnectionLost("peer closed the connection mid-transfer")
         got += k
-    dst.claimed = _claim_of(bytes(buf[HEADER.size:HEADER.size + FENCE.size]), claim)
-    check_trailer(bytes(buf[want - TRAILER.size:]), dst.claimed or claim, what)
+    fence = FENCE.unpack_from(buf, HEADER.size)
+    dst.claimed = None if fence == _NO_FENCE else _claim_of(bytes(buf[HEADER.size:HEADER.size + FENCE.size]), claim)
+    if TRAILER.unpack_from(buf, want - TRAILER.size) != _VOUCHED:
+        check_trailer(bytes(buf[want - TRAILER.size:]), dst.claimed or claim, what)
     off = HEADER.size + FENCE.size
     if blockcopy.NATIVE and dst.block_ids is not None:     # lands, and is hashed, in one C pass
         pool = dst.pool
@@ -146,6 +139,22 @@ def _read_small(sock: socket.socket, rid: int, dst: Spans, what: str, claim: Opt
     if dst.watched:
         dst.landed(dst.nbytes)
     return dst.nbytes
+
+
+def _refuse_small(sock: socket.socket, buf: bytearray, got: int, rid: int, want: int, what: str) -> NoReturn:
+    """Raise for a small read's reply header that is not this read's DATA of the size asked."""
+    kind, got_id, length = unpack_header(buf)
+    if kind is Kind.ERROR:
+        body = bytes(buf[HEADER.size:got])
+        if len(body) < length:
+            body += recv_exact(sock, length - len(body))
+        raise decode_error(body[:length])
+    if kind is not Kind.DATA:
+        raise ProtocolError(f"{what}: expected DATA, got {kind.name}")
+    if got_id != rid:
+        raise ProtocolError(f"{what}: reply for request {got_id}, expected {rid}")
+    raise ProtocolError(f"{what}: sender offers {length - FENCE.size - TRAILER.size} bytes, "
+                        f"destination holds {want - HEADER.size - FENCE.size - TRAILER.size}")
 
 
 class TCPTransport(Transport):
@@ -190,9 +199,10 @@ class TCPTransport(Transport):
              claim: Optional[Claim] = None) -> int:
         client = self._client(url)
         if dst.nbytes <= SMALL_READ and dst.pool.is_host:
-            sock, rid = client.send(Kind.READ, encode_request(handle.to_bytes(), indices, claim), f"read {url}")
+            what = "read " + url
+            sock, rid = client.send(Kind.READ, encode_request(handle.to_bytes(), indices, claim), what)
             try:
-                n = _read_small(sock, rid, dst, f"read {url}", claim)
+                n = _read_small(sock, rid, dst, what, claim)
             except BaseException as exc:
                 sock.close()
                 raise map_os_error(exc, f"read from {url}") from None

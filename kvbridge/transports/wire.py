@@ -100,6 +100,7 @@ def unpack_header(buf: bytes | bytearray, offset: int = 0) -> tuple[Kind, int, i
 
 
 _CLAIM = struct.Struct("!QQH")
+_U32 = struct.Struct("!I")
 LAYERS = struct.Struct("!HHI")    # first layer, end layer, number of checksums (reply prefix)
 FENCE = struct.Struct("!QQ")      # every read reply starts with the fence it was served under (0, 0: none)
 F_INDICES, F_CLAIM, F_LAYERS, F_LAST, F_DATA = 1, 2, 4, 8, 16
@@ -121,12 +122,16 @@ def vouch_of(grant: object) -> Vouch:
     grant that has none, ``still_valid()`` (which knows nothing of the lease's TTL)."""
     vouch = getattr(grant, "vouch", None)
     if vouch is not None:
-        return Vouch(vouch())
+        v = vouch()
+        return v if type(v) is Vouch else Vouch(v)
     return Vouch.OK if grant.still_valid() else Vouch.STALE  # type: ignore[attr-defined]
 
 
 def encode_trailer(status: Vouch) -> bytes:
-    return TRAILER.pack(status, 0, 0)
+    return _TRAILERS[status]
+
+
+_TRAILERS = {v: TRAILER.pack(v, 0, 0) for v in Vouch}
 
 
 def settle_vouch(status: int, claim: Optional[Claim], what: str) -> None:
@@ -172,6 +177,8 @@ def encode_request(ticket: bytes, indices: Optional[Sequence[int]] = None, claim
                    layers: Optional[tuple[int, int]] = None, *, last: bool = False,
                    nbytes: Optional[int] = None, sums: bytes = b"") -> bytes:
     """``u32 len | ticket | u8 flags | [indices] | [layers] | [claim] | [u64 nbytes | u32 n | sums]``."""
+    if indices is None and claim is None and layers is None and nbytes is None and not last:
+        return _U32.pack(len(ticket)) + ticket + b"\x00"       # a whole read, unleased: the usual one
     flags = ((F_INDICES if indices is not None else 0) | (F_CLAIM if claim is not None else 0)
              | (F_LAYERS if layers is not None else 0) | (F_LAST if last else 0)
              | (F_DATA if nbytes is not None else 0))
@@ -190,6 +197,8 @@ def encode_request(ticket: bytes, indices: Optional[Sequence[int]] = None, claim
 
 def decode_request(payload: bytes) -> Request:
     """Parse a request payload defensively: every length is checked against the frame."""
+    if payload[-1:] == b"\x00" and len(payload) > 5 and _U32.unpack_from(payload)[0] == len(payload) - 5:
+        return Request(payload[4:-1], None, None, None)    # a whole read, unleased: the usual one
     try:
         (hn,) = struct.unpack_from("!I", payload, 0)
         ticket = payload[4:4 + hn]
@@ -355,6 +364,30 @@ class FrameReader:
                 raise TransferTimeout(f"a frame took over {self.frame_timeout} s to arrive")
 
     def read_frame(self, max_len: int = MAX_CONTROL) -> tuple[Kind, int, bytes]:
+        start, end, buf = self.start, self.end, self.buf
+        if start == end:                  # nothing buffered: one receive, usually the whole frame
+            k = self.sock.recv_into(buf)
+            if k == 0:
+                raise ConnectionLost("peer closed the connection")
+            start, end = 0, k
+            self.start, self.end = 0, k
+        if end - start >= HEADER.size:    # a frame already whole in the buffer: taken at once
+            magic, version, kind, req_id, length = HEADER.unpack_from(buf, start)
+            s = start + HEADER.size
+            k_ = _KINDS.get(kind)
+            if (magic == MAGIC and version == VERSION and k_ is not None and length <= max_len
+                    and length <= MAX_CONTROL and s + length <= end):
+                payload = bytes(buf[s:s + length])
+                if s + length == end:
+                    self.start = self.end = 0
+                else:
+                    self.start = s + length
+                self._since = 0.0
+                return k_, req_id, payload
+        return self._read_frame(max_len)
+
+    def _read_frame(self, max_len: int) -> tuple[Kind, int, bytes]:
+        """A frame that is not whole in the buffer yet (or is refused): bounded, as described above."""
         if self.start != self.end and not self._since:
             self._since = time.monotonic()            # bytes of this frame came with the last one
         self._fill(HEADER.size)
