@@ -6,7 +6,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 from .errors import BadHandle
 from .frames import FrameStore
@@ -41,13 +41,15 @@ class Record:
 
 
 class Deadlines:
-    """The sender's local deadlines, earliest first: a heap of (deadline, seq, record), used
-    under the sender's lock. Entries of ended or renewed records stay until they surface
-    (skipped, or put back at the new deadline); :meth:`push` rebuilds the heap from the live
+    """The sender's local deadlines, earliest first: a heap of (deadline, seq, handle id), used
+    under the sender's lock with the sender's table of live records. Entries name handles, not
+    records, so an ended record is freed at once (the heap keeps no garbage alive for the
+    collector to walk); entries of ended or renewed handles stay until they surface (skipped,
+    or put back at the new deadline), and :meth:`push` rebuilds the heap from the live
     records when such entries pile up."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Record]] = []
+        self._heap: list[tuple[float, int, bytes]] = []
         self._seq = itertools.count()
 
     def __len__(self) -> int:
@@ -57,25 +59,26 @@ class Deadlines:
     def earliest(self) -> Optional[float]:
         return self._heap[0][0] if self._heap else None
 
-    def push(self, rec: Record, live: Iterable[Record], num_live: int) -> bool:
+    def push(self, rec: Record, live: Mapping[bytes, Record]) -> bool:
         """Add ``rec``'s deadline; True when it is the new earliest (the sweeper must wake)."""
         h = self._heap
-        if len(h) > 2 * num_live + 1024:          # mostly ended or renewed entries: rebuild
-            h[:] = [(r.deadline, next(self._seq), r) for r in live if r is not rec]
+        if len(h) > 2 * len(live) + 1024:          # mostly ended or renewed entries: rebuild
+            h[:] = [(r.deadline, next(self._seq), k) for k, r in live.items() if r is not rec]
             heapq.heapify(h)
         first = not h or rec.deadline < h[0][0]
-        heapq.heappush(h, (rec.deadline, next(self._seq), rec))
+        heapq.heappush(h, (rec.deadline, next(self._seq), rec.handle.handle_id))
         return first
 
-    def due(self, now: float) -> list[Record]:
+    def due(self, now: float, live: Mapping[bytes, Record]) -> list[Record]:
         """Live records whose deadline passed, taken off the heap: O(log n) each, not a scan."""
         h, out = self._heap, []
         while h and h[0][0] <= now:
-            _, _, rec = heapq.heappop(h)
-            if not rec.live:
+            _, _, key = heapq.heappop(h)
+            rec = live.get(key)
+            if rec is None or not rec.live:
                 continue
             if rec.deadline > now:                 # renewed since: back in at its new deadline
-                heapq.heappush(h, (rec.deadline, next(self._seq), rec))
+                heapq.heappush(h, (rec.deadline, next(self._seq), key))
             else:
                 out.append(rec)
         return out

@@ -198,7 +198,8 @@ class KVReceiver:
             raise PoolError("repeated block indices")
         if not h.urls:
             raise BadHandle("handle names no sender URL")
-        return _Job(h, dst, idx, release, FetchResult(h, dst), self.lease_store(h), self.pool.generations(dst))
+        return _Job(h, dst, idx, release, FetchResult(h, dst), self.lease_store(h) if h.lease_id else None,
+                    self.pool.generations(dst))
 
     # -- the pipeline: claim -> move -> verify -> release ----------------------------------
     def _on_retry(self, exc: BaseException, attempt: int) -> None:
@@ -258,7 +259,7 @@ class KVReceiver:
 
     def _spans(self, j: _Job, t: Optional[Transfer] = None) -> Spans:
         """Destination memory; with verification on, hashed as it lands."""
-        spans = Spans.of_blocks(self.pool, j.dst)
+        spans = Spans(self.pool, None, j.dst)      # whole blocks; the ids were checked by _prepare
         if self.verify and j.h.checksums:
             host = spans.want_digests = self.pool.is_host
             if not host or spans.nbytes > HASH_AFTER:
@@ -267,30 +268,53 @@ class KVReceiver:
             spans.cancel = t.cancel_event
         return spans
 
-    def _over_urls(self, h: KVHandle, op: Any, j: Optional[_Job] = None) -> Any:
+    def _over_urls(self, h: KVHandle, op: Any, j: Optional[_Job] = None, failed: Optional[KVBridgeError] = None) -> Any:
         """Run ``op(transport, url)`` over the handle's URLs in order (the same sender).
 
         When no URL answers and the claim was to travel with the read, claim in the lease
         store now: a lease that is gone (the owner died and it expired) is final at once
-        (re-prefill), instead of retrying a sender that will not come back."""
+        (re-prefill), instead of retrying a sender that will not come back. ``failed``: the
+        first URL was already tried and raised it (go on with the next, if it did not answer)."""
         last: Optional[KVBridgeError] = None
-        for url in h.urls:
+        if failed is not None and not isinstance(failed, PeerUnavailable):
+            raise failed
+        for url in h.urls if failed is None else h.urls[1:]:
             try:
                 return op(self.transport(url), url)
             except PeerUnavailable as exc:
                 last = exc
+        last = last or failed
         assert last is not None
         if j is not None and j.store is not None and j.claim is not None and j.claim.epoch == 0:
             j.claim = self._claim(j.store, j.h)      # a LeaseError here is final
         raise last
 
     def _read_whole(self, j: _Job, spans: Spans) -> None:
+        h = j.h
+        url = h.urls[0]
+        j.res.attempts += 1
+        if spans.verifier is not None and spans.verifier.started:
+            spans.verifier.reset()                # fetch_many's pipelined try left it part-way
+        spans.digests = None
+        try:      # the first try at the first URL, straight (nearly every read ends here)
+            j.res.nbytes = int(self.transport(url).read(url, h, spans, j.idx, j.claim))
+            return
+        except KVBridgeError as exc:
+            failed: Optional[KVBridgeError] = exc
+
+        def read(tr: Transport, url: str) -> int:
+            return tr.read(url, h, spans, j.idx, j.claim)
+
         def attempt() -> int:
+            nonlocal failed
+            if failed is not None:                # the rest of the first try: the other URLs
+                exc, failed = failed, None
+                return int(self._over_urls(h, read, j, exc))
             j.res.attempts += 1
             if spans.verifier is not None and spans.verifier.started:
                 spans.verifier.reset()            # a new attempt restarts the stream
             spans.digests = None
-            return int(self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, spans, j.idx, j.claim), j))
+            return int(self._over_urls(h, read, j))
         j.res.nbytes = self.retry.call(attempt, self._on_retry)
 
     def _verify_whole(self, j: _Job, spans: Spans) -> None:

@@ -225,8 +225,11 @@ class KVSender:
             raise
         handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
         deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
+        # the whole-read spans are made now, with the record: a read allocates nothing that
+        # outlives it (survivors of the read path would wake the collector over the whole heap)
         rec = Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers,
-                     frames=frames, alive_until=holds_until(sent_at, ttl, margin_s=self.clock_margin))
+                     spans=Spans(self.pool, None, ids), frames=frames,
+                     alive_until=holds_until(sent_at, ttl, margin_s=self.clock_margin))
         with self._lock:
             if self._closed:
                 closed = True
@@ -376,9 +379,7 @@ class KVSender:
                 if self.checksums and hi > lo:
                     sel = rec.sums[lo:hi] if indices is None else [[s[i] for i in indices] for s in rec.sums[lo:hi]]
                     sums = pack_sums([x for layer in sel for x in layer])
-            elif indices is None:
-                if rec.spans is None:
-                    rec.spans = Spans.of_blocks(self.pool, ids)
+            elif indices is None and rec.spans is not None:
                 spans = rec.spans
             else:
                 spans = Spans.of_blocks(self.pool, ids)
@@ -521,7 +522,7 @@ class KVSender:
 
     def _schedule(self, rec: Record) -> None:
         """``rec``'s deadline to the sweeper (under the lock), woken only when it is the earliest."""
-        if self._deadlines.push(rec, self._records.values(), len(self._records)):
+        if self._deadlines.push(rec, self._records):
             self._lock.notify_all()
 
     def _sweep_loop(self) -> None:
@@ -531,7 +532,7 @@ class KVSender:
                 if self._closed and not self._pending:
                     return
                 now = time.monotonic()
-                due = self._deadlines.due(now)
+                due = self._deadlines.due(now, self._records)
                 ripe = [r for r in self._pending if r.free_after <= now and r.inflight == 0]
                 if ripe:
                     self._pending = [r for r in self._pending if r not in ripe]
