@@ -273,6 +273,13 @@ _R = TypeVar("_R", bound=_Issued)
 _ID = slice(_HEAD.size, _HEAD.size + 16)   # the handle id inside a handle's bytes
 
 
+def find_issued(table: Mapping[bytes, _R], raw: bytes) -> Optional[_R]:
+    """The record ``raw`` names in ``table`` if they are exactly the bytes issued, else None
+    (:func:`lookup_ticket` says why)."""
+    rec = table.get(raw[_ID])
+    return rec if rec is not None and hmac.compare_digest(raw, rec.raw) else None
+
+
 def lookup_ticket(table: Mapping[bytes, _R], raw: bytes, key: bytes, what: str = "handle") -> _R:
     """The record a peer's handle (or reservation) bytes name in ``table`` (keyed by handle
     id), if they are exactly the bytes issued; otherwise the precise refusal: garbage or a

@@ -35,11 +35,12 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
+from . import blockcopy
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, LayoutMismatch,
                      LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
-from .handle import KVHandle, lookup_ticket
+from .handle import KVHandle, find_issued, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
 from .logs import RateLimitedLog
 from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
@@ -108,8 +109,9 @@ class KVSender:
         self._by_block: dict[int, Record] = {}   # engine pools: which live handle pins a block
         self._pending: list[Record] = []
         self._deadlines = Deadlines()   # local deadlines, earliest first (the sweeper's)
-        self._lock = threading.Condition()
-        self._ready_cv = threading.Condition(self._lock)  # type: ignore[arg-type]  # one lock, two conditions
+        self._mutex = threading.RLock()   # taken bare on the hot paths; the conditions below share it
+        self._lock = threading.Condition(self._mutex)
+        self._ready_cv = threading.Condition(self._mutex)  # one lock, two conditions
         self._layer_waiters = 0     # reads and pushes waiting in _wait_layers (under the lock)
         self.stats = SenderStats()
         self.owner = owner or f"sender-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
@@ -303,6 +305,9 @@ class KVSender:
 
     # -- BlockSource (called by transport servers) ---------------------------------------
     def _lookup(self, handle_bytes: bytes) -> Record:
+        rec = find_issued(self._records, bytes(handle_bytes))
+        if rec is not None:
+            return rec
         try:
             return lookup_ticket(self._records, handle_bytes, self._key)
         except (BadHandle, HandleNotFound):
@@ -389,6 +394,34 @@ class KVSender:
         self.stats.served(spans.nbytes)
         return Grant(self, rec, spans, (lo, hi), sums, claim)
 
+    def read_small(self, handle_bytes: bytes, limit: int, head: int, tail: int) -> Optional[tuple[bytearray, bool]]:
+        """A whole read of a small handle, served in one piece: for a live handle without a lease
+        in force, raw and complete, of at most ``limit`` bytes of a host pool, its blocks copied
+        out (in wire order, with ``head`` bytes free before them and ``tail`` after) under the
+        lock that ends handles -- so no release or expiry frees them mid-copy -- and whether
+        they still had the handle's generations after the copy (validate-after-read). None:
+        not such a read, or refused -- :meth:`open_read` serves it, or says precisely why not."""
+        rec = find_issued(self._records, handle_bytes)
+        if (rec is None or rec.spans is None or rec.frames is not None or not blockcopy.NATIVE
+                or (rec.handle.lease_id and self.leases is not None)):
+            return None
+        pool, spans = self.pool, rec.spans
+        if spans.nbytes > limit or not pool.is_host:
+            return None
+        ids, gens = rec.block_ids, rec.handle.generations
+        with self._mutex:
+            if not rec.live or rec.ready < pool.layout.num_layers or not pool.same_generations(ids, gens):
+                return None
+            pinned = pool.buffers                      # held across the C copy
+            try:
+                out = blockcopy.gather_blocks(blockcopy.planes(pool), ids, pool.layout.part_nbytes, head, tail)
+            except (ValueError, PoolError):            # a closed pool: the long way says so
+                return None
+            del pinned
+            ok = pool.same_generations(ids, gens)
+        self.stats.served(spans.nbytes)
+        return out, ok
+
     def release_remote(self, handle_bytes: bytes) -> None:
         """A direct release (handles without a lease). A leased handle ends only through its
         lease: a holder of the handle bytes is not necessarily its claimer."""
@@ -439,14 +472,15 @@ class KVSender:
 
     # -- lifecycle -----------------------------------------------------------------------
     def _end(self, rec: Record, reason: FreeReason) -> bool:
-        with self._lock:
+        with self._mutex:
             if not rec.live:
                 return False
             rec.live = False
             rec.reason = reason
             self._records.pop(rec.handle.handle_id, None)
             for srv in self.servers:
-                srv.ended(rec.handle.handle_id)    # one-sided readers see the end before any free
+                if type(srv).ended is not Server.ended:
+                    srv.ended(rec.handle.handle_id)    # one-sided readers see the end before any free
             if rec.handle.lease_id:
                 self._by_lease.pop(self._lease_ref(rec.handle.lease_id), None)
             if self._by_block:

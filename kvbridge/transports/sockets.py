@@ -23,7 +23,7 @@ from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
                    decode_request, encode_error, encode_layers, encode_trailer, map_os_error, pack, recv_exact,
-                   send_iter, set_os_timeouts, unpack_header, vouch_of)
+                   send_iter, set_os_timeouts, unpack_header, vouch_of, Vouch)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
@@ -43,6 +43,7 @@ _MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its tr
 
 
 _NO_FENCE = FENCE.pack(0, 0)    # the reply to a read that was not leased
+_SMALL_HEAD = HEADER.size + FENCE.size   # a whole small read's reply: header and fence before the blocks
 
 
 def tune(sock: socket.socket) -> None:
@@ -62,6 +63,8 @@ class SocketServer(Server):
         self.url = url
         self.endpoint = endpoint
         self._source: Optional[BlockSource] = endpoint if hasattr(endpoint, "open_read") else None
+        self._read_small: Optional[Callable[[bytes, int, int, int], Optional[tuple[bytearray, bool]]]] = \
+            getattr(endpoint, "read_small", None)
         self.timeout = timeout
         self._listener = listener
         self._closed = threading.Event()
@@ -286,6 +289,14 @@ class SocketServer(Server):
     def _serve_read(self, conn: socket.socket, req_id: int, payload: bytes) -> bool:
         try:
             req = decode_request(payload)
+            if self._read_small is not None and req.indices is None and req.claim is None and req.layers is None:
+                small = self._read_small(req.ticket, SMALL_REPLY, _SMALL_HEAD, TRAILER.size)
+                if small is not None:                  # the usual read, served in one piece
+                    out, ok = small
+                    out[:_SMALL_HEAD] = pack(Kind.DATA, req_id, _NO_FENCE, length=len(out) - HEADER.size)
+                    out[len(out) - TRAILER.size:] = encode_trailer(Vouch.OK if ok else Vouch.STALE)
+                    conn.sendall(out)
+                    return True
             grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
         except KVBridgeError as exc:
             self._reply_error(conn, req_id, exc)
