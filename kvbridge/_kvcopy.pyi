@@ -1,6 +1,6 @@
 """Types of the C extension built from native/cpu/kvcopy.c (see kvbridge.blockcopy)."""
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 from typing_extensions import Buffer
 
@@ -10,3 +10,5 @@ def copy_blocks(dst_planes: Buffer, dst_ids: Sequence[int], src_planes: Buffer, 
 def gather_blocks(planes: Buffer, ids: Sequence[int], part: int, head: int, tail: int) -> bytearray: ...
 def scatter_blocks(dst_planes: Buffer, dst_ids: Sequence[int], src: Buffer, offset: int, part: int,
                    hash: bool) -> Optional[list[int]]: ...
+def read_small(fd: int, frame: Buffer, rid: int, nbytes: int, dst_planes: Buffer, dst_ids: Sequence[int], part: int,
+               hash: bool, claimed: bool) -> Union[tuple[int, int, int, Optional[list[int]]], tuple[int, bytes]]: ...

@@ -12,6 +12,8 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
 - :func:`gather_blocks` / :func:`scatter_blocks`: blocks to and from one buffer in canonical
   (wire) order -- plane by plane, ids in the order given -- for tcp:// small reads: the
   sender's reply is built in one buffer, the receiver's lands (and is hashed) in one pass.
+- ``read_small`` (extension only): a tcp:// small read's request sent, its reply received,
+  checked and landed in one call (see ``native/cpu/kvcopy.c``).
 
 The extension is built by ``pip install`` (it needs a C compiler and Python's headers). Without
 it -- or with ``KVBRIDGE_NO_NATIVE=1`` in the environment -- the Python twin runs; the tests run
@@ -191,3 +193,6 @@ hash_blocks = _native.hash_blocks if NATIVE else py_hash_blocks
 copy_blocks = _native.copy_blocks if NATIVE else py_copy_blocks
 gather_blocks = _native.gather_blocks if NATIVE else py_gather_blocks
 scatter_blocks = _native.scatter_blocks if NATIVE else py_scatter_blocks
+# tcp:// small reads in one call (send, receive, check, land); no twin: without the extension
+# tcp.py takes the same steps in Python
+read_small = _native.read_small if NATIVE else None

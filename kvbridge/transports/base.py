@@ -268,6 +268,11 @@ class BlockSink(Protocol):
 
 class Server(abc.ABC):
     url: str
+    watches_ends = False   # whether ended() does anything (set per class: the sender skips the call otherwise)
+
+    def __init_subclass__(cls, **kw: Any) -> None:
+        super().__init_subclass__(**kw)
+        cls.watches_ends = cls.ended is not Server.ended
 
     def published(self, handle_id: bytes, raw: bytes) -> None:
         """The source published a whole, raw handle (``raw``: its bytes). A server that serves

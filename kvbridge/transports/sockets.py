@@ -542,15 +542,21 @@ class SocketClient:
             raise decode_error(body)
         return k, body
 
-    def send(self, kind: Kind, payload: bytes, what: str) -> tuple[socket.socket, int]:
-        """Send one frame (and the deferred releases behind it); the caller reads the reply."""
+    def prepare(self, kind: Kind, payload: bytes) -> tuple[socket.socket, int, bytes]:
+        """A connection, a request id and the bytes to send on it: one frame and the deferred
+        releases behind it (the caller sends them, or closes the connection)."""
         with self._lock:
             sock = self._idle.pop() if self._idle else None
             self._req = rid = (self._req + 1) & 0xFFFFFFFF
         if sock is None:
             sock = self.acquire()
+        return sock, rid, self.frames(pack(kind, rid, payload))
+
+    def send(self, kind: Kind, payload: bytes, what: str) -> tuple[socket.socket, int]:
+        """Send one frame (and the deferred releases behind it); the caller reads the reply."""
+        sock, rid, frame = self.prepare(kind, payload)
         try:
-            sock.sendall(self.frames(pack(kind, rid, payload)))
+            sock.sendall(frame)
             return sock, rid
         except BaseException as exc:
             sock.close()

@@ -141,6 +141,39 @@ def _read_small(sock: socket.socket, rid: int, dst: Spans, what: str, claim: Opt
     return dst.nbytes
 
 
+def _read_small_native(sock: socket.socket, rid: int, frame: bytes, dst: Spans, what: str,
+                       claim: Optional[Claim]) -> int:
+    """:func:`_read_small` in one C call (``kvbridge._kvcopy.read_small``), request included;
+    the refusals are read here, as there."""
+    assert blockcopy.read_small is not None and dst.block_ids is not None
+    pool = dst.pool
+    pinned = pool.buffers                                   # held across the C copy
+    try:
+        got = blockcopy.read_small(sock.fileno(), frame, rid, dst.nbytes, blockcopy.planes(pool), dst.block_ids,
+                                   pool.layout.part_nbytes, dst.want_digests, claim is not None)
+    except ValueError as exc:                               # our own ids: checked before the read
+        raise PoolError(f"{what}: destination blocks {dst.block_ids} do not fit the pool: {exc}") from None
+    del pinned
+    if got[0] == 0:                                         # landed
+        _, epoch, counter, sums = got
+        dst.claimed = Claim(claim.claimer, epoch, counter) if claim is not None and (epoch or counter) else None
+        if dst.want_digests:
+            dst.digests = sums
+        if dst.watched:
+            dst.landed(dst.nbytes)
+        return dst.nbytes
+    code, raw = got[0], bytearray(got[1])
+    if code == 3:
+        raise ConnectionLost("peer closed the connection" if len(raw) < HEADER.size
+                             else "peer closed the connection mid-transfer")
+    want = HEADER.size + FENCE.size + dst.nbytes + TRAILER.size
+    if code == 1:
+        _refuse_small(sock, raw, len(raw), rid, want, what)
+    dst.claimed = _claim_of(bytes(raw[HEADER.size:HEADER.size + FENCE.size]), claim)
+    check_trailer(bytes(raw[want - TRAILER.size:]), dst.claimed or claim, what)
+    raise ProtocolError(f"{what}: the reply was refused but its fence and trailer pass")   # not reached
+
+
 def _refuse_small(sock: socket.socket, buf: bytearray, got: int, rid: int, want: int, what: str) -> NoReturn:
     """Raise for a small read's reply header that is not this read's DATA of the size asked."""
     kind, got_id, length = unpack_header(buf)
@@ -200,7 +233,17 @@ class TCPTransport(Transport):
         client = self._client(url)
         if dst.nbytes <= SMALL_READ and dst.pool.is_host:
             what = "read " + url
-            sock, rid = client.send(Kind.READ, encode_request(handle.to_bytes(), indices, claim), what)
+            payload = encode_request(handle.to_bytes(), indices, claim)
+            if blockcopy.read_small is not None and dst.block_ids is not None:
+                sock, rid, frame = client.prepare(Kind.READ, payload)
+                try:
+                    n = _read_small_native(sock, rid, frame, dst, what, claim)
+                except BaseException as exc:
+                    sock.close()
+                    raise map_os_error(exc, f"read from {url}") from None
+                client.put_back(sock)
+                return n
+            sock, rid = client.send(Kind.READ, payload, what)
             try:
                 n = _read_small(sock, rid, dst, what, claim)
             except BaseException as exc:

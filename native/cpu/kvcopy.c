@@ -20,6 +20,19 @@
  *       the reverse: wire-ordered bytes of `src` (any buffer) from `offset` into the blocks;
  *       with `hash`, the xxh3-64 of each block as it landed (as copy_blocks).
  *
+ *   read_small(fd, frame, rid, nbytes, dst_planes, dst_ids, part, hash, claimed) -> tuple
+ *       tcp:// small reads in one call: send `frame` on socket `fd`, take the reply to request
+ *       `rid` -- header (16) | fence (16) | `nbytes` of blocks | trailer (4), see
+ *       kvbridge/transports/wire.py -- into a private buffer, and only when it is this read's
+ *       DATA reply of that size, its trailer vouches for it (status 0) and its fence is zero
+ *       (or `claimed`), land the blocks (hashed as with scatter_blocks). Returns
+ *         (0, epoch, counter, digests | None)   landed;
+ *         (1, received bytes)                   the header is not that of this read's reply;
+ *         (2, the whole reply)                  the fence or the trailer says no: nothing landed;
+ *         (3, received bytes)                   the peer closed the connection first.
+ *       The socket's own timeouts apply (SO_SNDTIMEO/SO_RCVTIMEO); a socket error is an
+ *       OSError. The GIL is released while it sends and waits.
+ *
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
  * transfers of 64 KiB and more. xxHash (BSD-2-Clause, native/cpu/xxhash/) is built in with
@@ -27,8 +40,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
 
 #define XXH_STATIC_LINKING_ONLY
 #if defined(KVB_X86_DISPATCH)
@@ -375,6 +390,142 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------ tcp:// small reads */
+#define HEAD_LEN 16     /* !2sBBIQ: magic "KB", version, kind, request id, length */
+#define FENCE_LEN 16    /* !QQ */
+#define TRAILER_LEN 4   /* !BBH: status, two zero bytes */
+#define WIRE_VERSION 3
+#define KIND_DATA 2
+#define READ_SMALL_MAX (1 << 20)
+
+static uint64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* send or receive with the GIL released; -1 with a Python exception set on an error, 0 on EOF */
+static Py_ssize_t io_loop(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least, int sending) {
+    Py_ssize_t got = 0;
+    while (got < at_least) {
+        ssize_t k;
+        Py_BEGIN_ALLOW_THREADS
+        k = sending ? send(fd, buf + got, (size_t)(len - got), MSG_NOSIGNAL)
+                    : recv(fd, buf + got, (size_t)(len - got), 0);
+        Py_END_ALLOW_THREADS
+        if (k < 0) {
+            if (errno == EINTR) {
+                if (PyErr_CheckSignals() < 0)
+                    return -1;
+                continue;
+            }
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (k == 0 && !sending)
+            return got ? -2 - got : 0;   /* EOF: the caller learns how much had arrived */
+        got += k;
+    }
+    return got;
+}
+
+static PyObject *read_small(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd, hash, claimed;
+    Py_buffer frame;
+    unsigned long rid;
+    long long nbytes, part;
+    PyObject *dpobj, *didobj;
+    if (!PyArg_ParseTuple(args, "iy*kLOOLpp", &fd, &frame, &rid, &nbytes, &dpobj, &didobj, &part, &hash, &claimed))
+        return NULL;
+    PyObject *res = NULL;
+    char *buf = NULL;
+    int64_t *ids = NULL, *sid = NULL;
+    planes_t dp = {NULL, 0}, sp = {NULL, 0};
+    Py_ssize_t n = 0;
+    if (nbytes < 0 || nbytes > READ_SMALL_MAX) {
+        PyErr_SetString(PyExc_ValueError, "read_small: nbytes outside [0, 1 MiB]");
+        goto done;
+    }
+    if (get_planes(dpobj, &dp) < 0)
+        goto done;
+    ids = get_ids(didobj, &dp, part, &n);      /* checked before a byte is sent */
+    if (ids == NULL)
+        goto done;
+    if ((double)part * (double)n * (double)dp.n != (double)nbytes) {
+        PyErr_SetString(PyExc_ValueError, "read_small: the blocks do not hold nbytes");
+        goto done;
+    }
+    Py_ssize_t want = HEAD_LEN + FENCE_LEN + (Py_ssize_t)nbytes + TRAILER_LEN;
+    buf = PyMem_Malloc((size_t)want);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (io_loop(fd, frame.buf, frame.len, frame.len, 1) < 0)
+        goto done;
+    Py_ssize_t got = io_loop(fd, buf, want, HEAD_LEN, 0);
+    if (got == -1)
+        goto done;
+    if (got <= 0) {                            /* EOF before a whole header */
+        Py_ssize_t had = got == 0 ? 0 : -2 - got;
+        res = Py_BuildValue("(iy#)", 3, buf, had);
+        goto done;
+    }
+    const unsigned char *h = (const unsigned char *)buf;
+    uint32_t got_id = ((uint32_t)h[4] << 24) | ((uint32_t)h[5] << 16) | ((uint32_t)h[6] << 8) | h[7];
+    if (h[0] != 'K' || h[1] != 'B' || h[2] != WIRE_VERSION || h[3] != KIND_DATA || got_id != (uint32_t)rid
+            || be64(h + 8) != (uint64_t)(want - HEAD_LEN)) {
+        res = Py_BuildValue("(iy#)", 1, buf, got);
+        goto done;
+    }
+    if (got < want) {
+        Py_ssize_t more = io_loop(fd, buf + got, want - got, want - got, 0);
+        if (more == -1)
+            goto done;
+        if (more <= 0) {
+            Py_ssize_t had = got + (more == 0 ? 0 : -2 - more);
+            res = Py_BuildValue("(iy#)", 3, buf, had);
+            goto done;
+        }
+    }
+    uint64_t epoch = be64(h + HEAD_LEN), counter = be64(h + HEAD_LEN + 8);
+    const unsigned char *t = h + want - TRAILER_LEN;
+    if (t[0] || t[1] || t[2] || t[3] || (!claimed && (epoch || counter))) {
+        res = Py_BuildValue("(iy#)", 2, buf, want);
+        goto done;
+    }
+    /* the reply as one plane set: plane j holds blocks 0..n-1 back to back */
+    sp.n = dp.n;
+    sp.p = PyMem_Malloc((size_t)(dp.n ? dp.n : 1) * sizeof(plane_t));
+    sid = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (sp.p == NULL || sid == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t body = (int64_t)(uintptr_t)buf + HEAD_LEN + FENCE_LEN;
+    for (Py_ssize_t j = 0; j < dp.n; j++) {
+        sp.p[j].base = body + (int64_t)j * n * part;
+        sp.p[j].stride = part;
+        sp.p[j].end = sp.p[j].base + (int64_t)n * part;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        sid[k] = k;
+    PyObject *digests = copy_core(&dp, ids, &sp, sid, n, part, hash);
+    if (digests == NULL)
+        goto done;
+    res = Py_BuildValue("(iKKN)", 0, (unsigned long long)epoch, (unsigned long long)counter, digests);
+done:
+    PyBuffer_Release(&frame);
+    PyMem_Free(buf);
+    PyMem_Free(ids);
+    PyMem_Free(sid);
+    PyMem_Free(sp.p);
+    PyMem_Free(dp.p);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
@@ -385,6 +536,9 @@ static PyMethodDef methods[] = {
      "gather_blocks(planes, ids, part, head, tail) -> bytearray: head zeros, the blocks in wire order, tail zeros"},
     {"scatter_blocks", scatter_blocks, METH_VARARGS,
      "scatter_blocks(dst_planes, dst_ids, src, offset, part, hash) -> per-block xxh3-64 of the landed bytes, or None"},
+    {"read_small", read_small, METH_VARARGS,
+     "read_small(fd, frame, rid, nbytes, dst_planes, dst_ids, part, hash, claimed) -> (code, ...): a tcp small "
+     "read's request sent and its reply taken and landed in one call"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,13 +7,20 @@ would stall every transfer in flight."""
 from __future__ import annotations
 
 import gc
+import socket
+import threading
+from typing import Any, Optional
 
 import pytest
 import torch
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, blockcopy
-from kvbridge.errors import HandleNotFound, ProtocolError, StaleHandle
+from kvbridge.blockcopy import hash_blocks, planes
+from kvbridge.errors import ConnectionLost, HandleNotFound, ProtocolError, StaleHandle
+from kvbridge.lease.base import Claim
+from kvbridge.transports import tcp
 from kvbridge.transports.base import Spans
+from kvbridge.transports.wire import FENCE, TRAILER, Kind, encode_error, pack
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not blockcopy.NATIVE, reason="the one-piece path needs the C extension")]
@@ -110,3 +117,91 @@ def test_reads_and_releases_leave_nothing_for_the_collector() -> None:
         finally:
             gc.enable()
         assert grown < 300, f"{grown} tracked objects outlived 3,000 fetches"
+
+
+# -- the receiving end of a small read: the C call and its Python twin, against a scripted peer --
+def _python_read(sock: socket.socket, rid: int, frame: bytes, dst: Spans, claim: Optional[Claim]) -> int:
+    sock.sendall(frame)
+    return tcp._read_small(sock, rid, dst, "read", claim)
+
+
+def _native_read(sock: socket.socket, rid: int, frame: bytes, dst: Spans, claim: Optional[Claim]) -> int:
+    return tcp._read_small_native(sock, rid, frame, dst, "read", claim)
+
+
+READERS = [pytest.param(_python_read, id="python"), pytest.param(_native_read, id="native")]
+BODY = bytes(range(256)) * 4          # two 512-byte blocks
+
+
+def _reply(rid: int = 7, body: bytes = BODY, fence: tuple[int, int] = (0, 0), status: int = 0,
+           kind: Kind = Kind.DATA, length: Optional[int] = None) -> bytes:
+    payload = FENCE.pack(*fence) + body + TRAILER.pack(status, 0, 0)
+    return pack(kind, rid, payload, length=len(payload) if length is None else length)
+
+
+def _serve_once(reply: bytes, trickle: bool = False, close: bool = False) -> tuple[socket.socket, threading.Thread]:
+    """A peer that takes one request and answers ``reply`` (byte by byte with ``trickle``; the
+    connection closed after it with ``close``)."""
+    mine, theirs = socket.socketpair()
+
+    def run() -> None:
+        theirs.recv(65536)
+        if trickle:
+            for i in range(len(reply)):
+                theirs.sendall(reply[i:i + 1])
+        else:
+            theirs.sendall(reply)
+        if close:
+            theirs.close()
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return mine, t
+
+
+@pytest.mark.parametrize("read", READERS)
+@pytest.mark.parametrize("trickle", [False, True], ids=["whole", "trickled"])
+def test_the_usual_reply_lands_hashed(read: Any, trickle: bool) -> None:
+    _, dst = _pools()
+    spans = Spans.of_blocks(dst, [4, 9])
+    spans.want_digests = True
+    sock, t = _serve_once(_reply(), trickle)
+    assert read(sock, 7, pack(Kind.READ, 7, b"x"), spans, None) == len(BODY)
+    t.join(5)
+    assert _blocks(dst, [4, 9]) == BODY
+    assert spans.digests == hash_blocks(planes(dst), [4, 9], L.part_nbytes, L.num_layers * L.num_parts)
+
+
+REFUSALS = [
+    pytest.param(pack(Kind.ERROR, 7, encode_error(HandleNotFound("gone here"))), HandleNotFound, id="error-reply"),
+    pytest.param(_reply(rid=8), ProtocolError, id="another-request"),
+    pytest.param(_reply(length=FENCE.size + 1024 + TRAILER.size + 1), ProtocolError, id="another-size"),
+    pytest.param(_reply(kind=Kind.OK), ProtocolError, id="not-data"),
+    pytest.param(b"XX" + _reply()[2:], ProtocolError, id="bad-magic"),
+    pytest.param(_reply(status=2), StaleHandle, id="stale-trailer"),
+    pytest.param(_reply(fence=(3, 4)), ProtocolError, id="fence-unasked"),
+    pytest.param(_reply()[:100], ConnectionLost, id="closed-mid-reply"),
+    pytest.param(_reply()[:10], ConnectionLost, id="closed-mid-header"),
+]
+
+
+@pytest.mark.parametrize("read", READERS)
+@pytest.mark.parametrize("reply, error", REFUSALS)
+def test_a_refused_reply_raises_and_lands_nothing(read: Any, reply: bytes, error: type) -> None:
+    _, dst = _pools()
+    spans = Spans.of_blocks(dst, [4, 9])
+    before = _blocks(dst, [4, 9])
+    sock, t = _serve_once(reply, close=True)
+    with pytest.raises(error):
+        read(sock, 7, pack(Kind.READ, 7, b"x"), spans, None)
+    t.join(5)
+    assert _blocks(dst, [4, 9]) == before
+
+
+@pytest.mark.parametrize("read", READERS)
+def test_a_claimed_read_learns_its_fence(read: Any) -> None:
+    _, dst = _pools()
+    spans = Spans.of_blocks(dst, [4, 9])
+    sock, t = _serve_once(_reply(fence=(3, 4)))
+    read(sock, 7, pack(Kind.READ, 7, b"x"), spans, Claim("me", 0, 0))
+    t.join(5)
+    assert spans.claimed == Claim("me", 3, 4) and _blocks(dst, [4, 9]) == BODY
