@@ -38,6 +38,10 @@ MAX_PING = 64              # PING payload echoed back, at most
 MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
 RATE_GRACE = 2.0
 RELEASE_LINGER = 0.002  # seconds a deferred release waits for a request to ride on
+# Deferred releases ride behind a request once this many wait (or go alone after the linger):
+# the sender then ends them one after another, its release path hot in cache, instead of one
+# between every two reads (a 4 KiB fetch with release: 56 -> 47 us on one core here).
+RELEASE_BATCH = 16
 SMALL_REPLY = 64 << 10     # host reads up to this are copied out, validated and sent in one call
 _MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its trailer joins it in one segment
 
@@ -481,7 +485,8 @@ class SocketClient:
 
     def release(self, handle: KVHandle, wait: bool, url: str) -> None:
         """RELEASE (and read the answer), or RELEASE_NOREPLY without a send of its own: the
-        frame rides behind this client's next request, or goes alone after ``RELEASE_LINGER``."""
+        frame rides behind one of this client's next requests, with ``RELEASE_BATCH`` - 1 others,
+        or goes alone (with those waiting) after ``RELEASE_LINGER``."""
         if not wait:
             raw = handle.to_bytes()
             with self._lock:
@@ -495,8 +500,9 @@ class SocketClient:
         self.control(Kind.RELEASE, handle.to_bytes(), f"release {url}")
 
     def frames(self, frame: bytes) -> bytes:
-        """``frame`` followed by the deferred releases (served after it: they never delay it)."""
-        if not self._pending:
+        """``frame`` followed by the deferred releases once ``RELEASE_BATCH`` of them wait (served
+        after it: they never delay it)."""
+        if len(self._pending) < RELEASE_BATCH:
             return frame
         with self._lock:
             pending, self._pending = self._pending, []

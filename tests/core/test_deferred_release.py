@@ -1,5 +1,6 @@
-"""A release without a reply rides behind the client's next request or, with none, goes
-alone after ``RELEASE_LINGER``; closing the receiver sends what is still waiting."""
+"""A release without a reply rides behind one of the client's next requests once
+``RELEASE_BATCH`` of them wait or, with none, goes alone after ``RELEASE_LINGER``; closing the
+receiver sends what is still waiting."""
 
 from __future__ import annotations
 
@@ -37,24 +38,23 @@ def pair(request):
     snd.close()
 
 
-def test_release_rides_on_the_next_request(pair, monkeypatch):
+def test_releases_ride_on_a_request_once_a_batch_waits(pair, monkeypatch):
     snd, rcv, freed, ev = pair
-    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # only a request can carry it
-    a, b = snd.publish("a", snd.pool.alloc(2), 8), snd.publish("b", snd.pool.alloc(2), 8)
+    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # only a request can carry them
+    monkeypatch.setattr(sockets, "RELEASE_BATCH", 2)
+    a, b, c = (snd.publish(n, snd.pool.alloc(2), 8) for n in "abc")
     assert rcv.fetch(a, [0, 1]).ok
-    time.sleep(0.2)
-    assert freed == []                 # waiting for a request to ride on
     assert rcv.fetch(b, [2, 3], release=False).ok
-    if snd.url.startswith("shm"):      # a one-sided shm read sends no request: still waiting
-        time.sleep(0.2)
-        assert freed == []
-        assert rcv.release(b)          # a control request: the waiting release rides behind it
-        deadline = time.monotonic() + 5
-        while len(freed) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sorted(freed) == ["a:released", "b:released"]
-        return
-    assert ev.wait(5) and freed == ["a:released"]
+    time.sleep(0.2)
+    assert freed == []                 # one release waiting: the request went without it
+    assert rcv.fetch(c, [4, 5]).ok     # (a one-sided shm read sends no request at all)
+    time.sleep(0.2)
+    assert freed == []                 # two waiting now, for the next request
+    assert rcv.release(b)              # a control request (RELEASE): the two ride behind it
+    deadline = time.monotonic() + 5
+    while len(freed) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(freed) == ["a:released", "b:released", "c:released"]
 
 
 def test_release_goes_alone_after_the_linger(pair):
