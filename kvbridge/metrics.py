@@ -53,10 +53,11 @@ class SenderStats(_Counters):
     bytes_pushed: int = 0
     refused: int = 0
 
-    def ended(self, reason: str, nblocks: int) -> None:
-        """A handle ended for ``reason`` (a counter's name) and its ``nblocks`` blocks were freed."""
+    def ended(self, reason: str, nblocks: int, count: int = 1) -> None:
+        """``count`` handles ended for ``reason`` (a counter's name) and their ``nblocks`` blocks
+        were freed."""
         with self._lock:
-            setattr(self, reason, getattr(self, reason) + 1)
+            setattr(self, reason, getattr(self, reason) + count)
             blocks = _BLOCKS.get(reason) or _BLOCKS.setdefault(reason, "blocks_" + reason)
             setattr(self, blocks, getattr(self, blocks) + nblocks)
             self.blocks_freed += nblocks

@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 from . import blockcopy
-from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, LayoutMismatch,
+from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch,
                      LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
@@ -425,11 +425,33 @@ class KVSender:
     def release_remote(self, handle_bytes: bytes) -> None:
         """A direct release (handles without a lease). A leased handle ends only through its
         lease: a holder of the handle bytes is not necessarily its claimer."""
+        self._end(self._releasable(handle_bytes), "released")
+
+    def release_many(self, many: Sequence[bytes]) -> list[Optional[KVBridgeError]]:
+        """:meth:`release_remote` of each, ended under one hold of the lock and freed in one
+        pass (releases that arrived together); per release, None or why it was refused."""
+        out: list[Optional[KVBridgeError]] = []
+        recs: list[Record] = []
+        for raw in many:
+            try:
+                recs.append(self._releasable(raw))
+                out.append(None)
+            except KVBridgeError as exc:
+                out.append(exc)
+        with self._mutex:
+            free = [r for r in recs if self._mark_ended(r, "released")]
+        if len(free) == 1:
+            self._release_blocks(free[0])
+        elif free:
+            self._release_many_blocks(free)
+        return out
+
+    def _releasable(self, handle_bytes: bytes) -> Record:
         rec = self._lookup(handle_bytes)
         if self.leases is not None and rec.handle.lease_id:
             self.stats.add(refused=1)
             raise AccessDenied("a leased handle is released through its lease, by its claimer")
-        self._end(rec, "released")
+        return rec
 
     # -- push ------------------------------------------------------------------------------
     def push(self, reservation: Union[KVHandle, bytes, dict[str, Any]], block_ids: Sequence[int],
@@ -471,32 +493,40 @@ class KVSender:
         return t
 
     # -- lifecycle -----------------------------------------------------------------------
+    def _mark_ended(self, rec: Record, reason: FreeReason) -> bool:
+        """Under the lock: end ``rec`` (no reader sees it live from now on). True when its blocks
+        are to be freed now, by the caller (it claimed the free); False when it had ended
+        already, a read still holds it, or its lease must be revoked first (``rec.revoking``)."""
+        if not rec.live:
+            return False
+        rec.live = False
+        rec.reason = reason
+        self._records.pop(rec.handle.handle_id, None)
+        for srv in self.servers:
+            if srv.watches_ends:
+                srv.ended(rec.handle.handle_id)    # one-sided readers see the end before any free
+        if rec.handle.lease_id:
+            self._by_lease.pop(self._lease_ref(rec.handle.lease_id), None)
+        if self._by_block:
+            for b in rec.block_ids:
+                if self._by_block.get(b) is rec:
+                    del self._by_block[b]
+        if self._layer_waiters:
+            self._ready_cv.notify_all()   # readers and pushes waiting for its layers: it is over
+        revoke = (self.leases is not None and bool(rec.handle.lease_id)
+                  and reason not in ("released", "aborted"))
+        rec.revoking = revoke   # a read draining meanwhile must not free before the revoke lands
+        if not revoke and rec.inflight == 0 and not rec.freed:   # the usual end: freed at once
+            rec.freed = True
+            return True
+        return False
+
     def _end(self, rec: Record, reason: FreeReason) -> bool:
         with self._mutex:
             if not rec.live:
                 return False
-            rec.live = False
-            rec.reason = reason
-            self._records.pop(rec.handle.handle_id, None)
-            for srv in self.servers:
-                if srv.watches_ends:
-                    srv.ended(rec.handle.handle_id)    # one-sided readers see the end before any free
-            if rec.handle.lease_id:
-                self._by_lease.pop(self._lease_ref(rec.handle.lease_id), None)
-            if self._by_block:
-                for b in rec.block_ids:
-                    if self._by_block.get(b) is rec:
-                        del self._by_block[b]
-            if self._layer_waiters:
-                self._ready_cv.notify_all()   # readers and pushes waiting for its layers: it is over
-            revoke = (self.leases is not None and bool(rec.handle.lease_id)
-                      and reason not in ("released", "aborted"))
-            rec.revoking = revoke   # a read draining meanwhile must not free before the revoke lands
-            if not revoke and rec.inflight == 0 and not rec.freed:   # the usual end: freed at once
-                rec.freed = True
-                free_now = True
-            else:
-                free_now = False
+            free_now = self._mark_ended(rec, reason)
+            revoke = rec.revoking
         if free_now:
             self._release_blocks(rec)
             return True
@@ -546,8 +576,29 @@ class KVSender:
             log.error("freeing blocks of %s: %s", rec.handle.request_id, exc)
         if rec.frames is not None:
             rec.frames.close()
-        n = len(rec.block_ids)
-        self.stats.ended(rec.reason, n)
+        self.stats.ended(rec.reason, len(rec.block_ids))
+        self._tell_engine(rec)
+
+    def _release_many_blocks(self, recs: list[Record]) -> None:
+        """:meth:`_release_blocks` of records that ended together (all for the same reason):
+        their blocks freed in one pass, one by one only if that pass is refused."""
+        try:
+            self.pool.free([b for r in recs for b in r.block_ids])
+        except PoolError:          # some were freed behind our back: find which, free the rest
+            for r in recs:
+                try:
+                    self.pool.free(r.block_ids)
+                except PoolError as exc:
+                    log.error("freeing blocks of %s: %s", r.handle.request_id, exc)
+        for r in recs:
+            if r.frames is not None:
+                r.frames.close()
+        self.stats.ended(recs[0].reason, sum(len(r.block_ids) for r in recs), len(recs))
+        for r in recs:
+            self._tell_engine(r)
+
+    def _tell_engine(self, rec: Record) -> None:
+        """``on_free``: the engine may reuse the blocks now."""
         if self.on_free is not None:
             try:
                 self.on_free(rec.handle, rec.reason)

@@ -386,6 +386,16 @@ class FrameReader:
                 return k_, req_id, payload
         return self._read_frame(max_len)
 
+    def next_kind(self) -> Optional[Kind]:
+        """The kind of the next frame if it is already whole in the buffer (None otherwise)."""
+        start, end = self.start, self.end
+        if end - start < HEADER.size:
+            return None
+        magic, version, kind, _, length = HEADER.unpack_from(self.buf, start)
+        if magic != MAGIC or version != VERSION or start + HEADER.size + length > end:
+            return None
+        return _KINDS.get(kind)
+
     def _read_frame(self, max_len: int) -> tuple[Kind, int, bytes]:
         """A frame that is not whole in the buffer yet (or is refused): bounded, as described above."""
         if self.start != self.end and not self._since:

@@ -96,3 +96,38 @@ def test_a_released_handle_is_not_served_again_while_its_release_waits(pair, mon
         assert other.fetch(h, [4, 5], release=False).ok
     finally:
         other.close()
+
+
+def test_releases_that_arrive_together_are_ended_together_and_one_refusal_stops_none():
+    """The server ends the RELEASE frames it finds together in one pass (KVSender.release_many):
+    a forged or an already-ended handle among them is refused alone, the others end, each
+    engine callback runs once and the counters add up."""
+    src = KVPool.allocate(LAYOUT, 16, allocator="engine")
+    freed: list[str] = []
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: freed.append(h.request_id)) as snd:
+        hs = [snd.publish(f"r{i}", [i], 4) for i in range(6)]
+        forged = bytearray(hs[0].to_bytes())
+        forged[-1] ^= 1
+        snd.release_remote(hs[5].to_bytes())
+        got = snd.release_many([h.to_bytes() for h in hs[:3]] + [bytes(forged), hs[5].to_bytes(), hs[3].to_bytes()])
+        assert [type(e).__name__ if e else None for e in got] == [None, None, None, "BadHandle", "HandleNotFound", None]
+        assert sorted(freed) == ["r0", "r1", "r2", "r3", "r5"] and snd.num_live == 1
+        assert snd.stats.released == 5 and snd.stats.blocks_released == 5
+        assert src.refcount(0) == 0 and src.refcount(4) == 1
+
+        # and over the wire: three releases in one send are one pass on the server
+        calls: list[int] = []
+        real = snd.release_many
+        snd.servers[0]._release_many = lambda many: calls.append(len(many)) or real(many)
+        rcv = KVReceiver(KVPool.allocate(LAYOUT, 8), leases=False)
+        try:
+            more = [snd.publish(f"w{i}", [8 + i], 4) for i in range(3)]
+            for i, h in enumerate(more):
+                assert rcv.fetch(h, [i]).ok
+            rcv.close()                       # sends the three waiting releases in one send
+            deadline = time.monotonic() + 5
+            while snd.num_live > 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert snd.num_live == 1 and sum(calls) == 3 and max(calls) >= 2
+        finally:
+            rcv.close()

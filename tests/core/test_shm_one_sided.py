@@ -44,13 +44,21 @@ class Pair:
         self.frames: Counter[str] = Counter()
         self._lock = threading.Lock()
         srv = self.snd.servers[0]
-        handle = srv.handle
+        handle, release_many = srv.handle, srv._release_many
 
         def counting(conn: Any, reader: Any, kind: Kind, req_id: int, payload: bytes) -> bool:
-            with self._lock:
-                self.frames[kind.name] += 1
+            if kind is not Kind.RELEASE_NOREPLY:        # counted below, with those that came with it
+                with self._lock:
+                    self.frames[kind.name] += 1
             return handle(conn, reader, kind, req_id, payload)
+
+        def counting_releases(many: list[bytes]) -> Any:
+            with self._lock:
+                self.frames["RELEASE_NOREPLY"] += len(many)
+            assert release_many is not None
+            return release_many(many)
         srv.handle = counting  # type: ignore[method-assign]
+        srv._release_many = counting_releases
         self.tr = self.rcv.transport(self.snd.url)
 
     def publish(self, ids: list[int]) -> KVHandle:
