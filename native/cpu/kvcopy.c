@@ -337,6 +337,33 @@ done:
     return out;
 }
 
+/* Wire-ordered bytes at `src` (plane j holds blocks 0..n-1 back to back from j*n*part) into
+ * blocks `ids` of `dp`, through copy_core: the source described as planes too. `src` must stay
+ * valid and unchanged for the call (the callers hold the buffer). */
+static PyObject *scatter_wire(const planes_t *dp, const int64_t *ids, Py_ssize_t n, const char *src, int64_t part,
+                              int hash) {
+    PyObject *res = NULL;
+    planes_t sp = {NULL, dp->n};
+    sp.p = PyMem_Malloc((size_t)(dp->n ? dp->n : 1) * sizeof(plane_t));
+    int64_t *sid = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    if (sp.p == NULL || sid == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < dp->n; j++) {
+        sp.p[j].base = (int64_t)(uintptr_t)src + (int64_t)j * n * part;
+        sp.p[j].stride = part;
+        sp.p[j].end = sp.p[j].base + (int64_t)n * part;
+    }
+    for (Py_ssize_t k = 0; k < n; k++)
+        sid[k] = k;
+    res = copy_core(dp, ids, &sp, sid, n, part, hash);
+done:
+    PyMem_Free(sid);
+    PyMem_Free(sp.p);
+    return res;
+}
+
 static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *dpobj, *didobj, *srcobj;
@@ -344,7 +371,7 @@ static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
     int hash;
     if (!PyArg_ParseTuple(args, "OOOLLp", &dpobj, &didobj, &srcobj, &offset, &part, &hash))
         return NULL;
-    planes_t dp, sp = {NULL, 0};
+    planes_t dp;
     if (get_planes(dpobj, &dp) < 0)
         return NULL;
     Py_buffer src;
@@ -354,7 +381,6 @@ static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
     }
     PyObject *res = NULL;
     Py_ssize_t n = 0;
-    int64_t *sid = NULL;
     int64_t *ids = get_ids(didobj, &dp, part, &n);
     if (ids == NULL)
         goto done;
@@ -364,26 +390,9 @@ static PyObject *scatter_blocks(PyObject *self, PyObject *args) {
                      src.len, need, offset);
         goto done;
     }
-    /* the source as planes too: plane j holds blocks 0..n-1 back to back from offset + j*n*part;
-     * the exported buffer cannot be resized or freed while we hold it */
-    sp.n = dp.n;
-    sp.p = PyMem_Malloc((size_t)(dp.n ? dp.n : 1) * sizeof(plane_t));
-    sid = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    if (sp.p == NULL || sid == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t j = 0; j < dp.n; j++) {
-        sp.p[j].base = (int64_t)(uintptr_t)src.buf + offset + (int64_t)j * n * part;
-        sp.p[j].stride = part;
-        sp.p[j].end = sp.p[j].base + (int64_t)n * part;
-    }
-    for (Py_ssize_t k = 0; k < n; k++)
-        sid[k] = k;
-    res = copy_core(&dp, ids, &sp, sid, n, part, hash);
+    /* the exported buffer cannot be resized or freed while we hold it */
+    res = scatter_wire(&dp, ids, n, (const char *)src.buf + offset, part, hash);
 done:
-    PyMem_Free(sid);
-    PyMem_Free(sp.p);
     PyMem_Free(ids);
     PyMem_Free(dp.p);
     PyBuffer_Release(&src);
@@ -441,8 +450,8 @@ static PyObject *read_small(PyObject *self, PyObject *args) {
         return NULL;
     PyObject *res = NULL;
     char *buf = NULL;
-    int64_t *ids = NULL, *sid = NULL;
-    planes_t dp = {NULL, 0}, sp = {NULL, 0};
+    int64_t *ids = NULL;
+    planes_t dp = {NULL, 0};
     Py_ssize_t n = 0;
     if (nbytes < 0 || nbytes > READ_SMALL_MAX) {
         PyErr_SetString(PyExc_ValueError, "read_small: nbytes outside [0, 1 MiB]");
@@ -496,23 +505,7 @@ static PyObject *read_small(PyObject *self, PyObject *args) {
         res = Py_BuildValue("(iy#)", 2, buf, want);
         goto done;
     }
-    /* the reply as one plane set: plane j holds blocks 0..n-1 back to back */
-    sp.n = dp.n;
-    sp.p = PyMem_Malloc((size_t)(dp.n ? dp.n : 1) * sizeof(plane_t));
-    sid = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    if (sp.p == NULL || sid == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    int64_t body = (int64_t)(uintptr_t)buf + HEAD_LEN + FENCE_LEN;
-    for (Py_ssize_t j = 0; j < dp.n; j++) {
-        sp.p[j].base = body + (int64_t)j * n * part;
-        sp.p[j].stride = part;
-        sp.p[j].end = sp.p[j].base + (int64_t)n * part;
-    }
-    for (Py_ssize_t k = 0; k < n; k++)
-        sid[k] = k;
-    PyObject *digests = copy_core(&dp, ids, &sp, sid, n, part, hash);
+    PyObject *digests = scatter_wire(&dp, ids, n, buf + HEAD_LEN + FENCE_LEN, part, hash);
     if (digests == NULL)
         goto done;
     res = Py_BuildValue("(iKKN)", 0, (unsigned long long)epoch, (unsigned long long)counter, digests);
@@ -520,8 +513,6 @@ done:
     PyBuffer_Release(&frame);
     PyMem_Free(buf);
     PyMem_Free(ids);
-    PyMem_Free(sid);
-    PyMem_Free(sp.p);
     PyMem_Free(dp.p);
     return res;
 }
