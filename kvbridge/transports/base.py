@@ -250,7 +250,12 @@ class BlockSource(Protocol):
     """What a server serves reads from: the sender. It authorizes every read.
 
     ``layers=(first, end)`` asks a layer-wise handle for its layers from ``first``: the
-    source waits (bounded) until ``first`` is ready and serves the ready ones below ``end``."""
+    source waits (bounded) until ``first`` is ready and serves the ready ones below ``end``.
+
+    Socket servers also use two optional methods when the source has them (the sender does):
+    ``read_small(handle_bytes, limit, head, tail)`` -- a small whole read copied out and
+    validated in one piece, or None for the long way -- and ``release_many(list_of_bytes)`` --
+    the releases that arrived together, ended in one pass."""
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
                   claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> ReadGrant:
