@@ -25,7 +25,6 @@ block can be written again: an ``shm://`` reader checks them with no message.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import mmap
 import os
 import secrets
@@ -147,9 +146,6 @@ class SharedSegment:
                 pass
         if self.owner:
             self._finalizer()
-
-
-_ONES = itertools.repeat(1)
 
 
 class KVPool:
@@ -369,13 +365,11 @@ class KVPool:
         ids = list(block_ids)
         self._check_ids(ids)
         freed: list[int] = []
-        counts: Optional[dict[int, int]] = None
-        if len(ids) > 1 and len(set(ids)) != len(ids):    # a block named more than once: count them
-            counts = {}
-            for b in ids:
-                counts[b] = counts.get(b, 0) + 1
+        counts: dict[int, int] = {}
+        for b in ids:
+            counts[b] = counts.get(b, 0) + 1
         with self._lock:
-            for b, k in (counts.items() if counts is not None else zip(ids, _ONES)):
+            for b, k in counts.items():
                 if self._refs[b] < k:
                     raise PoolError(f"double free of block {b} (refcount {self._refs[b]}, freed {k}x)")
             for b in ids:
