@@ -287,9 +287,10 @@ def lookup_ticket(table: Mapping[bytes, _R], raw: bytes, key: bytes, what: str =
     or a genuine id with other contents (:class:`AccessDenied`)."""
     if len(raw) < _ID.stop:
         raise BadHandle(f"{what} is truncated")
+    found = find_issued(table, bytes(raw))
+    if found is not None:
+        return found
     rec = table.get(bytes(raw[_ID]))
-    if rec is not None and hmac.compare_digest(bytes(raw), rec.raw):
-        return rec
     h = KVHandle.from_bytes(raw)                     # BadHandle on garbage
     try:
         h.verify(key)

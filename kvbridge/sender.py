@@ -305,9 +305,6 @@ class KVSender:
 
     # -- BlockSource (called by transport servers) ---------------------------------------
     def _lookup(self, handle_bytes: bytes) -> Record:
-        rec = find_issued(self._records, bytes(handle_bytes))
-        if rec is not None:
-            return rec
         try:
             return lookup_ticket(self._records, handle_bytes, self._key)
         except (BadHandle, HandleNotFound):
