@@ -13,7 +13,9 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
   (wire) order -- plane by plane, ids in the order given -- for tcp:// small reads: the
   sender's reply is built in one buffer, the receiver's lands (and is hashed) in one pass.
 - ``read_small`` (extension only): a tcp:// small read's request sent, its reply received,
-  checked and landed in one call (see ``native/cpu/kvcopy.c``).
+  checked and landed in one call; ``serve_small`` (extension only): the sender's side, a whole
+  small read of an indexed handle checked, copied out, validated and answered in one call
+  (see ``native/cpu/kvcopy.c``).
 
 The extension is built by ``pip install`` (it needs a C compiler and Python's headers). Without
 it -- or with ``KVBRIDGE_NO_NATIVE=1`` in the environment -- the Python twin runs; the tests run
@@ -196,3 +198,4 @@ scatter_blocks = _native.scatter_blocks if NATIVE else py_scatter_blocks
 # tcp:// small reads in one call (send, receive, check, land); no twin: without the extension
 # tcp.py takes the same steps in Python
 read_small = _native.read_small if NATIVE else None
+serve_small = _native.serve_small if NATIVE else None

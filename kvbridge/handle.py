@@ -271,6 +271,7 @@ class _Issued(Protocol):
 
 _R = TypeVar("_R", bound=_Issued)
 _ID = slice(_HEAD.size, _HEAD.size + 16)   # the handle id inside a handle's bytes
+ID_OFFSET = _ID.start    # where the handle id starts in a handle's bytes (kvbridge._kvcopy.serve_small)
 
 
 def find_issued(table: Mapping[bytes, _R], raw: bytes) -> Optional[_R]:

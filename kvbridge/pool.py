@@ -392,6 +392,11 @@ class KVPool:
     def generation(self, block_id: int) -> int:
         return self._gens[block_id]
 
+    @property
+    def live_generations(self) -> list[int]:
+        """Every block's generation: the pool's own list, read by the C extension (never change it)."""
+        return self._gens
+
     def generations(self, block_ids: Iterable[int]) -> list[int]:
         g = self._gens
         return [g[b] for b in block_ids]

@@ -232,9 +232,11 @@ class KVReceiver:
         self.stats.add(claimed=1)
         return Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
 
-    def _pull(self, t: Optional[Transfer], j: _Job) -> FetchResult:
+    def _pull(self, t: Optional[Transfer], j: _Job, failed: Optional[KVBridgeError] = None,
+              landed: Optional[tuple[int, Optional[list[int]]]] = None) -> FetchResult:
         """The pipeline. ``t`` is None for a blocking fetch on the caller's thread (nothing
-        to report progress to, nothing can cancel it)."""
+        to report progress to, nothing can cancel it). A whole read's first try, made by
+        :meth:`_fetch_small`, either ``failed`` or ``landed`` (bytes, digests): go on from there."""
         try:
             if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled before it started")
@@ -248,7 +250,10 @@ class KVReceiver:
                 self._move_layers(t, j)
             else:
                 spans = self._spans(j, t)
-                self._read_whole(j, spans)
+                if landed is None:
+                    self._read_whole(j, spans, failed)
+                else:
+                    j.res.attempts, (j.res.nbytes, spans.digests) = 1, landed
                 self._learn_claim(j, spans.claimed)
                 self._verify_whole(j, spans)
                 if t is not None:
@@ -289,18 +294,21 @@ class KVReceiver:
             j.claim = self._claim(j.store, j.h)      # a LeaseError here is final
         raise last
 
-    def _read_whole(self, j: _Job, spans: Spans) -> None:
+    def _read_whole(self, j: _Job, spans: Spans, failed: Optional[KVBridgeError] = None) -> None:
+        """Read into ``spans`` under the retry policy; ``failed``: how the first try at the first
+        URL (made already) failed."""
         h = j.h
         url = h.urls[0]
         j.res.attempts += 1
         if spans.verifier is not None and spans.verifier.started:
             spans.verifier.reset()                # fetch_many's pipelined try left it part-way
         spans.digests = None
-        try:      # the first try at the first URL, straight (nearly every read ends here)
-            j.res.nbytes = int(self.transport(url).read(url, h, spans, j.idx, j.claim))
-            return
-        except KVBridgeError as exc:
-            failed: Optional[KVBridgeError] = exc
+        if failed is None:
+            try:      # the first try at the first URL, straight (nearly every read ends here)
+                j.res.nbytes = int(self.transport(url).read(url, h, spans, j.idx, j.claim))
+                return
+            except KVBridgeError as exc:
+                failed = exc
 
         def read(tr: Transport, url: str) -> int:
             return tr.read(url, h, spans, j.idx, j.claim)
@@ -529,7 +537,45 @@ class KVReceiver:
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
               indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
         """Move the handle's blocks into ``dst_block_ids`` on this thread; the result."""
+        if indices is None and type(handle) is KVHandle and self.secret is None:
+            res = self._fetch_small(handle, dst_block_ids, release)
+            if res is not None:
+                return res
         return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
+
+    def _fetch_small(self, h: KVHandle, dst_block_ids: Sequence[int], release: bool) -> Optional[FetchResult]:
+        """The pipeline for the usual small fetch -- a whole unleased raw handle whose transport
+        moves (and hashes) a few host blocks in one piece (:meth:`Transport.read_small`) --
+        without its job, spans and stages; any other outcome than verified bytes on unchanged
+        blocks goes on in :meth:`_pull` from where it stands. None: not such a fetch."""
+        pool = self.pool
+        if (h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
+                or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released):
+            return None                  # the pipeline serves it, or refuses it precisely
+        dst = self._check_dst(dst_block_ids, h.num_blocks)
+        url = h.urls[0]
+        want = self.verify and bool(h.checksums)
+        gens = pool.generations(dst)
+        t0 = time.perf_counter()
+        try:
+            got = self.transport(url).read_small(url, h, pool, dst, want)
+        except KVBridgeError as exc:
+            return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
+        if got is None:
+            return None
+        if (want and tuple(got[1] or ()) != h.checksums) or not pool.same_generations(dst, gens):
+            return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
+        res = FetchResult(h, dst, True, got[0], 0.0, 1)
+        if release:
+            self.release(h, wait=False)
+        res.seconds = time.perf_counter() - t0
+        self.stats.fetched(True, res.nbytes, res.seconds)
+        return res
+
+    def _job(self, h: KVHandle, dst: list[int], release: bool, gens: list[int], t0: float) -> _Job:
+        j = _Job(h, dst, None, release, FetchResult(h, dst), None, gens)
+        j.t0 = t0
+        return j
 
     async def afetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
                      indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:

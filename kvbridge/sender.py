@@ -40,7 +40,7 @@ from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBri
                      LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
-from .handle import KVHandle, find_issued, lookup_ticket
+from .handle import ID_OFFSET, KVHandle, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
 from .logs import RateLimitedLog
 from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
@@ -53,6 +53,7 @@ from .stores import LeasesArg, StoreCache
 from .transfer import Transfer, Workers
 from .transports.base import Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
+from .transports.sockets import SMALL_REPLY
 
 __all__ = ["KVSender", "FreeReason"]
 
@@ -105,6 +106,9 @@ class KVSender:
         self.checksums = checksums
         self._key = secret if secret is not None else os.urandom(32)
         self._records: dict[bytes, Record] = {}
+        # handle id -> (bytes issued, block ids, generations) of the live handles whose whole
+        # reads C answers by itself (serve_small): raw, complete, unleased, a few host blocks
+        self._small: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]] = {}
         self._by_lease: dict[str, Record] = {}
         self._by_block: dict[int, Record] = {}   # engine pools: which live handle pins a block
         self._pending: list[Record] = []
@@ -239,6 +243,7 @@ class KVSender:
                 closed = False
                 self._records[handle.handle_id] = rec
                 if not layerwise and frames is None:   # under the lock: never after its end
+                    self._index_small(rec)
                     for srv in self.servers:
                         srv.published(handle.handle_id, rec.raw)
                 if handle.lease_id:
@@ -284,6 +289,8 @@ class KVSender:
                 return rec.live
             rec.sums.extend(new)
             rec.ready = layers
+            if layers == L and rec.frames is None and rec.live:
+                self._index_small(rec)
             self._ready_cv.notify_all()
         return rec.live
 
@@ -391,33 +398,34 @@ class KVSender:
         self.stats.served(spans.nbytes)
         return Grant(self, rec, spans, (lo, hi), sums, claim)
 
-    def read_small(self, handle_bytes: bytes, limit: int, head: int, tail: int) -> Optional[tuple[bytearray, bool]]:
-        """A whole read of a small handle, served in one piece: for a live handle without a lease
-        in force, raw and complete, of at most ``limit`` bytes of a host pool, its blocks copied
-        out (in wire order, with ``head`` bytes free before them and ``tail`` after) under the
-        lock that ends handles -- so no release or expiry frees them mid-copy -- and whether
-        they still had the handle's generations after the copy (validate-after-read). None:
-        not such a read, or refused -- :meth:`open_read` serves it, or says precisely why not."""
-        rec = find_issued(self._records, handle_bytes)
-        if (rec is None or rec.spans is None or rec.frames is not None or not blockcopy.NATIVE
-                or (rec.handle.lease_id and self.leases is not None)):
-            return None
-        pool, spans = self.pool, rec.spans
-        if spans.nbytes > limit or not pool.is_host:
-            return None
-        ids, gens = rec.block_ids, rec.handle.generations
-        with self._mutex:
-            if not rec.live or rec.ready < pool.layout.num_layers or not pool.same_generations(ids, gens):
-                return None
-            pinned = pool.buffers                      # held across the C copy
-            try:
-                out = blockcopy.gather_blocks(blockcopy.planes(pool), ids, pool.layout.part_nbytes, head, tail)
-            except (ValueError, PoolError):            # a closed pool: the long way says so
-                return None
-            del pinned
-            ok = pool.same_generations(ids, gens)
-        self.stats.served(spans.nbytes)
-        return out, ok
+    def serve_small(self, fd: int, payload: bytes, req_id: int) -> bool:
+        """Answer a READ request's ``payload`` on socket ``fd`` in one C call
+        (``blockcopy.serve_small``) where it asks for all of a handle this sender indexed for
+        that (:meth:`_index_small`), in exactly the bytes issued, and its blocks still hold the
+        handle's generations once copied out. False where nothing was sent: :meth:`open_read`
+        serves the read, or says precisely why not. A send that fails raises OSError."""
+        small = self._small
+        if not small:
+            return False
+        pool = self.pool
+        assert blockcopy.serve_small is not None          # indexed only with the extension
+        try:
+            n = blockcopy.serve_small(fd, payload, req_id, small, ID_OFFSET, pool.live_generations,
+                                      blockcopy.planes(pool), pool.layout.part_nbytes)
+        except (ValueError, PoolError):                   # a closed pool: the long way says so
+            return False
+        if n < 0:
+            return False
+        self.stats.served(n)
+        return True
+
+    def _index_small(self, rec: Record) -> None:
+        """Under the lock, for a live, raw, complete handle: where it is unleased and a few host
+        blocks, :meth:`serve_small` may serve its whole reads (until :meth:`_mark_ended`)."""
+        h = rec.handle
+        if (blockcopy.serve_small is not None and not h.lease_id and self.pool.is_host
+                and len(rec.block_ids) * self.pool.layout.block_nbytes <= SMALL_REPLY):
+            self._small[h.handle_id] = (rec.raw, h.block_ids, h.generations)
 
     def release_remote(self, handle_bytes: bytes) -> None:
         """A direct release (handles without a lease). A leased handle ends only through its
@@ -498,6 +506,7 @@ class KVSender:
             return False
         rec.live = False
         rec.reason = reason
+        self._small.pop(rec.handle.handle_id, None)
         self._records.pop(rec.handle.handle_id, None)
         for srv in self.servers:
             if srv.watches_ends:

@@ -253,8 +253,8 @@ class BlockSource(Protocol):
     source waits (bounded) until ``first`` is ready and serves the ready ones below ``end``.
 
     Socket servers also use two optional methods when the source has them (the sender does):
-    ``read_small(handle_bytes, limit, head, tail)`` -- a small whole read copied out and
-    validated in one piece, or None for the long way -- and ``release_many(list_of_bytes)`` --
+    ``serve_small(fd, request_payload, request_id)`` -- a small whole read answered on the
+    socket in one piece, or False for the long way -- and ``release_many(list_of_bytes)`` --
     the releases that arrived together, ended in one pass."""
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
@@ -337,6 +337,15 @@ class Transport(abc.ABC):
         """Read the handle's blocks (all, or ``indices`` of them) into ``dst``; returns bytes.
 
         ``claim`` names the lease claimer and fence the read is made under (leased handles)."""
+
+    def read_small(self, url: str, handle: KVHandle, pool: "KVPool", block_ids: list[int],
+                   want_digests: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+        """Optional fast path for the most common read: all of an unleased handle's blocks, a
+        few KiB of a host pool, into whole ``block_ids`` (checked by the caller). Returns the
+        bytes moved and, with ``want_digests``, each block's checksum as it landed; None where
+        this transport has no such path or the read is not small (:meth:`read` then). Raises
+        as :meth:`read` does, with the destination untouched by a refused reply."""
+        return None
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:

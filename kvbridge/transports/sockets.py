@@ -23,7 +23,7 @@ from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
                    decode_request, encode_error, encode_layers, encode_trailer, map_os_error, pack, recv_exact,
-                   send_iter, set_os_timeouts, unpack_header, vouch_of, Vouch)
+                   send_iter, set_os_timeouts, unpack_header, vouch_of)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
@@ -48,7 +48,6 @@ _MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its tr
 
 
 _NO_FENCE = FENCE.pack(0, 0)    # the reply to a read that was not leased
-_SMALL_HEAD = HEADER.size + FENCE.size   # a whole small read's reply: header and fence before the blocks
 
 
 def tune(sock: socket.socket) -> None:
@@ -68,8 +67,7 @@ class SocketServer(Server):
         self.url = url
         self.endpoint = endpoint
         self._source: Optional[BlockSource] = endpoint if hasattr(endpoint, "open_read") else None
-        self._read_small: Optional[Callable[[bytes, int, int, int], Optional[tuple[bytearray, bool]]]] = \
-            getattr(endpoint, "read_small", None)
+        self._serve_small: Optional[Callable[[int, bytes, int], bool]] = getattr(endpoint, "serve_small", None)
         self._release_many: Optional[Callable[[list[bytes]], list[Optional[KVBridgeError]]]] = \
             getattr(endpoint, "release_many", None)
         self.timeout = timeout
@@ -302,16 +300,10 @@ class SocketServer(Server):
         return True
 
     def _serve_read(self, conn: socket.socket, req_id: int, payload: bytes) -> bool:
+        if self._serve_small is not None and self._serve_small(conn.fileno(), payload, req_id):
+            return True                                # the usual read, answered in one C call
         try:
             req = decode_request(payload)
-            if self._read_small is not None and req.indices is None and req.claim is None and req.layers is None:
-                small = self._read_small(req.ticket, SMALL_REPLY, _SMALL_HEAD, TRAILER.size)
-                if small is not None:                  # the usual read, served in one piece
-                    out, ok = small
-                    out[:_SMALL_HEAD] = pack(Kind.DATA, req_id, _NO_FENCE, length=len(out) - HEADER.size)
-                    out[len(out) - TRAILER.size:] = encode_trailer(Vouch.OK if ok else Vouch.STALE)
-                    conn.sendall(out)
-                    return True
             grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
         except KVBridgeError as exc:
             self._reply_error(conn, req_id, exc)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 from urllib.parse import urlsplit
 
 from .. import blockcopy
@@ -34,6 +34,9 @@ from .sockets import SocketClient, SocketServer, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
                    decode_layers, encode_request, map_os_error, pack, recv_exact, recv_iter, send_iter, unpack_header)
+
+if TYPE_CHECKING:
+    from ..pool import KVPool
 
 __all__ = ["TCPTransport", "parse_tcp_url"]
 
@@ -141,36 +144,33 @@ def _read_small(sock: socket.socket, rid: int, dst: Spans, what: str, claim: Opt
     return dst.nbytes
 
 
-def _read_small_native(sock: socket.socket, rid: int, frame: bytes, dst: Spans, what: str,
-                       claim: Optional[Claim]) -> int:
-    """:func:`_read_small` in one C call (``kvbridge._kvcopy.read_small``), request included;
-    the refusals are read here, as there."""
-    assert blockcopy.read_small is not None and dst.block_ids is not None
-    pool = dst.pool
+def _read_small_native(sock: socket.socket, rid: int, frame: bytes, pool: KVPool, block_ids: list[int],
+                       nbytes: int, want_digests: bool, what: str,
+                       claim: Optional[Claim]) -> tuple[Optional[Claim], Optional[list[int]]]:
+    """:func:`_read_small` in one C call (``kvbridge._kvcopy.read_small``), request included, into
+    whole ``block_ids`` of ``pool``: the claim the sender reported and, with ``want_digests``,
+    each block's checksum as it landed. The refusals are read here, as there."""
+    assert blockcopy.read_small is not None
     pinned = pool.buffers                                   # held across the C copy
     try:
-        got = blockcopy.read_small(sock.fileno(), frame, rid, dst.nbytes, blockcopy.planes(pool), dst.block_ids,
-                                   pool.layout.part_nbytes, dst.want_digests, claim is not None)
+        got = blockcopy.read_small(sock.fileno(), frame, rid, nbytes, blockcopy.planes(pool), block_ids,
+                                   pool.layout.part_nbytes, want_digests, claim is not None)
     except ValueError as exc:                               # our own ids: checked before the read
-        raise PoolError(f"{what}: destination blocks {dst.block_ids} do not fit the pool: {exc}") from None
+        raise PoolError(f"{what}: destination blocks {block_ids} do not fit the pool: {exc}") from None
     del pinned
     if got[0] == 0:                                         # landed
         _, epoch, counter, sums = got
-        dst.claimed = Claim(claim.claimer, epoch, counter) if claim is not None and (epoch or counter) else None
-        if dst.want_digests:
-            dst.digests = sums
-        if dst.watched:
-            dst.landed(dst.nbytes)
-        return dst.nbytes
+        return (Claim(claim.claimer, epoch, counter) if claim is not None and (epoch or counter) else None,
+                sums if want_digests else None)
     code, raw = got[0], bytearray(got[1])
     if code == 3:
         raise ConnectionLost("peer closed the connection" if len(raw) < HEADER.size
                              else "peer closed the connection mid-transfer")
-    want = HEADER.size + FENCE.size + dst.nbytes + TRAILER.size
+    want = HEADER.size + FENCE.size + nbytes + TRAILER.size
     if code == 1:
         _refuse_small(sock, raw, len(raw), rid, want, what)
-    dst.claimed = _claim_of(bytes(raw[HEADER.size:HEADER.size + FENCE.size]), claim)
-    check_trailer(bytes(raw[want - TRAILER.size:]), dst.claimed or claim, what)
+    claimed = _claim_of(bytes(raw[HEADER.size:HEADER.size + FENCE.size]), claim)
+    check_trailer(bytes(raw[want - TRAILER.size:]), claimed or claim, what)
     raise ProtocolError(f"{what}: the reply was refused but its fence and trailer pass")   # not reached
 
 
@@ -235,14 +235,13 @@ class TCPTransport(Transport):
             what = "read " + url
             payload = encode_request(handle.to_bytes(), indices, claim)
             if blockcopy.read_small is not None and dst.block_ids is not None:
-                sock, rid, frame = client.prepare(Kind.READ, payload)
-                try:
-                    n = _read_small_native(sock, rid, frame, dst, what, claim)
-                except BaseException as exc:
-                    sock.close()
-                    raise map_os_error(exc, f"read from {url}") from None
-                client.put_back(sock)
-                return n
+                dst.claimed, sums = self._small(client, url, payload, dst.pool, dst.block_ids, dst.nbytes,
+                                                dst.want_digests, claim)
+                if dst.want_digests:
+                    dst.digests = sums
+                if dst.watched:
+                    dst.landed(dst.nbytes)
+                return dst.nbytes
             sock, rid = client.send(Kind.READ, payload, what)
             try:
                 n = _read_small(sock, rid, dst, what, claim)
@@ -260,6 +259,28 @@ class TCPTransport(Transport):
             raise map_os_error(exc, f"read from {url}") from None
         client.put_back(sock)
         return n
+
+    def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int],
+                   want_digests: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+        nbytes = len(block_ids) * pool.layout.block_nbytes
+        if nbytes > SMALL_READ or blockcopy.read_small is None or not pool.is_host:
+            return None
+        _, sums = self._small(self._client(url), url, encode_request(handle.to_bytes(), None, None), pool, block_ids,
+                              nbytes, want_digests, None)
+        return nbytes, sums
+
+    @staticmethod
+    def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,
+               want_digests: bool, claim: Optional[Claim]) -> tuple[Optional[Claim], Optional[list[int]]]:
+        """One small read in C (:func:`_read_small_native`) on a pooled connection."""
+        sock, rid, frame = client.prepare(Kind.READ, payload)
+        try:
+            out = _read_small_native(sock, rid, frame, pool, block_ids, nbytes, want_digests, "read " + url, claim)
+        except BaseException as exc:
+            sock.close()
+            raise map_os_error(exc, f"read from {url}") from None
+        client.put_back(sock)
+        return out
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:

@@ -32,6 +32,16 @@
  *         (3, received bytes)                   the peer closed the connection first.
  *       The socket's own timeouts apply (SO_SNDTIMEO/SO_RCVTIMEO); a socket error is an
  *       OSError. The GIL is released while it sends and waits.
+ *   serve_small(fd, payload, rid, table, id_offset, gens, planes, part) -> int
+ *       the sender's side: a READ request's `payload` that asks for a whole handle without a
+ *       claim, of a handle `table` indexes (handle id -> (issued bytes, block ids,
+ *       generations)) and that carries exactly the bytes issued (compared in constant time),
+ *       whose blocks still have those generations in `gens` (the pool's list) once copied
+ *       out: its DATA reply (zero fence, trailer OK) built in one buffer and sent on `fd`.
+ *       Returns the block bytes sent, or -1 where it served nothing (the caller's long way
+ *       serves or refuses the read, saying why). The GIL is held from the lookup to the
+ *       generation check, so no Python thread ends the handle or frees a block between them,
+ *       and released for the send.
  *
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
@@ -517,6 +527,127 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------ the sender's small reads */
+static uint32_t be32(const unsigned char *p) {
+    return ((uint32_t)p[0] << 24) | ((uint32_t)p[1] << 16) | ((uint32_t)p[2] << 8) | p[3];
+}
+
+static void put_be(unsigned char *p, uint64_t v, int n) {
+    for (int i = n - 1; i >= 0; i--, v >>= 8)
+        p[i] = (unsigned char)(v & 0xff);
+}
+
+/* 1 when `gens` (the pool's list) holds `want` (a tuple) at `ids`; 0 otherwise; -1 on error */
+static int same_gens(PyObject *gens, const int64_t *ids, Py_ssize_t n, PyObject *want) {
+    if (!PyTuple_Check(want) || PyTuple_GET_SIZE(want) != n)
+        return 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (ids[k] >= PyList_GET_SIZE(gens))
+            return 0;
+        unsigned long long a = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(gens, ids[k]));
+        unsigned long long b = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(want, k));
+        if (PyErr_Occurred())
+            return -1;
+        if (a != b)
+            return 0;
+    }
+    return 1;
+}
+
+static PyObject *serve_small(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    Py_buffer req;
+    unsigned long rid;
+    PyObject *table, *gens, *pobj;
+    Py_ssize_t id_off;
+    long long part;
+    if (!PyArg_ParseTuple(args, "iy*kO!nO!OL", &fd, &req, &rid, &PyDict_Type, &table, &id_off, &PyList_Type, &gens,
+                          &pobj, &part))
+        return NULL;
+    PyObject *res = NULL, *entry = NULL;
+    planes_t pl = {NULL, 0};
+    int64_t *ids = NULL;
+    unsigned char *buf = NULL;
+    Py_ssize_t n = 0;
+    long served = -1;
+    const unsigned char *p = req.buf;
+    /* a whole read without a claim: u32 length | the handle's bytes | flags 0 */
+    if (req.len < 5 || p[req.len - 1] != 0 || be32(p) != (uint64_t)(req.len - 5) || id_off < 0
+            || req.len - 5 < id_off + 16)
+        goto answer;
+    Py_ssize_t hn = req.len - 5;
+    PyObject *key = PyBytes_FromStringAndSize((const char *)p + 4 + id_off, 16);
+    if (key == NULL)
+        goto done;
+    entry = PyDict_GetItemWithError(table, key);
+    Py_DECREF(key);
+    if (entry == NULL) {
+        if (PyErr_Occurred())
+            goto done;
+        goto answer;
+    }
+    Py_INCREF(entry);
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(entry, 0)))
+        goto answer;
+    PyObject *raw = PyTuple_GET_ITEM(entry, 0);
+    if (PyBytes_GET_SIZE(raw) != hn)
+        goto answer;
+    const unsigned char *issued = (const unsigned char *)PyBytes_AS_STRING(raw);
+    unsigned char diff = 0;            /* constant time: a forger learns nothing from how long it took */
+    for (Py_ssize_t i = 0; i < hn; i++)
+        diff |= (unsigned char)(issued[i] ^ p[4 + i]);
+    if (diff)
+        goto answer;
+    if (get_planes(pobj, &pl) < 0)
+        goto done;
+    ids = get_ids(PyTuple_GET_ITEM(entry, 1), &pl, part, &n);
+    if (ids == NULL)
+        goto done;
+    double nbytes = (double)part * (double)n * (double)pl.n;
+    if (nbytes > READ_SMALL_MAX)
+        goto answer;
+    Py_ssize_t total = HEAD_LEN + FENCE_LEN + (Py_ssize_t)nbytes + TRAILER_LEN;
+    buf = PyMem_Malloc((size_t)total);
+    if (buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    buf[0] = 'K';
+    buf[1] = 'B';
+    buf[2] = WIRE_VERSION;
+    buf[3] = KIND_DATA;
+    put_be(buf + 4, (uint32_t)rid, 4);
+    put_be(buf + 8, (uint64_t)(total - HEAD_LEN), 8);
+    memset(buf + HEAD_LEN, 0, FENCE_LEN);
+    memset(buf + total - TRAILER_LEN, 0, TRAILER_LEN);
+    unsigned char *w = buf + HEAD_LEN + FENCE_LEN;
+    for (Py_ssize_t j = 0; j < pl.n; j++) {
+        for (Py_ssize_t k = 0; k < n; k++) {
+            memcpy(w, (const void *)(uintptr_t)(pl.p[j].base + ids[k] * pl.p[j].stride), (size_t)part);
+            w += part;
+        }
+    }
+    /* validate after the copy: still the handle's blocks (the GIL was held since the lookup) */
+    int same = same_gens(gens, ids, n, PyTuple_GET_ITEM(entry, 2));
+    if (same < 0)
+        goto done;
+    if (!same)
+        goto answer;
+    if (io_loop(fd, (char *)buf, total, total, 1) < 0)
+        goto done;
+    served = (long)nbytes;
+answer:
+    res = PyLong_FromLong(served);
+done:
+    Py_XDECREF(entry);
+    PyBuffer_Release(&req);
+    PyMem_Free(buf);
+    PyMem_Free(ids);
+    PyMem_Free(pl.p);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
@@ -530,6 +661,9 @@ static PyMethodDef methods[] = {
     {"read_small", read_small, METH_VARARGS,
      "read_small(fd, frame, rid, nbytes, dst_planes, dst_ids, part, hash, claimed) -> (code, ...): a tcp small "
      "read's request sent and its reply taken and landed in one call"},
+    {"serve_small", serve_small, METH_VARARGS,
+     "serve_small(fd, payload, rid, table, id_offset, gens, planes, part) -> int: a whole small read of an "
+     "indexed handle answered in one call; -1 where nothing was served"},
     {NULL, NULL, 0, NULL},
 };
 

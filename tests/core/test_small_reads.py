@@ -1,5 +1,5 @@
-"""A small whole read over tcp is served in one piece (``KVSender.read_small``): copied out under
-the lock that ends handles, validated after the copy, sent in one call. Every other read --
+"""A small whole read over tcp is served in one piece (``KVSender.serve_small``): checked, copied
+out, validated after the copy and sent in one C call. Every other read --
 and every refusal -- takes the long way (``open_read``), which says precisely why. Reads and
 releases leave nothing behind for the garbage collector, whose full passes over a large heap
 would stall every transfer in flight."""
@@ -16,11 +16,12 @@ import torch
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, blockcopy
 from kvbridge.blockcopy import hash_blocks, planes
-from kvbridge.errors import ConnectionLost, HandleNotFound, ProtocolError, StaleHandle
+from kvbridge.errors import AccessDenied, ConnectionLost, HandleNotFound, ProtocolError, StaleHandle
+from kvbridge.lease import EmbeddedRedis
 from kvbridge.lease.base import Claim
 from kvbridge.transports import tcp
 from kvbridge.transports.base import Spans
-from kvbridge.transports.wire import FENCE, TRAILER, Kind, encode_error, pack
+from kvbridge.transports.wire import FENCE, TRAILER, Kind, encode_error, encode_request, pack
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not blockcopy.NATIVE, reason="the one-piece path needs the C extension")]
@@ -41,58 +42,97 @@ def _blocks(pool: KVPool, ids: list[int]) -> bytes:
     return b"".join(bytes(v) for v in Spans.of_blocks(pool, ids).views())
 
 
-def test_a_block_reused_during_the_copy_is_refused_by_the_trailer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The validate-after-read of the one-piece path: a generation that moves while the blocks
-    are copied out (the engine reusing them behind the sender's back) makes the owner send
-    STALE, and the receiver keeps nothing."""
-    src, dst = _pools()
-    ids = [2, 3]
-    real = blockcopy.gather_blocks
-    calls = []
-
-    def gather_while_reused(*args: object) -> bytearray:
-        out = real(*args)                            # type: ignore[arg-type]
-        calls.append(1)
-        src._gens[ids[0]] += 1                       # the block moved on while it was copied
+def _served(snd: KVSender, payload: bytes, rid: int = 5) -> Optional[bytes]:
+    """What ``serve_small`` sends for a READ ``payload`` (None: it served nothing, sent nothing)."""
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        if not snd.serve_small(mine.fileno(), payload, rid):
+            theirs.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                theirs.recv(1)                       # nothing was sent
+            return None
+        mine.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := theirs.recv(1 << 16):
+            out += chunk
         return out
 
+
+def _whole(h: Any) -> bytes:
+    """A whole read's request for a handle (or its bytes)."""
+    return encode_request(h if isinstance(h, bytes) else h.to_bytes(), None, None)
+
+
+def test_a_block_reused_before_the_read_is_refused_the_long_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-piece path checks the handle's generations after its copy (nothing can end the
+    handle or free a block meanwhile: it holds the GIL from the lookup to the check). A block
+    the engine reused behind the sender's back is not served; the long way says StaleHandle,
+    and the receiver keeps nothing."""
+    src, dst = _pools()
+    ids = [2, 3]
+    real, answers = blockcopy.serve_small, []
+
+    def serve(*args: Any) -> int:
+        answers.append(real(*args))               # type: ignore[misc]
+        return answers[-1]
+
+    monkeypatch.setattr(blockcopy, "serve_small", serve)
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         ok = snd.publish("fine", ids, 8)
         assert rcv.fetch(ok, [3, 4]).ok
-        assert _blocks(dst, [3, 4]) == _blocks(src, ids)
+        assert answers == [2 * L.block_nbytes] and _blocks(dst, [3, 4]) == _blocks(src, ids)
         h = snd.publish("reused", ids, 8)
         before = _blocks(dst, [5, 6])
-        monkeypatch.setattr(blockcopy, "gather_blocks", gather_while_reused)
+        src._gens[ids[1]] += 1                     # the engine reused a block
         res = rcv.fetch(h, [5, 6])
-        assert calls, "the read did not take the one-piece path"
+        assert answers[1:] == [-1], "the one-piece path served a block that moved on"
         assert not res.ok and isinstance(res.error, StaleHandle)
-        assert _blocks(dst, [5, 6]) == before         # refused: nothing landed
+        assert _blocks(dst, [5, 6]) == before      # refused: nothing landed
 
 
-def test_reads_that_are_not_plain_take_the_long_way() -> None:
+def test_only_whole_plain_reads_of_live_indexed_handles_are_served_in_one_piece() -> None:
     src, _ = _pools()
-    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
-        plain = snd.publish("plain", [0], 4)
-        got = snd.read_small(plain.to_bytes(), 1 << 16, 32, 4)
-        assert got is not None and bytes(got[0][32:-4]) == _blocks(src, [0])
-        assert got is not None and got[1] and len(got[0]) == 32 + L.block_nbytes + 4
-        assert snd.read_small(plain.to_bytes(), L.block_nbytes - 1, 32, 4) is None            # over the limit
-        layered = snd.publish("layered", [1], 4, layers_ready=0)
-        assert snd.read_small(layered.to_bytes(), 1 << 16, 32, 4) is None      # layers not ready
-        with pytest.raises(ProtocolError):
-            snd.open_read(layered.to_bytes(), None)
+    big = KVPool.allocate(L, 160, allocator="engine")
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, \
+            KVSender(big, "tcp://127.0.0.1:0", leases=False) as snd_big:
+        plain = snd.publish("plain", [0, 5], 8)
+        want = pack(Kind.DATA, 5, FENCE.pack(0, 0) + _blocks(src, [0, 5]) + TRAILER.pack(0, 0, 0))
+        assert _served(snd, _whole(plain)) == want
+        assert _served(snd, encode_request(plain.to_bytes(), [1], None)) is None                 # some blocks
+        assert _served(snd, encode_request(plain.to_bytes(), None, Claim("me", 0, 0))) is None   # a claim
+        assert _served(snd, encode_request(plain.to_bytes(), None, None, layers=(0, 1))) is None  # layers
+        for junk in (b"", b"\x00", _whole(plain)[:40], _whole(plain)[:-1] + b"\x01", b"\xff" * 300):
+            assert _served(snd, junk) is None
         forged = bytearray(plain.to_bytes())
         forged[-1] ^= 1
-        assert snd.read_small(bytes(forged), 1 << 16, 32, 4) is None          # not the bytes issued
+        assert _served(snd, _whole(bytes(forged))) is None                   # not the bytes issued
+        layered = snd.publish("layered", [1], 4, layers_ready=0)
+        assert _served(snd, _whole(layered)) is None                         # layers not ready
+        snd.mark_ready(layered, L.num_layers)
+        assert _served(snd, _whole(layered)) == pack(Kind.DATA, 5, FENCE.pack(0, 0) + _blocks(src, [1])
+                                                     + TRAILER.pack(0, 0, 0))
         snd.release_remote(plain.to_bytes())
-        assert snd.read_small(plain.to_bytes(), 1 << 16, 32, 4) is None       # ended
+        assert _served(snd, _whole(plain)) is None                           # ended
         with pytest.raises(HandleNotFound):
             snd.open_read(plain.to_bytes(), None)
-        src._gens[layered.block_ids[0]] += 1
-        snd.mark_ready(layered, L.num_layers)
-        assert snd.read_small(layered.to_bytes(), 1 << 16, 32, 4) is None      # its block moved on
+        src._gens[1] += 1
+        assert _served(snd, _whole(layered)) is None                         # its block moved on
         with pytest.raises(StaleHandle):
             snd.open_read(layered.to_bytes(), None)
+        over = snd_big.publish("over", list(range(129)), 129 * 4)            # 64.5 KiB: over the limit
+        assert _served(snd_big, _whole(over)) is None
+        assert snd_big.open_read(over.to_bytes(), None).spans.nbytes == 129 * L.block_nbytes
+        under = snd_big.publish("under", list(range(128)), 128 * 4)
+        assert len(_served(snd_big, _whole(under)) or b"") == 36 + 128 * L.block_nbytes
+
+
+def test_a_leased_handle_is_never_served_in_one_piece() -> None:
+    src, _ = _pools()
+    with EmbeddedRedis() as redis, KVSender(src, "tcp://127.0.0.1:0", leases=redis.url) as snd:
+        h = snd.publish("leased", [0], 4)
+        assert h.lease_id and _served(snd, _whole(h)) is None
+        with pytest.raises(AccessDenied):
+            snd.open_read(h.to_bytes(), None)
 
 
 def test_reads_and_releases_leave_nothing_for_the_collector() -> None:
@@ -126,7 +166,11 @@ def _python_read(sock: socket.socket, rid: int, frame: bytes, dst: Spans, claim:
 
 
 def _native_read(sock: socket.socket, rid: int, frame: bytes, dst: Spans, claim: Optional[Claim]) -> int:
-    return tcp._read_small_native(sock, rid, frame, dst, "read", claim)
+    assert dst.block_ids is not None
+    dst.claimed, sums = tcp._read_small_native(sock, rid, frame, dst.pool, dst.block_ids, dst.nbytes,
+                                               dst.want_digests, "read", claim)
+    dst.digests = sums
+    return dst.nbytes
 
 
 READERS = [pytest.param(_python_read, id="python"), pytest.param(_native_read, id="native")]
