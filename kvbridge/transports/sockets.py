@@ -22,8 +22,8 @@ from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
-                   decode_request, encode_error, encode_layers, encode_trailer, map_os_error, pack, recv_exact,
-                   send_iter, set_os_timeouts, unpack_header, vouch_of)
+                   decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
+                   map_os_error, pack, recv_exact, send_iter, set_os_timeouts, unpack_header, vouch_of)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
@@ -42,7 +42,6 @@ RELEASE_LINGER = 0.002  # seconds a deferred release waits for a request to ride
 # the sender then ends them together (KVSender.release_many), its release path hot in cache,
 # instead of one between every two reads.
 RELEASE_BATCH = 16
-MAX_RELEASES = 256        # releases a server ends in one pass (the rest in the next)
 SMALL_REPLY = 64 << 10     # host reads up to this are copied out, validated and sent in one call
 _MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its trailer joins it in one segment
 
@@ -267,28 +266,26 @@ class SocketServer(Server):
             return self._serve_read(conn, req_id, payload)
         if kind is Kind.WRITE:
             return self._serve_write(conn, reader, req_id, payload)
-        if kind is Kind.RELEASE_NOREPLY and self._release_many is not None and reader is not None:
-            batch = [payload]            # the releases that came together are ended together
-            while len(batch) < MAX_RELEASES and reader.next_kind() is Kind.RELEASE_NOREPLY:
-                batch.append(reader.read_frame(MAX_CONTROL)[2])
-            for exc in self._release_many(batch):
-                if exc is not None:
-                    log.info("release refused: %s", exc)
+        if kind is Kind.RELEASES:        # no reply, whatever happens: the sender frees at expiry anyway
+            try:
+                many = decode_releases(payload)
+            except ProtocolError as exc:
+                log.info("releases refused: %s", exc)
+                return True
+            for refused in self._end_many(many):
+                if refused is not None:
+                    log.info("release refused: %s", refused)
             return True
-        if kind in (Kind.RELEASE, Kind.RELEASE_NOREPLY, Kind.WABORT):
+        if kind in (Kind.RELEASE, Kind.WABORT):
             try:
                 if kind is Kind.WABORT:
                     self.sink.abort_remote(payload)
                 else:
                     self.source.release_remote(payload)
             except KVBridgeError as exc:
-                if kind is Kind.RELEASE_NOREPLY:
-                    log.info("release refused: %s", exc)
-                else:
-                    self._reply_error(conn, req_id, exc)
+                self._reply_error(conn, req_id, exc)
                 return True
-            if kind is not Kind.RELEASE_NOREPLY:
-                conn.sendall(pack(Kind.OK, req_id))
+            conn.sendall(pack(Kind.OK, req_id))
             return True
         if kind is Kind.PING:
             if len(payload) > MAX_PING:
@@ -298,6 +295,19 @@ class SocketServer(Server):
             return True
         self._reply_error(conn, req_id, ProtocolError(f"unexpected {kind.name} frame"))
         return True
+
+    def _end_many(self, many: list[bytes]) -> list[Optional[KVBridgeError]]:
+        """The releases that came in one frame, ended in one pass where the source can."""
+        if self._release_many is not None:
+            return self._release_many(many)
+        out: list[Optional[KVBridgeError]] = []
+        for raw in many:
+            try:
+                self.source.release_remote(raw)
+                out.append(None)
+            except KVBridgeError as exc:
+                out.append(exc)
+        return out
 
     def _serve_read(self, conn: socket.socket, req_id: int, payload: bytes) -> bool:
         if self._serve_small is not None and self._serve_small(conn.fileno(), payload, req_id):
@@ -453,7 +463,7 @@ class SocketClient:
         self._lock = threading.Lock()
         self._req = 0
         self.opened = 0
-        self._pending: list[bytes] = []   # RELEASE_NOREPLY frames riding on the next request
+        self._pending: list[bytes] = []   # handles released without a reply: a RELEASES frame to send
         self._scheduled = False           # the flusher will visit this client
         self._waited = False              # ... and has already put its sending off once
 
@@ -487,14 +497,13 @@ class SocketClient:
             s.close()
 
     def release(self, handle: KVHandle, wait: bool, url: str) -> None:
-        """RELEASE (and read the answer), or RELEASE_NOREPLY without a send of its own: the
-        frame rides behind one of this client's next requests, with ``RELEASE_BATCH`` - 1 others,
-        or goes alone (with those waiting) after ``RELEASE_LINGER``."""
+        """RELEASE (and read the answer), or a release without a reply and without a send of its
+        own: it rides, in one RELEASES frame with ``RELEASE_BATCH`` - 1 others, behind one of this
+        client's next requests, or goes (with those waiting) after ``RELEASE_LINGER``."""
         if not wait:
             raw = handle.to_bytes()
             with self._lock:
-                self._req = rid = (self._req + 1) & 0xFFFFFFFF
-                self._pending.append(pack(Kind.RELEASE_NOREPLY, rid, raw))
+                self._pending.append(raw)
                 first = not self._scheduled      # one flusher visit per linger, not one per release
                 self._scheduled = True
             if first:
@@ -510,7 +519,7 @@ class SocketClient:
         with self._lock:
             pending, self._pending = self._pending, []
             self._waited = False   # carried; a visit already scheduled stays (it finds nothing, or the next ones)
-        return b"".join((frame, *pending))
+        return frame + encode_releases(pending)
 
     def flush(self, idle_only: bool = False) -> bool:
         """Send the deferred releases now; False when ``idle_only``, no pooled connection is
@@ -530,7 +539,7 @@ class SocketClient:
             log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
             return True
         try:
-            sock.sendall(b"".join(pending))
+            sock.sendall(encode_releases(pending))
         except OSError as exc:
             sock.close()
             log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)

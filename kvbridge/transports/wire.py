@@ -6,7 +6,7 @@ type, request id, payload length. Control payloads are capped
 for. Anything else is a :class:`ProtocolError`. Socket errors are mapped to the
 kvbridge tree here, at the boundary.
 
-A read's reply (version 3)::
+A read's reply (version 4)::
 
     DATA   header | FENCE (!QQ: the claim it was served under; 0, 0: none) | bytes | TRAILER
     LDATA  header | FENCE | LAYERS (!HHI) + checksums | bytes | TRAILER
@@ -51,7 +51,7 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "RateGuard"]
 
 MAGIC = b"KB"
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("!2sBBIQ")
 MAX_CONTROL = 16 << 20
 IOV_MAX = 1024
@@ -68,13 +68,43 @@ class Kind(enum.IntEnum):
     MAP = 8        # shm: handle + indices -> MAPPED (segment runs) | ERROR
     MAPPED = 9
     DONE = 10      # shm: the copy finished -> OK (still valid) | ERROR (stale)
-    RELEASE_NOREPLY = 11  # handle -> nothing (best effort: the sender frees at expiry anyway)
+    RELEASES = 11  # handles, each u32 length + bytes -> nothing (best effort: the sender frees at expiry anyway)
     LDATA = 12     # reply to a layer READ: layers + checksums prefix, then the bytes
     WRITE = 13     # push: reservation + layers + checksums, then the bytes -> OK | ERROR
     WMAP = 14      # shm push: reservation + layers -> MAPPED (the receiver's segment runs) | ERROR
     WDONE = 15     # shm push: the copy finished (checksums) -> OK | ERROR
     WABORT = 16    # push: the writer gives up -> OK | ERROR
     OPEN = 17      # shm: handle -> MAPPED (where to read one-sided, once per peer) | OK (not offered) | ERROR
+
+
+MAX_RELEASES = 256   # handles in one RELEASES frame (a server ends them in one pass)
+
+
+def encode_releases(raws: Sequence[bytes]) -> bytes:
+    """RELEASES frames for handles' bytes, ``MAX_RELEASES`` per frame."""
+    out = []
+    for i in range(0, len(raws), MAX_RELEASES):
+        body = b"".join(_U32.pack(len(r)) + r for r in raws[i:i + MAX_RELEASES])
+        out.append(pack(Kind.RELEASES, 0, body))
+    return b"".join(out)
+
+
+def decode_releases(payload: bytes) -> list[bytes]:
+    """The handles' bytes of a RELEASES frame; ProtocolError for a malformed or overfull one."""
+    out: list[bytes] = []
+    pos, end = 0, len(payload)
+    while pos < end:
+        if len(out) == MAX_RELEASES:
+            raise ProtocolError(f"releases frame: more than {MAX_RELEASES} handles")
+        if end - pos < 4:
+            raise ProtocolError("releases frame: truncated length")
+        n = _U32.unpack_from(payload, pos)[0]
+        pos += 4
+        if n > end - pos:
+            raise ProtocolError("releases frame: a handle longer than the frame")
+        out.append(payload[pos:pos + n])
+        pos += n
+    return out
 
 
 def pack(kind: Kind, req_id: int, payload: bytes = b"", length: Optional[int] = None) -> bytes:
@@ -385,16 +415,6 @@ class FrameReader:
                 self._since = 0.0
                 return k_, req_id, payload
         return self._read_frame(max_len)
-
-    def next_kind(self) -> Optional[Kind]:
-        """The kind of the next frame if it is already whole in the buffer (None otherwise)."""
-        start, end = self.start, self.end
-        if end - start < HEADER.size:
-            return None
-        magic, version, kind, _, length = HEADER.unpack_from(self.buf, start)
-        if magic != MAGIC or version != VERSION or start + HEADER.size + length > end:
-            return None
-        return _KINDS.get(kind)
 
     def _read_frame(self, max_len: int) -> tuple[Kind, int, bytes]:
         """A frame that is not whole in the buffer yet (or is refused): bounded, as described above."""

@@ -131,3 +131,48 @@ def test_releases_that_arrive_together_are_ended_together_and_one_refusal_stops_
             assert snd.num_live == 1 and sum(calls) == 3 and max(calls) >= 2
         finally:
             rcv.close()
+
+
+def test_a_releases_frame_round_trips_and_a_malformed_one_is_refused():
+    from kvbridge.errors import ProtocolError
+    from kvbridge.transports.wire import HEADER, MAX_RELEASES, decode_releases, encode_releases, unpack_header
+    raws = [bytes([i % 251]) * (40 + i % 7) for i in range(MAX_RELEASES + 44)]
+    wire = encode_releases(raws)
+    got, pos = [], 0
+    while pos < len(wire):                        # MAX_RELEASES per frame: two frames here
+        _, _, n = unpack_header(wire[pos:pos + HEADER.size])
+        got.append(decode_releases(wire[pos + HEADER.size:pos + HEADER.size + n]))
+        pos += HEADER.size + n
+    assert [len(g) for g in got] == [MAX_RELEASES, 44] and sum(got, []) == raws
+    assert encode_releases([]) == b"" and decode_releases(b"") == []
+    one = encode_releases([b"abc"])[HEADER.size:]
+    for bad in (one[:2], one[:-1], one + b"\x00", b"\x00\x00\x01\x00" + b"x" * 255,
+                b"\x00\x00\x00\x00" * (MAX_RELEASES + 1)):
+        with pytest.raises(ProtocolError):
+            decode_releases(bad)
+
+
+def test_a_malformed_releases_frame_ends_nothing_and_keeps_the_connection():
+    """A RELEASES frame has no reply: a malformed one is logged and dropped whole (no handle of
+    it ends), a forged handle in a good one is refused alone, and the peer's connection goes
+    on serving."""
+    import socket
+
+    from kvbridge.transports.tcp import parse_tcp_url
+    from kvbridge.transports.wire import HEADER, Kind, encode_releases, pack, unpack_header, recv_exact
+    src = KVPool.allocate(LAYOUT, 8, allocator="engine")
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+        hs = [snd.publish(f"r{i}", [i], 4) for i in range(3)]
+        conn = socket.create_connection(parse_tcp_url(snd.url), timeout=5)
+        with conn:
+            body = encode_releases([hs[0].to_bytes()])[HEADER.size:]
+            conn.sendall(pack(Kind.RELEASES, 0, body[:-1]) + pack(Kind.PING, 9, b"hi"))   # one byte short
+            kind, rid, n = unpack_header(recv_exact(conn, HEADER.size))
+            assert (kind, rid, recv_exact(conn, n)) == (Kind.PONG, 9, b"hi")
+            assert snd.num_live == 3                                     # the malformed frame ended nothing
+            forged = bytearray(hs[1].to_bytes())
+            forged[-1] ^= 1
+            conn.sendall(encode_releases([bytes(forged), hs[2].to_bytes()]) + pack(Kind.PING, 10))
+            kind, rid, n = unpack_header(recv_exact(conn, HEADER.size))
+            assert (kind, rid) == (Kind.PONG, 10)
+            assert snd.num_live == 2 and src.refcount(2) == 0 and src.refcount(1) == 1

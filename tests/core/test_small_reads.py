@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import socket
 import threading
+import time
 from typing import Any, Optional
 
 import pytest
@@ -63,6 +64,14 @@ def _whole(h: Any) -> bytes:
     return encode_request(h if isinstance(h, bytes) else h.to_bytes(), None, None)
 
 
+def _answers(answers: list[int], n: int) -> list[int]:
+    """``answers`` once it holds ``n`` (the server thread appends after its reply has left)."""
+    deadline = time.monotonic() + 5
+    while len(answers) < n and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return answers
+
+
 def test_a_block_reused_before_the_read_is_refused_the_long_way(monkeypatch: pytest.MonkeyPatch) -> None:
     """The one-piece path checks the handle's generations after its copy (nothing can end the
     handle or free a block meanwhile: it holds the GIL from the lookup to the check). A block
@@ -80,12 +89,12 @@ def test_a_block_reused_before_the_read_is_refused_the_long_way(monkeypatch: pyt
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         ok = snd.publish("fine", ids, 8)
         assert rcv.fetch(ok, [3, 4]).ok
-        assert answers == [2 * L.block_nbytes] and _blocks(dst, [3, 4]) == _blocks(src, ids)
+        assert _answers(answers, 1) == [2 * L.block_nbytes] and _blocks(dst, [3, 4]) == _blocks(src, ids)
         h = snd.publish("reused", ids, 8)
         before = _blocks(dst, [5, 6])
         src._gens[ids[1]] += 1                     # the engine reused a block
         res = rcv.fetch(h, [5, 6])
-        assert answers[1:] == [-1], "the one-piece path served a block that moved on"
+        assert _answers(answers, 2)[1:] == [-1], "the one-piece path served a block that moved on"
         assert not res.ok and isinstance(res.error, StaleHandle)
         assert _blocks(dst, [5, 6]) == before      # refused: nothing landed
 
