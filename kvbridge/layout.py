@@ -155,7 +155,7 @@ class KVLayout:
     def part_nbytes(self) -> int:
         return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
 
-    @property
+    @cached_property
     def block_nbytes(self) -> int:
         """Bytes of one block across all layers and parts."""
         return self.part_nbytes * self.num_parts * self.num_layers

@@ -116,7 +116,7 @@ class KVReceiver:
         self._stores = StoreCache(leases, lease_namespace)
         self._transports: dict[str, Transport] = {}
         self._by_url: dict[str, Transport] = {}
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()
         # handles without a lease this receiver released (the latest RELEASED_KEPT): their
         # releases may still be on their way, and until they land the sender would serve them
         # (an OrderedDict: dropping the oldest is O(1); a dict would walk the holes its deletions left)
@@ -170,9 +170,10 @@ class KVReceiver:
         dst = [int(b) for b in dst_block_ids]
         if len(dst) != want:
             raise PoolError(f"{want} blocks to move but {len(dst)} destination block ids")
-        if len(dst) > 1 and len(set(dst)) != len(dst):
+        if want > 1 and len(set(dst)) != want:
             raise PoolError("duplicate destination block ids")
-        self.pool._check_ids(dst)
+        if want and (min(dst) < 0 or max(dst) >= self.pool.num_blocks):
+            self.pool._check_ids(dst)          # says which
         return dst
 
     def _prepare(self, handle: HandleLike, dst_block_ids: Sequence[int], indices: Optional[Sequence[int]],
