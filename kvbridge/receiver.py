@@ -558,8 +558,9 @@ class KVReceiver:
         want = self.verify and bool(h.checksums)
         gens = pool.generations(dst)
         t0 = time.perf_counter()
+        tr = self.transport(url)
         try:
-            got = self.transport(url).read_small(url, h, pool, dst, want)
+            got = tr.read_small(url, h, pool, dst, want)
         except KVBridgeError as exc:
             return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
         if got is None:
@@ -568,7 +569,12 @@ class KVReceiver:
             return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
         res = FetchResult(h, dst, True, got[0], 0.0, 1)
         if release:
-            self.release(h, wait=False)
+            try:
+                tr.release(url, h, False)              # without a reply: it rides on a later request
+            except KVBridgeError:
+                self.release(h, wait=False)            # the other URLs, and the log line
+            else:
+                self._forget(h)
         res.seconds = time.perf_counter() - t0
         self.stats.fetched(True, res.nbytes, res.seconds)
         return res
@@ -645,14 +651,18 @@ class KVReceiver:
             try:
                 self.transport(url).release(url, handle, wait)
                 if not handle.lease_id:
-                    with self._lock:
-                        self._released[handle.handle_id] = None
-                        if len(self._released) > RELEASED_KEPT:
-                            self._released.popitem(last=False)
+                    self._forget(handle)
                 return True
             except KVBridgeError as exc:
                 log.warning("release of %s via %s failed: %s", handle.request_id, url, exc)
         return False
+
+    def _forget(self, handle: KVHandle) -> None:
+        """This receiver released ``handle`` (unleased): refuse it from now on."""
+        with self._lock:
+            self._released[handle.handle_id] = None
+            if len(self._released) > RELEASED_KEPT:
+                self._released.popitem(last=False)
 
     # -- push mode: reservations (this receiver is a BlockSink) ------------------------------
     def reserve(self, dst_block_ids: Sequence[int], request_id: str = "", *, num_tokens: Optional[int] = None,

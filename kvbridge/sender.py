@@ -40,7 +40,7 @@ from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBri
                      LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
-from .handle import ID_OFFSET, KVHandle, lookup_ticket
+from .handle import ID_OFFSET, KVHandle, find_issued, lookup_ticket
 from .integrity import block_checksums, layer_checksums, pack_sums
 from .logs import RateLimitedLog
 from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
@@ -437,9 +437,15 @@ class KVSender:
         pass (releases that arrived together); per release, None or why it was refused."""
         out: list[Optional[KVBridgeError]] = []
         recs: list[Record] = []
+        records, leased = self._records, self.leases is not None
         for raw in many:
+            rec = find_issued(records, raw)        # the usual one: exactly the bytes issued, unleased
+            if rec is not None and not (leased and rec.handle.lease_id):
+                recs.append(rec)
+                out.append(None)
+                continue
             try:
-                recs.append(self._releasable(raw))
+                recs.append(self._releasable(raw))   # refused, saying precisely why
                 out.append(None)
             except KVBridgeError as exc:
                 out.append(exc)
