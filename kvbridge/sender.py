@@ -409,11 +409,13 @@ class KVSender:
             return False
         pool = self.pool
         assert blockcopy.serve_small is not None          # indexed only with the extension
+        pinned = pool.buffers                             # held across the C copy
         try:
             n = blockcopy.serve_small(fd, payload, req_id, small, ID_OFFSET, pool.live_generations,
                                       blockcopy.planes(pool), pool.layout.part_nbytes)
         except (ValueError, PoolError):                   # a closed pool: the long way says so
             return False
+        del pinned
         if n < 0:
             return False
         self.stats.served(n)

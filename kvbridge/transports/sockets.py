@@ -208,8 +208,9 @@ class SocketServer(Server):
         # Blocking socket with kernel timeouts (one tick): a peer that stalls mid-frame for
         # `transfer` seconds is dropped; an idle one parks after PARK_AFTER.
         idle = 0.0
+        closed, small, fd = self._closed, self._serve_small, conn.fileno()
         try:
-            while not self._closed.is_set():
+            while not closed.is_set():
                 try:
                     kind, req_id, payload = reader.read_frame(MAX_CONTROL)
                 except BlockingIOError:
@@ -230,6 +231,8 @@ class SocketServer(Server):
                     self._reply_error(conn, 0, exc)
                     break    # framing is lost: close
                 idle = 0.0
+                if kind is Kind.READ and small is not None and small(fd, payload, req_id):
+                    continue                   # the usual read, answered in one C call
                 if not self.handle(conn, reader, kind, req_id, payload):
                     break
         except (OSError, KVBridgeError) as exc:
@@ -310,8 +313,6 @@ class SocketServer(Server):
         return out
 
     def _serve_read(self, conn: socket.socket, req_id: int, payload: bytes) -> bool:
-        if self._serve_small is not None and self._serve_small(conn.fileno(), payload, req_id):
-            return True                                # the usual read, answered in one C call
         try:
             req = decode_request(payload)
             grant = self.source.open_read(req.ticket, req.indices, req.claim, req.layers)
