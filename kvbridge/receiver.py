@@ -545,8 +545,8 @@ class KVReceiver:
         return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
 
     def _fetch_small(self, h: KVHandle, dst_block_ids: Sequence[int], release: bool) -> Optional[FetchResult]:
-        """The pipeline for the usual small fetch -- a whole unleased raw handle whose transport
-        moves (and hashes) a few host blocks in one piece (:meth:`Transport.read_small`) --
+        """The pipeline for the usual fetch -- a whole unleased raw handle whose transport moves
+        (and hashes) its host blocks in one piece (:meth:`Transport.read_small`) --
         without its job, spans and stages; any other outcome than verified bytes on unchanged
         blocks goes on in :meth:`_pull` from where it stands. None: not such a fetch."""
         pool = self.pool

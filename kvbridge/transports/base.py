@@ -340,11 +340,11 @@ class Transport(abc.ABC):
 
     def read_small(self, url: str, handle: KVHandle, pool: "KVPool", block_ids: list[int],
                    want_digests: bool) -> Optional[tuple[int, Optional[list[int]]]]:
-        """Optional fast path for the most common read: all of an unleased handle's blocks, a
-        few KiB of a host pool, into whole ``block_ids`` (checked by the caller). Returns the
-        bytes moved and, with ``want_digests``, each block's checksum as it landed; None where
-        this transport has no such path or the read is not small (:meth:`read` then). Raises
-        as :meth:`read` does, with the destination untouched by a refused reply."""
+        """Optional fast path for the most common read: all of an unleased handle's blocks into
+        whole ``block_ids`` of a host pool (checked by the caller; tcp: up to 64 KiB, shm: a
+        one-sided read of any size). Returns the bytes moved and, with ``want_digests``, each
+        block's checksum as it landed; None where this transport has no such path for this
+        read (:meth:`read` then). Raises as :meth:`read` does."""
         return None
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,

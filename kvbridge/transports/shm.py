@@ -50,7 +50,7 @@ from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, Stale
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
-from ..pool import SharedSegment
+from ..pool import KVPool, SharedSegment
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
 from .shmcopy import copy_into
 from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
@@ -493,6 +493,18 @@ class ShmTransport(Transport):
             return self._copy_in(dst, seg, runs), b""
         return int(self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim), move,
                                   Kind.DONE, f"map {url}"))
+
+    def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int],
+                   want_digests: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+        """The one-sided read of a whole handle from a sender already mapped (any size: it sends
+        nothing); None where it cannot vouch for the read (then :meth:`read` and MAP/DONE)."""
+        m = self._senders.get(url)
+        if m is None or not ONE_SIDED or not pool.is_host or handle.layerwise or handle.codec != "raw":
+            return None
+        dst = Spans(pool, None, block_ids)
+        dst.want_digests = want_digests
+        n = self._read_one_sided(url, m, handle, dst, None)
+        return None if n is None else (n, dst.digests)
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
