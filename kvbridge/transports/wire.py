@@ -29,6 +29,10 @@ changes to pool memory cannot alter bytes already sent). Its status (:class:`Vou
 Every DATA and LDATA reply carries it (``read``, pipelined ``read_many`` and layer reads
 alike); a trailer that refuses a reply leaves the connection in step (the frame was read
 whole), so a pipeline goes on with the next reply.
+
+Releases without a reply (version 4) travel in batches: one RELEASES frame holds up to
+:data:`MAX_RELEASES` handles, each ``u32 length | handle bytes``, and gets no answer; a
+malformed one is dropped whole (no handle of it ends) and the connection goes on.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS", "FENCE",
            "CLAIM_ME", "TRAILER", "Vouch", "encode_trailer", "check_trailer", "vouch_of", "settle_vouch",
            "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
-           "RateGuard"]
+           "RateGuard", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
 VERSION = 4
