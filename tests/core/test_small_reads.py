@@ -258,3 +258,62 @@ def test_a_claimed_read_learns_its_fence(read: Any) -> None:
     read(sock, 7, pack(Kind.READ, 7, b"x"), spans, Claim("me", 0, 0))
     t.join(5)
     assert spans.claimed == Claim("me", 3, 4) and _blocks(dst, [4, 9]) == BODY
+
+
+# -- the receiver's usual fetch (KVReceiver._fetch_small) goes on in the pipeline when it must --
+def test_the_usual_fetch_retries_a_sender_that_is_gone_then_fails_retryable() -> None:
+    from kvbridge import Retry
+    from kvbridge.errors import Action, PeerUnavailable
+    from kvbridge.policy import Backoff
+    src, dst = _pools()
+    retry = Retry(attempts=3, backoff=Backoff(base=0.01, cap=0.02), deadline=5.0)
+    with KVReceiver(dst, leases=False, retry=retry) as rcv:
+        with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+            h = snd.publish("gone", [2, 3], 8)
+        before = _blocks(dst, [5, 6])
+        res = rcv.fetch(h, [5, 6])
+        assert not res.ok and isinstance(res.error, PeerUnavailable) and res.error.action is Action.RETRY
+        assert res.attempts == 3 and res.failed_block_ids == [5, 6] and _blocks(dst, [5, 6]) == before
+        assert rcv.stats.retries == 2 and rcv.stats.failed == 1
+
+
+def test_the_usual_fetch_refetches_a_block_whose_digest_is_wrong_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dst = _pools()
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        h = snd.publish("flip", [2, 3], 8)
+        tr = rcv.transport(snd.url)
+        real = tr.read_small
+
+        def wrong_once(*args: Any) -> Any:                 # as if block 1's bytes had changed in transit
+            n, sums = real(*args)
+            monkeypatch.setattr(tr, "read_small", real)
+            return n, [sums[0], sums[1] ^ 1]
+
+        monkeypatch.setattr(tr, "read_small", wrong_once)
+        res = rcv.fetch(h, [5, 6])
+        assert res.ok and res.attempts == 1 and rcv.stats.refetches == 1 and rcv.stats.integrity_failures == 0
+        assert _blocks(dst, [5, 6]) == _blocks(src, [2, 3])
+        bad = snd.publish("bad", [2, 3], 8)
+        first = Spans.of_blocks(src, [2]).views()[0]
+        first[0] = (first[0] + 1) % 256                    # the sender's block itself differs now
+        res = rcv.fetch(bad, [7, 8])
+        assert not res.ok and type(res.error).__name__ == "IntegrityError" and res.failed_block_ids == [7]
+        assert rcv.stats.integrity_failures == 1
+
+
+def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    src, dst = _pools()
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        h = snd.publish("moved", [2, 3], 8)
+        tr = rcv.transport(snd.url)
+        real = tr.read_small
+
+        def freed_meanwhile(*args: Any) -> Any:
+            out = real(*args)
+            dst._gens[6] += 1                              # the engine reused a destination block
+            return out
+
+        monkeypatch.setattr(tr, "read_small", freed_meanwhile)
+        res = rcv.fetch(h, [5, 6])
+        assert not res.ok and "freed or retired during the transfer" in str(res.error)
+        assert res.failed_block_ids == [5, 6]
