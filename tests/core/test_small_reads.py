@@ -261,6 +261,20 @@ def test_a_claimed_read_learns_its_fence(read: Any) -> None:
 
 
 # -- the receiver's usual fetch (KVReceiver._fetch_small) goes on in the pipeline when it must --
+def _after_read_small(monkeypatch: pytest.MonkeyPatch, rcv: KVReceiver, url: str, then: Any) -> list[int]:
+    """Make the receiver's ``read_small`` to ``url`` return ``then(what it read, call number)``;
+    the call numbers so far."""
+    tr = rcv.transport(url)
+    real, calls = tr.read_small, []
+
+    def read_small(*args: Any) -> Any:
+        calls.append(len(calls) + 1)
+        return then(real(*args), calls[-1])
+
+    monkeypatch.setattr(tr, "read_small", read_small)
+    return calls
+
+
 def test_the_usual_fetch_retries_a_sender_that_is_gone_then_fails_retryable() -> None:
     from kvbridge import Retry
     from kvbridge.errors import Action, PeerUnavailable
@@ -281,16 +295,10 @@ def test_the_usual_fetch_refetches_a_block_whose_digest_is_wrong_once(monkeypatc
     src, dst = _pools()
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("flip", [2, 3], 8)
-        tr = rcv.transport(snd.url)
-        real = tr.read_small
-
-        def wrong_once(*args: Any) -> Any:                 # as if block 1's bytes had changed in transit
-            n, sums = real(*args)
-            monkeypatch.setattr(tr, "read_small", real)
-            return n, [sums[0], sums[1] ^ 1]
-
-        monkeypatch.setattr(tr, "read_small", wrong_once)
+        calls = _after_read_small(monkeypatch, rcv, snd.url,      # as if block 1's bytes had changed in transit
+                                  lambda got, n: got if n > 1 else (got[0], [got[1][0], got[1][1] ^ 1]))
         res = rcv.fetch(h, [5, 6])
+        assert calls == [1]
         assert res.ok and res.attempts == 1 and rcv.stats.refetches == 1 and rcv.stats.integrity_failures == 0
         assert _blocks(dst, [5, 6]) == _blocks(src, [2, 3])
         bad = snd.publish("bad", [2, 3], 8)
@@ -305,15 +313,12 @@ def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(monkeypatch
     src, dst = _pools()
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("moved", [2, 3], 8)
-        tr = rcv.transport(snd.url)
-        real = tr.read_small
 
-        def freed_meanwhile(*args: Any) -> Any:
-            out = real(*args)
+        def freed_meanwhile(got: Any, n: int) -> Any:
             dst._gens[6] += 1                              # the engine reused a destination block
-            return out
+            return got
 
-        monkeypatch.setattr(tr, "read_small", freed_meanwhile)
+        _after_read_small(monkeypatch, rcv, snd.url, freed_meanwhile)
         res = rcv.fetch(h, [5, 6])
         assert not res.ok and "freed or retired during the transfer" in str(res.error)
         assert res.failed_block_ids == [5, 6]
