@@ -9,12 +9,13 @@ validate-after-read (:mod:`.wire`), which the receiver checks before it keeps th
 Push: the writer sends a WRITE frame (reservation, layers, checksums) followed by the
 bytes, which the receiver's server takes straight into the reserved blocks. No
 intermediate buffers, no per-block ``bytes`` -- except for reads of up to ``SMALL_READ``
-bytes of host pools, which the sender copies out (one C gather of whole blocks,
-:func:`kvbridge.blockcopy.gather_blocks`), validates and sends in one call, and the receiver
-takes in one receive into a private buffer before copying it into place, hashing each block
-as it lands (one C scatter, :func:`kvbridge.blockcopy.scatter_blocks`; :func:`_read_small`).
-Connections are pooled; ``read_many`` pipelines requests on one connection; one thread per
-connection on the server (:mod:`.sockets`).
+bytes of host pools, which the sender copies out into one buffer, validates and sends in one
+call (a whole unleased read: one C call, ``KVSender.serve_small``; any other: a C gather,
+:func:`kvbridge.blockcopy.gather_blocks`), and the receiver takes in one receive into a
+private buffer before copying it into place, hashing each block as it lands (one C call,
+:func:`_read_small_native`; its Python twin :func:`_read_small`). Connections are pooled;
+``read_many`` pipelines requests on one connection; the server's worker threads serve active
+connections only (:mod:`.sockets`).
 """
 
 from __future__ import annotations
