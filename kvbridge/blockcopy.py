@@ -8,14 +8,16 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
 - :func:`hash_blocks`: xxh3-64 per block (or per layer and block), exactly
   :func:`kvbridge.integrity.block_checksums`' definition.
 - :func:`copy_blocks`: copy blocks between two plane sets and, optionally, hash each block's
-  bytes as they land, chunk by chunk while the chunk is in cache (shm:// one-sided reads).
+  bytes as they land: in one pass where the CPU has AVX2 (each 64-byte stripe loaded once,
+  stored and hashed; ``_kvcopy.FUSED``), elsewhere chunk by chunk while the chunk is in cache.
 - :func:`gather_blocks` / :func:`scatter_blocks`: blocks to and from one buffer in canonical
   (wire) order -- plane by plane, ids in the order given -- for tcp:// small reads: the
   sender's reply is built in one buffer, the receiver's lands (and is hashed) in one pass.
 - ``read_small`` (extension only): a tcp:// small read's request sent, its reply received,
   checked and landed in one call; ``serve_small`` (extension only): the sender's side, a whole
-  small read of an indexed handle checked, copied out, validated and answered in one call
-  (see ``native/cpu/kvcopy.c``).
+  small read of an indexed handle checked, copied out, validated and answered in one call;
+  ``shm_read`` (extension only): an shm:// one-sided read -- table and generations checked,
+  blocks copied (and hashed), both checked again -- in one call (see ``native/cpu/kvcopy.c``).
 
 The extension is built by ``pip install`` (it needs a C compiler and Python's headers). Without
 it -- or with ``KVBRIDGE_NO_NATIVE=1`` in the environment -- the Python twin runs; the tests run
@@ -199,3 +201,5 @@ scatter_blocks = _native.scatter_blocks if NATIVE else py_scatter_blocks
 # tcp.py takes the same steps in Python
 read_small = _native.read_small if NATIVE else None
 serve_small = _native.serve_small if NATIVE else None
+# shm:// one-sided reads in one call; without the extension shm.py takes the same steps in Python
+shm_read = _native.shm_read if NATIVE else None

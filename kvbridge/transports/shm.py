@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Sequence
 from urllib.parse import urlsplit
 
 from ..blockcopy import copy_blocks, planes
+from ..blockcopy import shm_read as _shm_read
 from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle, TransferCancelled
 from ..handle import KVHandle
 from ..lease.base import Claim
@@ -53,7 +54,7 @@ from ..policy import Timeout
 from ..pool import KVPool, SharedSegment
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
 from .shmcopy import copy_into
-from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
+from .shmtable import ONE_SIDED, HandleTable, SenderMap, digest, open_info
 from .sockets import SocketClient, SocketServer, connector
 from .staging import copy_slices, device_slices
 from .tcp import _claim_of
@@ -403,6 +404,10 @@ class ShmTransport(Transport):
                         indices: Optional[list[int]]) -> Optional[int]:
         """Check, copy, re-check; None when the fast path cannot vouch for the read (the
         MAP/DONE exchange then answers, with the sender's own refusal if there is one)."""
+        if (_shm_read is not None and indices is None and dst.block_ids is not None
+                and len(dst.block_ids) == len(handle.block_ids)
+                and m.layout.compat_hash == dst.pool.layout.compat_hash):
+            return self._read_native(url, m, handle, dst)
         hit = m.lookup(handle.to_bytes())
         if hit is None:
             return None
@@ -453,12 +458,54 @@ class ShmTransport(Transport):
         if stale:
             dst.digests = None
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
-        # Is the sender still there? Asked at most once per LIVENESS_EVERY: a poll releases the
-        # GIL, and bytes copied from a sender that died an instant ago were still checked valid.
+        return nbytes if self._alive(url, m) else None
+
+    def _read_native(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans) -> Optional[int]:
+        """:meth:`_read_one_sided` of a whole handle into whole blocks of the same geometry in one
+        C call (:meth:`_shm_read`). The same outcomes: None, the bytes, or StaleHandle."""
+        if dst.cancel is not None and dst.cancel.is_set():
+            raise TransferCancelled("transfer cancelled")
+        assert dst.block_ids is not None
+        got = self._shm_read(url, m, handle, dst.pool, dst.block_ids, dst.want_digests or dst.verifier is not None)
+        if got is None:
+            return None
+        dst.digests = got
+        return dst.nbytes
+
+    def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, pool: KVPool, block_ids: Sequence[int],
+                  want: bool) -> Optional[list[int]]:
+        """``blockcopy.shm_read``: the handle live in the table and its generations as issued,
+        the copy into ``block_ids`` (hashed as it lands when ``want``), both again -- one C call.
+        The digests ([] unhashed), None where it cannot vouch for the read (nothing written, or
+        the sender is gone: MAP/DONE then answers), StaleHandle where the blocks changed meanwhile."""
+        after = self.after_copy
+        bufs = pool.buffers               # held across the C call, as the mapping (its view, pinned there)
+        assert _shm_read is not None
+        try:
+            code, sums = _shm_read(m.tview, m.nslots, digest(handle.to_bytes()), m.gens, handle.block_ids,
+                                   handle.generations, planes(pool), block_ids, m.packed, m.part, want, m.view,
+                                   None if after is None else (lambda: after(handle)))
+        except ValueError as exc:
+            try:
+                len(m.view), len(m.gens), len(m.tview)
+            except ValueError:            # released: this reader is closing the mapping
+                raise ProtocolError("the sender's mapping was closed by this reader") from None
+            raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
+        del bufs
+        if code == 1:
+            return None
+        if code == 2:
+            raise StaleHandle("blocks were freed during the copy; bytes discarded")
+        return (sums or []) if self._alive(url, m) else None
+
+    def _alive(self, url: str, m: SenderMap) -> bool:
+        """Is the sender still there? Asked at most once per LIVENESS_EVERY: a poll releases the
+        GIL, and bytes copied from a sender that died an instant ago were still checked valid.
+        False: the sender closed or died; forgotten, so MAP/DONE says which."""
         alive = True
         now = time.monotonic()
         if now - m.polled < LIVENESS_EVERY:
-            return nbytes
+            return True
         m.polled = now
         try:
             quiet = not m.poll.poll(0)        # nothing arrived on the control socket: no EOF
@@ -471,10 +518,9 @@ class ShmTransport(Transport):
                 alive = True
             except OSError:
                 alive = False
-        if not alive:                         # the sender closed or died: let MAP/DONE say which
+        if not alive:
             self._forget(url, m)
-            return None
-        return nbytes
+        return alive
 
     def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
              claim: Optional[Claim] = None) -> int:
@@ -501,6 +547,10 @@ class ShmTransport(Transport):
         m = self._senders.get(url)
         if m is None or not ONE_SIDED or not pool.is_host or handle.layerwise or handle.codec != "raw":
             return None
+        if _shm_read is not None and m.layout.compat_hash == pool.layout.compat_hash \
+                and len(block_ids) == len(handle.block_ids):
+            sums = self._shm_read(url, m, handle, pool, block_ids, want_digests)
+            return None if sums is None else (len(block_ids) * pool.layout.block_nbytes, sums or None)
         dst = Spans(pool, None, block_ids)
         dst.want_digests = want_digests
         n = self._read_one_sided(url, m, handle, dst, None)

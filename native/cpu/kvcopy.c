@@ -9,9 +9,13 @@
  *       group == number of planes, one checksum per block (kvbridge.integrity.block_checksums);
  *       with group == parts per layer, one per (layer, block) (layer_checksums).
  *   copy_blocks(dst_planes, dst_ids, src_planes, src_ids, part, hash) -> list[int] | None
+ *       (`hash`: 0 none, 1 the fastest path, 2 the chunked path even where FUSED -- for the
+ *       tests and bench/copyhash.py, which compare the two)
  *       copy every block's parts from src to dst, plane by plane; with `hash`, also the xxh3-64
- *       of each block's bytes *as they landed in dst*, computed chunk by chunk while the chunk
- *       is still in cache (each byte is read from memory once).
+ *       of each block's bytes *as they landed in dst*: where FUSED (x86-64 with AVX2), in one
+ *       pass -- each 64-byte stripe loaded once, stored and hashed from the same registers
+ *       (copyhash.c), as fast as the copy alone; elsewhere chunk by chunk, each chunk hashed
+ *       while it is still in cache (each byte is read from memory once).
  *
  *   gather_blocks(planes, ids, part, head, tail) -> bytearray
  *       `head` zero bytes, then the blocks' parts in canonical (wire) order -- plane by plane,
@@ -42,6 +46,13 @@
  *       serves or refuses the read, saying why). The GIL is held from the lookup to the
  *       generation check, so no Python thread ends the handle or frees a block between them,
  *       and released for the send.
+ *   shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin,
+ *            between) -> (code, digests | None)
+ *       shm:// one-sided reads in one call (kvbridge/transports/shmtable.py): the handle's
+ *       digest live in the sender's table and its blocks' generations as issued, the copy (and
+ *       hash), then the same slot sequence and generations again. Code 0: copied and still the
+ *       handle's; 1: not vouched for, nothing written; 2: changed during the copy, the bytes
+ *       landed are not the handle's. Loads of the table and generations are acquire loads.
  *
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
@@ -61,6 +72,7 @@
 #else
 #include "xxhash.h"
 #endif
+#include "copyhash.h"
 
 #ifndef CHUNK
 #define CHUNK (64 * 1024)
@@ -211,14 +223,17 @@ done:
 }
 
 /* The copy loop of copy_blocks and scatter_blocks: block sid[k] of each source plane j to
- * block did[k] of destination plane j, in CHUNK pieces; with `hash`, the xxh3-64 of each
- * destination block as it landed. Addresses were checked by the callers. Returns the digest
- * list, None, or NULL with an exception set. */
+ * block did[k] of destination plane j; with `hash`, the xxh3-64 of each destination block as
+ * it landed -- in one pass per block (kvb_copy_hash) where FUSED and no part of the block
+ * partly overlaps its source, else in CHUNK pieces, each hashed after its copy. Addresses were
+ * checked by the callers. Returns the digest list, None, or NULL with an exception set. */
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
                            Py_ssize_t n, int64_t part, int hash) {
     PyObject *res = NULL;
     XXH64_hash_t *d = NULL;
     XXH3_state_t *st = NULL;
+    char **dps = NULL;          /* one block's parts, for the one-pass copy and hash */
+    const char **sps = NULL;
     if (hash) {
         d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
         st = XXH3_createState();
@@ -227,9 +242,31 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
             goto done;
         }
     }
+    /* one pass per block (copyhash.c) where the CPU allows and no part partly overlaps itself */
+    if (hash == 1 && kvb_copy_hash_fused() && part * dp->n > 240) {
+        dps = PyMem_Malloc((size_t)dp->n * sizeof(char *));
+        sps = PyMem_Malloc((size_t)dp->n * sizeof(char *));
+        if (dps == NULL || sps == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
     int nogil = (double)part * (double)n * (double)dp->n >= NOGIL_BYTES;
     PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t k = 0; k < n; k++) {
+        if (dps != NULL) {
+            int fused = 1;
+            for (Py_ssize_t j = 0; j < dp->n; j++) {
+                dps[j] = (char *)(uintptr_t)(dp->p[j].base + did[k] * dp->p[j].stride);
+                sps[j] = (const char *)(uintptr_t)(sp->p[j].base + sid[k] * sp->p[j].stride);
+                if (dps[j] != sps[j] && dps[j] < sps[j] + part && sps[j] < dps[j] + part)
+                    fused = 0;
+            }
+            if (fused) {
+                d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part);
+                continue;
+            }
+        }
         if (hash)
             XXH3_64bits_reset(st);
         for (Py_ssize_t j = 0; j < dp->n; j++) {
@@ -257,6 +294,8 @@ done:
     if (st)
         XXH3_freeState(st);
     PyMem_Free(d);
+    PyMem_Free(dps);
+    PyMem_Free(sps);
     return res;
 }
 
@@ -265,8 +304,12 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     PyObject *dpobj, *didobj, *spobj, *sidobj;
     long long part;
     int hash;
-    if (!PyArg_ParseTuple(args, "OOOOLp", &dpobj, &didobj, &spobj, &sidobj, &part, &hash))
+    if (!PyArg_ParseTuple(args, "OOOOLi", &dpobj, &didobj, &spobj, &sidobj, &part, &hash))
         return NULL;
+    if (hash < 0 || hash > 2) {
+        PyErr_SetString(PyExc_ValueError, "hash: 0 (none), 1 (hash) or 2 (hash, chunked path)");
+        return NULL;
+    }
     planes_t dp, sp;
     if (get_planes(dpobj, &dp) < 0)
         return NULL;
@@ -648,6 +691,145 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------ shm one-sided reads */
+
+#define TABLE_HEAD 64   /* kvbridge/transports/shmtable.py: HEAD_SIZE, SLOT, PROBE */
+#define TABLE_SLOT 32
+#define TABLE_PROBE 16
+
+static uint32_t load32(const unsigned char *p) {
+    return __atomic_load_n((const uint32_t *)(const void *)p, __ATOMIC_ACQUIRE);
+}
+
+/* Every block ids[k] < nblocks holds generation want[k] in `gens` (u32 each): 1, 0 or -1. */
+static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_t *ids, const uint32_t *want,
+                     Py_ssize_t n) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (ids[k] < 0 || ids[k] >= nblocks || load32(gens + 4 * ids[k]) != want[k])
+            return 0;
+    }
+    return 1;
+}
+
+/* shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash,
+ *          pin, between) -> (code, digests | None)
+ * The one-sided read of kvbridge/transports/shmtable.py in one call: the handle whose 16-byte
+ * `digest` is live in the sender's `table` (nslots slots) and whose blocks `ids` still hold
+ * generations `want` in `gens` is copied from `src_planes` (the mapped pool) into `dst_ids` of
+ * `dst_planes` (hashed as it lands when `hash`), then the slot's sequence number and every
+ * generation are read again. `pin` (the mapping's memoryview) is held for the call; `between`,
+ * if not None, is called after the copy and before the second look (tests). Codes:
+ *   0  copied, and nothing changed: the digests (or None);
+ *   1  not vouched for (not in the table, a generation already moved): nothing was written;
+ *   2  something changed during the copy: the bytes landed are not the handle's. */
+static PyObject *shm_read(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *tobj, *gobj, *idobj, *wantobj, *dpobj, *didobj, *spobj, *pinobj, *between;
+    Py_ssize_t nslots;
+    const char *dg;
+    Py_ssize_t dglen;
+    long long part;
+    int hash;
+    if (!PyArg_ParseTuple(args, "Ony#OOOOOOLpOO", &tobj, &nslots, &dg, &dglen, &gobj, &idobj, &wantobj, &dpobj,
+                          &didobj, &spobj, &part, &hash, &pinobj, &between))
+        return NULL;
+    Py_buffer tb = {0}, gb = {0}, pin = {0};
+    planes_t dp = {NULL, 0}, sp = {NULL, 0};
+    int64_t *did = NULL, *sid = NULL;
+    uint32_t *want = NULL;
+    PyObject *res = NULL, *digests = NULL, *wt = NULL;
+    if (PyObject_GetBuffer(pinobj, &pin, PyBUF_SIMPLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(tobj, &tb, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(gobj, &gb, PyBUF_SIMPLE) < 0)
+        goto done;
+    if (dglen != 16 || nslots <= 0 || (nslots & (nslots - 1)) ||
+        nslots > (tb.len - TABLE_HEAD) / TABLE_SLOT) {
+        PyErr_SetString(PyExc_ValueError, "shm_read: a 16-byte digest and a table of nslots slots expected");
+        goto done;
+    }
+    if (get_planes(dpobj, &dp) < 0 || get_planes(spobj, &sp) < 0)
+        goto done;
+    if (dp.n != sp.n) {
+        PyErr_SetString(PyExc_ValueError, "source and destination have different numbers of planes");
+        goto done;
+    }
+    Py_ssize_t nd = 0, ns = 0;
+    if ((did = get_ids(didobj, &dp, part, &nd)) == NULL || (sid = get_ids(idobj, &sp, part, &ns)) == NULL)
+        goto done;
+    wt = PySequence_Tuple(wantobj);
+    if (wt == NULL)
+        goto done;
+    if (nd != ns || PyTuple_GET_SIZE(wt) != ns) {
+        PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
+        goto done;
+    }
+    want = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(uint32_t));
+    if (want == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < ns; k++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(wt, k));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        if (v > 0xFFFFFFFFull) {                  /* no block ever holds it: not vouched for */
+            res = Py_BuildValue("(iO)", 1, Py_None);
+            goto done;
+        }
+        want[k] = (uint32_t)v;
+    }
+    /* 1. live in the table, exactly these bytes; every block still the handle's */
+    const unsigned char *table = tb.buf, *gens = gb.buf;
+    Py_ssize_t nblocks = gb.len / 4;
+    uint32_t home = ((uint32_t)(unsigned char)dg[0] | (uint32_t)(unsigned char)dg[1] << 8 |
+                     (uint32_t)(unsigned char)dg[2] << 16 | (uint32_t)(unsigned char)dg[3] << 24) &
+                    (uint32_t)(nslots - 1);
+    const unsigned char *slot = NULL;
+    uint32_t seq = 0;
+    for (int k = 0; k < TABLE_PROBE && slot == NULL; k++) {
+        const unsigned char *sl = table + TABLE_HEAD + (Py_ssize_t)((home + (uint32_t)k) & (uint32_t)(nslots - 1)) * TABLE_SLOT;
+        uint32_t s = load32(sl);
+        if ((s & 1) && memcmp(sl + 8, dg, 16) == 0 && load32(sl) == s) {
+            slot = sl;
+            seq = s;
+        }
+    }
+    if (slot == NULL || !gens_hold(gens, nblocks, sid, want, ns)) {
+        res = Py_BuildValue("(iO)", 1, Py_None);
+        goto done;
+    }
+    /* 2. copy */
+    digests = copy_core(&dp, did, &sp, sid, nd, part, hash);
+    if (digests == NULL)
+        goto done;
+    if (between != Py_None) {
+        PyObject *r = PyObject_CallNoArgs(between);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+    }
+    /* 3. the same slot sequence and generations after the copy: no byte came from a reuse */
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (load32(slot) != seq || !gens_hold(gens, nblocks, sid, want, ns))
+        res = Py_BuildValue("(iO)", 2, Py_None);
+    else
+        res = Py_BuildValue("(iO)", 0, digests);
+done:
+    Py_XDECREF(digests);
+    Py_XDECREF(wt);
+    PyMem_Free(want);
+    PyMem_Free(did);
+    PyMem_Free(sid);
+    PyMem_Free(dp.p);
+    PyMem_Free(sp.p);
+    if (gb.obj)
+        PyBuffer_Release(&gb);
+    if (tb.obj)
+        PyBuffer_Release(&tb);
+    PyBuffer_Release(&pin);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
@@ -664,6 +846,9 @@ static PyMethodDef methods[] = {
     {"serve_small", serve_small, METH_VARARGS,
      "serve_small(fd, payload, rid, table, id_offset, gens, planes, part) -> int: a whole small read of an "
      "indexed handle answered in one call; -1 where nothing was served"},
+    {"shm_read", shm_read, METH_VARARGS,
+     "shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin, between) "
+     "-> (code, digests): an shm one-sided read checked, copied and checked again in one call"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -673,5 +858,11 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__kvcopy(void) {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* FUSED: 1 where copies with a hash take one pass (copyhash.c: x86-64 with AVX2) */
+    if (m != NULL && PyModule_AddIntConstant(m, "FUSED", kvb_copy_hash_fused()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

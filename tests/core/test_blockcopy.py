@@ -93,6 +93,81 @@ def test_copy_blocks_moves_the_bytes_and_hashes_what_landed(name, impl):
     assert block_checksums(dst, [untouched]) == before              # nothing else written
 
 
+def _raw_planes(tensors: list[torch.Tensor], part: int, nblocks: int) -> bytes:
+    """One plane per tensor, its blocks back to back (stride = part)."""
+    return blockcopy.pack_planes([(t.data_ptr(), part, t.data_ptr() + nblocks * part) for t in tensors])
+
+
+# parts around the stripe (64), the short-input limit (240) and the block (1,024) of xxh3, and
+# odd ones whose stripes straddle two parts
+PARTS = [1, 37, 63, 64, 65, 80, 100, 120, 239, 240, 241, 1000, 1024, 1025, 4096, 4097, 65536 + 7]
+
+
+@pytest.mark.parametrize("part", PARTS)
+def test_one_pass_copy_and_hash_equals_xxhash_for_every_shape(part):
+    """Copies with a hash take one pass where ``_kvcopy.FUSED`` (each 64-byte stripe loaded once,
+    stored and hashed): the digest of every shape -- one to five parts, stripes split between
+    parts, the last stripe overlapping, a block copied onto itself -- is xxhash's xxh3_64 of the
+    bytes, and the bytes land; so does the chunked path (hash=2), which runs where FUSED is 0."""
+    if not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    rnd = random.Random(part)
+    g = torch.Generator().manual_seed(part)
+    for nplanes in (1, 2, 3, 5):
+        srcs = [torch.randint(0, 256, (3 * part,), dtype=torch.uint8, generator=g) for _ in range(nplanes)]
+        dsts = [torch.zeros(3 * part, dtype=torch.uint8) for _ in range(nplanes)]
+        sp, dp = _raw_planes(srcs, part, 3), _raw_planes(dsts, part, 3)
+        sid, did = rnd.sample(range(3), 2), rnd.sample(range(3), 2)
+        for fn in ("copy", "copy chunked", "scatter"):
+            for t in dsts:
+                t.zero_()
+            if fn.startswith("copy"):       # hash=1: the fastest path here; 2: the chunked one
+                got = blockcopy.copy_blocks(dp, did, sp, sid, part, 2 if fn == "copy chunked" else 1)
+            else:
+                wire = b"".join(bytes(srcs[j][b * part:(b + 1) * part].numpy()) for j in range(nplanes) for b in sid)
+                got = blockcopy.scatter_blocks(dp, did, bytearray(wire), 0, part, True)
+            for k, (s_, d_) in enumerate(zip(sid, did)):
+                sent = b"".join(bytes(t[s_ * part:(s_ + 1) * part].numpy()) for t in srcs)
+                landed = b"".join(bytes(t[d_ * part:(d_ + 1) * part].numpy()) for t in dsts)
+                assert landed == sent, (fn, nplanes, k)
+                assert got[k] == xxhash.xxh3_64_intdigest(sent), (fn, nplanes, k)
+        before = b"".join(bytes(t.numpy()) for t in srcs)
+        got = blockcopy.copy_blocks(sp, [1, 0], sp, [1, 0], part, True)     # onto itself
+        assert b"".join(bytes(t.numpy()) for t in srcs) == before
+        assert got == [xxhash.xxh3_64_intdigest(b"".join(bytes(t[b * part:(b + 1) * part].numpy()) for t in srcs))
+                       for b in (1, 0)]
+
+
+def test_one_pass_copy_is_taken_where_the_cpu_allows():
+    """The one-pass kernel is what runs on x86-64 with AVX2 (this test then fails if it is not
+    built in); elsewhere the chunked path is the documented one."""
+    if not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    from kvbridge import _kvcopy
+    import platform
+    avx2 = "avx2" in open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else False
+    if platform.machine().lower() not in ("x86_64", "amd64") or not avx2:
+        assert _kvcopy.FUSED == 0
+        pytest.skip("no AVX2 here: copies with a hash take the chunked path")
+    assert _kvcopy.FUSED == 1
+
+
+def test_one_pass_copy_of_parts_that_partly_overlap_takes_the_chunked_path():
+    """A block whose part partly overlaps its source (possible only with hand-made planes) is
+    copied as memmove does and hashed as landed, never by the stripe loop's load-then-store."""
+    if not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    part = 4096
+    buf = torch.randint(0, 256, (3 * part,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    want = bytes(buf[100:100 + part].numpy())
+    base = buf.data_ptr()
+    src = blockcopy.pack_planes([(base + 100, part, base + 3 * part)])
+    dst = blockcopy.pack_planes([(base, part, base + 3 * part)])
+    got = blockcopy.copy_blocks(dst, [0], src, [0], part, True)
+    assert bytes(buf[:part].numpy()) == want
+    assert got == [xxhash.xxh3_64_intdigest(want)]
+
+
 @pytest.mark.parametrize("impl", ["native", "python"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_gather_and_scatter_are_the_wire_order_of_the_segments(name, impl):

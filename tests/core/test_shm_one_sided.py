@@ -147,6 +147,55 @@ def test_block_changing_under_the_copy_is_detected(how: str) -> None:
         p.close()
 
 
+@pytest.mark.parametrize("how", ["retired", "ended"])
+def test_block_changed_before_the_read_is_refused_with_nothing_written(how: str) -> None:
+    """A handle whose block the engine retired (generation moved, handle still in the table), or
+    that ended, is not vouched for by the one-sided check: nothing is copied, the MAP/DONE
+    exchange gives the sender's own refusal, and the destination keeps its bytes."""
+    p = Pair(allocator="engine")
+    try:
+        assert p.rcv.fetch(p.publish([5]), [9]).ok                 # mapping open
+        h = p.publish([3, 7])
+        if how == "retired":
+            p.src.retire([7])
+        else:
+            assert p.snd.revoke(h)
+        before = [bytes(t.view(-1).view(torch.uint8).numpy()) for t in p.dst.buffers]
+        maps = p.settled_frames()["MAP"]
+        res = p.rcv.fetch(h, [0, 1])
+        assert not res.ok and res.action is Action.REPREFILL, repr(res.error)
+        assert p.settled_frames()["MAP"] > maps                  # the sender was asked, and refused
+        assert [bytes(t.view(-1).view(torch.uint8).numpy()) for t in p.dst.buffers] == before
+    finally:
+        p.close()
+
+
+def test_the_c_one_sided_read_checks_table_and_generations_before_writing(pair: Pair) -> None:
+    """blockcopy.shm_read on a real mapping: a digest not live in the table, or a generation
+    other than the block's, writes nothing (code 1); the genuine ones copy and hash (code 0)."""
+    from kvbridge import blockcopy
+    from kvbridge.blockcopy import planes
+    from kvbridge.integrity import block_checksums
+    from kvbridge.transports.shmtable import digest
+    if blockcopy.shm_read is None:
+        pytest.skip("the extension is not built")
+    assert pair.rcv.fetch(pair.publish([5]), [9]).ok               # mapping open
+    h = pair.publish([3, 7])
+    m = pair.tr._senders[pair.snd.url]
+    before = block_checksums(pair.dst, [0, 1])
+
+    def read(dg: bytes, want: tuple[int, ...]) -> Any:
+        return blockcopy.shm_read(m.tview, m.nslots, dg, m.gens, h.block_ids, want, planes(pair.dst), [0, 1],
+                                  m.packed, m.part, True, m.view, None)
+    moved = (h.generations[0], h.generations[1] + 1)
+    assert read(digest(h.to_bytes()), moved) == (1, None)
+    assert read(digest(h.to_bytes() + b"x"), h.generations) == (1, None)
+    assert read(digest(h.to_bytes()), (h.generations[0], 1 << 32 | h.generations[1])) == (1, None)
+    assert block_checksums(pair.dst, [0, 1]) == before           # nothing written
+    code, sums = read(digest(h.to_bytes()), h.generations)
+    assert code == 0 and sums == list(h.checksums) == block_checksums(pair.dst, [0, 1])
+
+
 def test_corrupted_byte_caught_with_verification(pair: Pair) -> None:
     src, dst = [9, 2, 14, 5], [1, 3, 5, 7]
     assert pair.rcv.fetch(pair.publish(src), dst).ok

@@ -1,0 +1,144 @@
+/* kvbridge._kvcopy: a copy and its xxh3-64 in one pass over the bytes (see copyhash.h).
+ *
+ * XXH3-64 (seed 0, default secret) of an input longer than 240 bytes, as xxHash computes it
+ * (XXH3_hashLong_64b_internal): accumulators start at XXH3_INIT_ACC; each of the
+ * R = (len - 1) / 64 leading 64-byte stripes is accumulated with the secret at (k % 16) * 8 and
+ * the accumulators are scrambled after every 16th; the last 64 bytes of the input (which
+ * overlap the stripes before them) are accumulated once more with the secret at 121; the
+ * accumulators merge into the digest with len * PRIME64_1. Here each stripe is loaded once,
+ * stored to the destination and accumulated from the same registers (AVX2), so the copy costs
+ * no second read of the bytes and its loads and stores overlap the hash's arithmetic. A stripe
+ * split between two pieces is assembled from the bytes just written. Everything but the fused
+ * stripe loop is xxHash's own code (XXH_INLINE_ALL: private to this file).
+ */
+#define XXH_INLINE_ALL
+#include "xxhash.h"
+#include "copyhash.h"
+
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVB_AVX2 1
+#include <immintrin.h>
+#endif
+
+#define STRIPE 64
+#define STRIPES_PER_BLOCK 16                       /* (secret size 192 - 64) / 8 */
+#define SECRET_SCRAMBLE (XXH_SECRET_DEFAULT_SIZE - STRIPE)
+
+#ifdef KVB_AVX2
+/* `n` stripes from src to dst, accumulated as xxHash's AVX2 XXH3_accumulate_512 does, the
+ * accumulators scrambled after every 16th stripe of the whole input (`k`: stripes before). */
+__attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, char *dst, const char *src, size_t n,
+                                                         size_t k) {
+    __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
+    __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
+    const unsigned char *secret = XXH3_kSecret;
+    const __m256i prime32 = _mm256_set1_epi32((int)XXH_PRIME32_1);
+    for (size_t i = 0; i < n; i++, k++, src += STRIPE, dst += STRIPE) {
+        const unsigned char *key = secret + (k % STRIPES_PER_BLOCK) * 8;
+        __m256i d0 = _mm256_loadu_si256((const __m256i *)src);
+        __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + 32));
+        _mm256_storeu_si256((__m256i *)dst, d0);
+        _mm256_storeu_si256((__m256i *)(dst + 32), d1);
+        __m256i dk0 = _mm256_xor_si256(d0, _mm256_loadu_si256((const __m256i *)key));
+        __m256i dk1 = _mm256_xor_si256(d1, _mm256_loadu_si256((const __m256i *)(key + 32)));
+        __m256i p0 = _mm256_mul_epu32(dk0, _mm256_srli_epi64(dk0, 32));
+        __m256i p1 = _mm256_mul_epu32(dk1, _mm256_srli_epi64(dk1, 32));
+        a0 = _mm256_add_epi64(p0, _mm256_add_epi64(a0, _mm256_shuffle_epi32(d0, _MM_SHUFFLE(1, 0, 3, 2))));
+        a1 = _mm256_add_epi64(p1, _mm256_add_epi64(a1, _mm256_shuffle_epi32(d1, _MM_SHUFFLE(1, 0, 3, 2))));
+        if (k % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1) {          /* XXH3_scrambleAcc_avx2 */
+            const unsigned char *s = secret + SECRET_SCRAMBLE;
+            __m256i x0 = _mm256_xor_si256(_mm256_xor_si256(a0, _mm256_srli_epi64(a0, 47)),
+                                          _mm256_loadu_si256((const __m256i *)s));
+            __m256i x1 = _mm256_xor_si256(_mm256_xor_si256(a1, _mm256_srli_epi64(a1, 47)),
+                                          _mm256_loadu_si256((const __m256i *)(s + 32)));
+            a0 = _mm256_add_epi64(_mm256_mul_epu32(x0, prime32),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x0, 32), prime32), 32));
+            a1 = _mm256_add_epi64(_mm256_mul_epu32(x1, prime32),
+                                  _mm256_slli_epi64(_mm256_mul_epu32(_mm256_srli_epi64(x1, 32), prime32), 32));
+        }
+    }
+    _mm256_storeu_si256((__m256i *)acc, a0);
+    _mm256_storeu_si256((__m256i *)(acc + 4), a1);
+}
+#endif
+
+int kvb_copy_hash_fused(void) {
+#ifdef KVB_AVX2
+    static int have = -1;
+    if (have < 0) {
+        __builtin_cpu_init();
+        have = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return have;
+#else
+    return 0;
+#endif
+}
+
+/* One stripe assembled elsewhere (scalar: a few per block at most). */
+static void stripe_scalar(uint64_t *acc, const unsigned char *p, size_t k) {
+    XXH3_accumulate_512_scalar(acc, p, XXH3_kSecret + (k % STRIPES_PER_BLOCK) * 8);
+    if (k % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1)
+        XXH3_scrambleAcc_scalar(acc, XXH3_kSecret + SECRET_SCRAMBLE);
+}
+
+uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part) {
+    const size_t len = np * part;
+    if (len <= 240 || !kvb_copy_hash_fused()) {   /* xxHash's short paths need the whole input */
+        XXH3_state_t st;
+        XXH3_64bits_reset(&st);
+        for (size_t j = 0; j < np; j++) {
+            memmove(dst[j], src[j], part);
+            XXH3_64bits_update(&st, dst[j], part);
+        }
+        return XXH3_64bits_digest(&st);
+    }
+#ifdef KVB_AVX2
+    XXH_ALIGN(64) uint64_t acc[8] = XXH3_INIT_ACC;
+    const size_t R = (len - 1) / STRIPE;               /* stripes accumulated in order */
+    unsigned char tmp[STRIPE];
+    size_t k = 0, pend = 0;                            /* stripes done; bytes of a split one in tmp */
+    for (size_t j = 0; j < np; j++) {
+        const char *s = src[j];
+        char *d = dst[j];
+        size_t n = part;
+        if (pend) {                                    /* the rest of a stripe begun in the last piece */
+            size_t m = STRIPE - pend < n ? STRIPE - pend : n;
+            memmove(d, s, m);
+            memcpy(tmp + pend, d, m);
+            pend += m, s += m, d += m, n -= m;
+            if (pend == STRIPE) {
+                stripe_scalar(acc, tmp, k++);
+                pend = 0;
+            }
+        }
+        size_t whole = n / STRIPE;
+        if (whole > R - k)
+            whole = R - k;
+        if (whole) {
+            stripes_avx2(acc, d, s, whole, k);
+            k += whole, s += whole * STRIPE, d += whole * STRIPE, n -= whole * STRIPE;
+        }
+        if (n) {                                       /* under a stripe, or past the last one */
+            memmove(d, s, n);
+            if (k < R) {
+                memcpy(tmp + pend, d, n);
+                pend += n;
+            }
+        }
+    }
+    /* the last 64 bytes of the input, from where they landed */
+    size_t need = STRIPE;
+    for (size_t j = np; j-- > 0 && need;) {
+        size_t m = need < part ? need : part;
+        memcpy(tmp + need - m, dst[j] + part - m, m);
+        need -= m;
+    }
+    XXH3_accumulate_512_scalar(acc, tmp, XXH3_kSecret + XXH_SECRET_DEFAULT_SIZE - STRIPE - XXH_SECRET_LASTACC_START);
+    return XXH3_mergeAccs(acc, XXH3_kSecret + XXH_SECRET_MERGEACCS_START, (uint64_t)len * XXH_PRIME64_1);
+#else
+    return 0;   /* unreachable: kvb_copy_hash_fused() is 0 */
+#endif
+}
