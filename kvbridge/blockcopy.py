@@ -201,5 +201,6 @@ scatter_blocks = _native.scatter_blocks if NATIVE else py_scatter_blocks
 # tcp.py takes the same steps in Python
 read_small = _native.read_small if NATIVE else None
 serve_small = _native.serve_small if NATIVE else None
+serve_next = _native.serve_next if NATIVE else None
 # shm:// one-sided reads in one call; without the extension shm.py takes the same steps in Python
 shm_read = _native.shm_read if NATIVE else None

@@ -36,8 +36,8 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
 from . import blockcopy
-from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch,
-                     LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
+from .errors import (AccessDenied, BadHandle, ConfigError, ConnectionLost, HandleNotFound, KVBridgeError,
+                     LayoutMismatch, LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
 from .handle import ID_OFFSET, KVHandle, find_issued, lookup_ticket
@@ -54,6 +54,7 @@ from .transfer import Transfer, Workers
 from .transports.base import Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
 from .transports.sockets import SMALL_REPLY
+from .transports.wire import FrameReader
 
 __all__ = ["KVSender", "FreeReason"]
 
@@ -419,6 +420,35 @@ class KVSender:
         if n < 0:
             return False
         self.stats.served(n)
+        return True
+
+    def serve_next(self, fd: int, reader: FrameReader) -> bool:
+        """The frame loop's next step on socket ``fd`` when ``reader`` holds nothing: one receive
+        into its buffer, and a whole READ at the front answered in the same C call
+        (``blockcopy.serve_next``) exactly where :meth:`serve_small` would answer it. True when
+        it was (any bytes behind it stay in the reader); False when the bytes received are the
+        reader's to parse as usual. The socket's timeout raises BlockingIOError and a closed peer
+        ConnectionLost, as the reader's own receive does; a failed send, OSError."""
+        if blockcopy.serve_next is None:                  # no extension: the reader receives
+            return False
+        pool = self.pool
+        pinned = pool.buffers                             # held across the C copy
+        try:
+            packed = blockcopy.planes(pool)
+        except PoolError:                                 # a closed pool: the reader receives
+            return False
+        served, used, got = blockcopy.serve_next(fd, reader.buf, self._small, ID_OFFSET, pool.live_generations,
+                                                 packed, pool.layout.part_nbytes)
+        del pinned
+        if got < 0:
+            if got == -2:
+                raise BlockingIOError("no frame within the socket's timeout")
+            raise ConnectionLost("peer closed the connection")
+        if served < 0:
+            reader.start, reader.end = 0, got
+            return False
+        reader.start, reader.end = (0, 0) if used == got else (used, got)
+        self.stats.served(served)
         return True
 
     def _index_small(self, rec: Record) -> None:

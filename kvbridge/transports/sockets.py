@@ -67,6 +67,8 @@ class SocketServer(Server):
         self.endpoint = endpoint
         self._source: Optional[BlockSource] = endpoint if hasattr(endpoint, "open_read") else None
         self._serve_small: Optional[Callable[[int, bytes, int], bool]] = getattr(endpoint, "serve_small", None)
+        self._serve_next: Optional[Callable[[int, FrameReader], bool]] = (
+            getattr(endpoint, "serve_next", None) if blockcopy.serve_next is not None else None)
         self._release_many: Optional[Callable[[list[bytes]], list[Optional[KVBridgeError]]]] = \
             getattr(endpoint, "release_many", None)
         self.timeout = timeout
@@ -208,10 +210,13 @@ class SocketServer(Server):
         # Blocking socket with kernel timeouts (one tick): a peer that stalls mid-frame for
         # `transfer` seconds is dropped; an idle one parks after PARK_AFTER.
         idle = 0.0
-        closed, small, fd = self._closed, self._serve_small, conn.fileno()
+        closed, small, step, fd = self._closed, self._serve_small, self._serve_next, conn.fileno()
         try:
             while not closed.is_set():
                 try:
+                    if step is not None and reader.start == reader.end and step(fd, reader):
+                        idle = 0.0             # received and, the usual read, answered in one C call
+                        continue
                     kind, req_id, payload = reader.read_frame(MAX_CONTROL)
                 except BlockingIOError:
                     idle += self._tick

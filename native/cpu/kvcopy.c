@@ -46,6 +46,12 @@
  *       serves or refuses the read, saying why). The GIL is held from the lookup to the
  *       generation check, so no Python thread ends the handle or frees a block between them,
  *       and released for the send.
+ *   serve_next(fd, buf, table, id_offset, gens, planes, part) -> (served, used, received)
+ *       the sender's frame loop, one step: one receive into the frame reader's empty buffer,
+ *       and a whole READ at its front that serve_small would answer, answered in the same call
+ *       (served: bytes sent, or -1 with nothing sent; used: that frame's bytes; received: bytes
+ *       now in `buf`, -2 on the socket's timeout, -3 when the peer closed).
+ *
  *   shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin,
  *            between) -> (code, digests | None)
  *       shm:// one-sided reads in one call (kvbridge/transports/shmtable.py): the handle's
@@ -597,64 +603,57 @@ static int same_gens(PyObject *gens, const int64_t *ids, Py_ssize_t n, PyObject 
     return 1;
 }
 
-static PyObject *serve_small(PyObject *self, PyObject *args) {
-    (void)self;
-    int fd;
-    Py_buffer req;
-    unsigned long rid;
-    PyObject *table, *gens, *pobj;
-    Py_ssize_t id_off;
-    long long part;
-    if (!PyArg_ParseTuple(args, "iy*kO!nO!OL", &fd, &req, &rid, &PyDict_Type, &table, &id_off, &PyList_Type, &gens,
-                          &pobj, &part))
-        return NULL;
-    PyObject *res = NULL, *entry = NULL;
+/* The sender's answer to one READ request `p` (`len` bytes of payload) with request id `rid`,
+ * as serve_small describes it: the block bytes sent, -1 where nothing was sent (the long way
+ * serves or refuses the read), -2 with an exception set. Holds the GIL throughout except for
+ * the send. */
+static long serve_core(int fd, const unsigned char *p, Py_ssize_t len, unsigned long rid, PyObject *table,
+                       Py_ssize_t id_off, PyObject *gens, PyObject *pobj, long long part) {
+    PyObject *entry = NULL;
     planes_t pl = {NULL, 0};
     int64_t *ids = NULL;
     unsigned char *buf = NULL;
     Py_ssize_t n = 0;
     long served = -1;
-    const unsigned char *p = req.buf;
     /* a whole read without a claim: u32 length | the handle's bytes | flags 0 */
-    if (req.len < 5 || p[req.len - 1] != 0 || be32(p) != (uint64_t)(req.len - 5) || id_off < 0
-            || req.len - 5 < id_off + 16)
-        goto answer;
-    Py_ssize_t hn = req.len - 5;
+    if (len < 5 || p[len - 1] != 0 || be32(p) != (uint64_t)(len - 5) || id_off < 0 || len - 5 < id_off + 16)
+        goto done;
+    Py_ssize_t hn = len - 5;
     PyObject *key = PyBytes_FromStringAndSize((const char *)p + 4 + id_off, 16);
     if (key == NULL)
-        goto done;
+        goto fail;
     entry = PyDict_GetItemWithError(table, key);
     Py_DECREF(key);
     if (entry == NULL) {
         if (PyErr_Occurred())
-            goto done;
-        goto answer;
+            goto fail;
+        goto done;
     }
     Py_INCREF(entry);
     if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 || !PyBytes_Check(PyTuple_GET_ITEM(entry, 0)))
-        goto answer;
+        goto done;
     PyObject *raw = PyTuple_GET_ITEM(entry, 0);
     if (PyBytes_GET_SIZE(raw) != hn)
-        goto answer;
+        goto done;
     const unsigned char *issued = (const unsigned char *)PyBytes_AS_STRING(raw);
     unsigned char diff = 0;            /* constant time: a forger learns nothing from how long it took */
     for (Py_ssize_t i = 0; i < hn; i++)
         diff |= (unsigned char)(issued[i] ^ p[4 + i]);
     if (diff)
-        goto answer;
-    if (get_planes(pobj, &pl) < 0)
         goto done;
+    if (get_planes(pobj, &pl) < 0)
+        goto fail;
     ids = get_ids(PyTuple_GET_ITEM(entry, 1), &pl, part, &n);
     if (ids == NULL)
-        goto done;
+        goto fail;
     double nbytes = (double)part * (double)n * (double)pl.n;
     if (nbytes > READ_SMALL_MAX)
-        goto answer;
+        goto done;
     Py_ssize_t total = HEAD_LEN + FENCE_LEN + (Py_ssize_t)nbytes + TRAILER_LEN;
     buf = PyMem_Malloc((size_t)total);
     if (buf == NULL) {
         PyErr_NoMemory();
-        goto done;
+        goto fail;
     }
     buf[0] = 'K';
     buf[1] = 'B';
@@ -674,20 +673,105 @@ static PyObject *serve_small(PyObject *self, PyObject *args) {
     /* validate after the copy: still the handle's blocks (the GIL was held since the lookup) */
     int same = same_gens(gens, ids, n, PyTuple_GET_ITEM(entry, 2));
     if (same < 0)
-        goto done;
+        goto fail;
     if (!same)
-        goto answer;
-    if (io_loop(fd, (char *)buf, total, total, 1) < 0)
         goto done;
+    if (io_loop(fd, (char *)buf, total, total, 1) < 0)
+        goto fail;
     served = (long)nbytes;
-answer:
-    res = PyLong_FromLong(served);
+    goto done;
+fail:
+    served = -2;
 done:
     Py_XDECREF(entry);
-    PyBuffer_Release(&req);
     PyMem_Free(buf);
     PyMem_Free(ids);
     PyMem_Free(pl.p);
+    return served;
+}
+
+static PyObject *serve_small(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    Py_buffer req;
+    unsigned long rid;
+    PyObject *table, *gens, *pobj;
+    Py_ssize_t id_off;
+    long long part;
+    if (!PyArg_ParseTuple(args, "iy*kO!nO!OL", &fd, &req, &rid, &PyDict_Type, &table, &id_off, &PyList_Type, &gens,
+                          &pobj, &part))
+        return NULL;
+    long served = serve_core(fd, req.buf, req.len, rid, table, id_off, gens, pobj, part);
+    PyBuffer_Release(&req);
+    return served == -2 ? NULL : PyLong_FromLong(served);
+}
+
+#define KIND_READ 1
+
+/* serve_next(fd, buf, table, id_offset, gens, planes, part) -> (served, used, received)
+ * One receive on the sender's socket `fd` into `buf` (a bytearray, the frame reader's empty
+ * buffer: nothing is allocated), the GIL released while it waits; when the bytes begin with a
+ * whole READ frame that serve_small answers, it is answered in the same call. served: the block
+ * bytes sent, or -1 (nothing sent: the frame reader takes the `received` bytes from the start of
+ * `buf`); used: the bytes of the frame answered (the rest is the reader's); received: -2 when the
+ * socket's timeout passed with nothing (EAGAIN), -3 when the peer closed it. */
+static PyObject *serve_next(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    Py_buffer b;
+    PyObject *table, *gens, *pobj;
+    Py_ssize_t id_off;
+    long long part;
+    if (!PyArg_ParseTuple(args, "iw*O!nO!OL", &fd, &b, &PyDict_Type, &table, &id_off, &PyList_Type, &gens, &pobj,
+                          &part))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t got;
+    int err = 0;
+    for (;;) {
+        Py_BEGIN_ALLOW_THREADS
+        got = recv(fd, b.buf, (size_t)b.len, 0);
+        err = errno;
+        Py_END_ALLOW_THREADS
+        if (got >= 0 || err != EINTR)
+            break;
+        if (PyErr_CheckSignals() < 0)
+            goto done;
+    }
+    if (got < 0) {
+        if (err == EAGAIN || err == EWOULDBLOCK) {
+            res = Py_BuildValue("(iin)", -1, 0, (Py_ssize_t)-2);
+        } else {
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+        }
+        goto done;
+    }
+    if (got == 0) {
+        res = Py_BuildValue("(iin)", -1, 0, (Py_ssize_t)-3);
+        goto done;
+    }
+    const unsigned char *h = b.buf;
+    if (got >= HEAD_LEN && h[0] == 'K' && h[1] == 'B' && h[2] == WIRE_VERSION && h[3] == KIND_READ) {
+        uint64_t length = be64(h + 8);
+        if (length <= (uint64_t)(got - HEAD_LEN)) {
+            long served = serve_core(fd, h + HEAD_LEN, (Py_ssize_t)length, (unsigned long)be32(h + 4), table, id_off,
+                                     gens, pobj, part);
+            if (served == -2) {
+                if (!PyErr_ExceptionMatches(PyExc_ValueError))
+                    goto done;             /* the send failed (OSError) or no memory: the caller drops the peer */
+                PyErr_Clear();             /* blocks outside the pool's planes: the long way refuses precisely */
+                served = -1;
+            }
+            if (served >= 0) {
+                res = Py_BuildValue("(lnn)", served, (Py_ssize_t)(HEAD_LEN + length), got);
+                goto done;
+            }
+        }
+    }
+    res = Py_BuildValue("(inn)", -1, (Py_ssize_t)0, got);
+done:
+    PyBuffer_Release(&b);
     return res;
 }
 
@@ -846,6 +930,9 @@ static PyMethodDef methods[] = {
     {"serve_small", serve_small, METH_VARARGS,
      "serve_small(fd, payload, rid, table, id_offset, gens, planes, part) -> int: a whole small read of an "
      "indexed handle answered in one call; -1 where nothing was served"},
+    {"serve_next", serve_next, METH_VARARGS,
+     "serve_next(fd, buf, table, id_offset, gens, planes, part) -> (served, used, received): one receive into buf, "
+     "and a whole small READ at its front answered in the same call"},
     {"shm_read", shm_read, METH_VARARGS,
      "shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin, between) "
      "-> (code, digests): an shm one-sided read checked, copied and checked again in one call"},

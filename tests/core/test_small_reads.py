@@ -79,13 +79,15 @@ def test_a_block_reused_before_the_read_is_refused_the_long_way(monkeypatch: pyt
     and the receiver keeps nothing."""
     src, dst = _pools()
     ids = [2, 3]
-    real, answers = blockcopy.serve_small, []
+    real, answers = blockcopy.serve_next, []
 
-    def serve(*args: Any) -> int:
-        answers.append(real(*args))               # type: ignore[misc]
-        return answers[-1]
+    def serve(fd: int, buf: bytearray, *rest: Any) -> tuple[int, int, int]:
+        out = real(fd, buf, *rest)                # type: ignore[misc]
+        if out[2] >= 16 and buf[3] == Kind.READ:  # what the one-piece path did with a READ
+            answers.append(out[0])
+        return out                                # type: ignore[no-any-return]
 
-    monkeypatch.setattr(blockcopy, "serve_small", serve)
+    monkeypatch.setattr(blockcopy, "serve_next", serve)
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         ok = snd.publish("fine", ids, 8)
         assert rcv.fetch(ok, [3, 4]).ok
@@ -97,6 +99,40 @@ def test_a_block_reused_before_the_read_is_refused_the_long_way(monkeypatch: pyt
         assert _answers(answers, 2)[1:] == [-1], "the one-piece path served a block that moved on"
         assert not res.ok and isinstance(res.error, StaleHandle)
         assert _blocks(dst, [5, 6]) == before      # refused: nothing landed
+
+
+def _take(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "the sender closed the connection"
+        out += chunk
+    return out
+
+
+def test_the_frame_loop_answers_a_read_in_its_receive_and_keeps_what_follows() -> None:
+    """The sender's frame loop receives and answers the usual READ in one C call
+    (``KVSender.serve_next``): frames that came in the same receive behind it are served next,
+    in order; a READ that arrives in pieces, or junk, goes to the frame reader as before."""
+    src, _ = _pools()
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("r", [1, 4], 8)
+        data = pack(Kind.DATA, 7, FENCE.pack(0, 0) + _blocks(src, [1, 4]) + TRAILER.pack(0, 0, 0))
+        host, port = tcp.parse_tcp_url(snd.url)
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(pack(Kind.READ, 7, _whole(h)) + pack(Kind.PING, 8, b"hi") + pack(Kind.READ, 9, _whole(h)))
+            assert _take(s, len(data)) == data
+            assert _take(s, 18) == pack(Kind.PONG, 8, b"hi")
+            assert _take(s, len(data))[4:8] == (9).to_bytes(4, "big")       # the second read, in order
+            frame = pack(Kind.READ, 10, _whole(h))
+            s.sendall(frame[:10])                                          # a header in two pieces
+            time.sleep(0.05)
+            s.sendall(frame[10:])
+            assert _take(s, len(data)) == pack(Kind.DATA, 10, data[16:])
+            s.sendall(b"KB\x04\x7f" + bytes(12))                          # a kind nobody knows
+            s.settimeout(5)
+            assert s.recv(1 << 16)[3] == Kind.ERROR                        # refused as before: framing lost
+        assert snd.stats.reads == 3 and snd.stats.bytes_served == 3 * 2 * L.block_nbytes
 
 
 def test_only_whole_plain_reads_of_live_indexed_handles_are_served_in_one_piece() -> None:
