@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -47,6 +48,29 @@ def _reference(model: CausalLM, cases: list[tuple[list[int], SamplingParams]]) -
     return [eng.generate(p, sp, chunk_size=CHUNK, eos_id=model.config.eos_id) for p, sp in cases]
 
 
+def _tie_flips(model: CausalLM, cases: list[tuple[list[int], SamplingParams]], got: list[list[int]],
+               want: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Of the cases whose tokens differ from the reference: those that differ first at a greedy
+    step whose two candidates tie in the reference logits to 1e-4 of the logits' scale (a
+    decode step may differ in the last bits with the batch it runs in, see
+    kvbridge.workers.engine: on such a tie greedy decoding can flip), and all the others."""
+    eng = Engine(model, KVPool.allocate(model.kv_layout(16), 64))
+    ties, other = [], []
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g == w:
+            continue
+        j = next((k for k, (a, b) in enumerate(zip(g, w)) if a != b), None)
+        prompt, sp = cases[i]
+        if j is None or sp.temperature > 0 or j == 0:
+            other.append(i)
+            continue
+        seq = prompt + w[:j]
+        logits = eng.prefill(seq, list(range(eng.blocks_needed(len(seq)))), chunk_size=CHUNK)
+        gap = abs(float(logits[g[j]]) - float(logits[w[j]]))
+        (ties if gap <= 1e-4 * max(1.0, float(logits.abs().max())) else other).append(i)
+    return ties, other
+
+
 def _disagg(pw: PrefillWorker, dw: DecodeWorker, prompt: list[int], sp: SamplingParams) -> list[int]:
     r = pw.prefill(prompt, sp)
     if r["handle"] is None:
@@ -65,16 +89,17 @@ def cfg() -> WorkerConfig:
 @pytest.mark.parametrize("transport", ["tcp", "shm", "inproc"])
 def test_disaggregated_equals_colocated(transport: str, tiny_model: CausalLM, lease_url: str,
                                         cfg: WorkerConfig) -> None:
-    cases = _cases(N_PER_TRANSPORT, seed=hash(transport) % 1000)
+    cases = _cases(N_PER_TRANSPORT, seed=zlib.crc32(transport.encode()) % 1000)   # the same cases every run
     want = _reference(tiny_model, cases)
     pw = PrefillWorker(cfg, transport, leases=lease_url, model=tiny_model)
     dw = DecodeWorker(cfg, leases=lease_url, model=tiny_model)
     try:
         with ThreadPoolExecutor(8) as ex:
             got = list(ex.map(lambda c: _disagg(pw, dw, *c), cases))
-        bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+        ties, bad = _tie_flips(tiny_model, cases, got, want)
         assert not bad, (f"{len(bad)}/{len(cases)} differ over {transport}, "
                          f"first {bad[0]}: {got[bad[0]]} != {want[bad[0]]}")
+        assert len(ties) <= 2, f"{len(ties)} greedy near-ties flipped over {transport}: {ties}"
         deadline = time.monotonic() + 5
         while (pw.sender.num_live or pw.pool.num_free != pw.pool.num_blocks) and time.monotonic() < deadline:
             time.sleep(0.01)
