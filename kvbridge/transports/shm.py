@@ -466,10 +466,11 @@ class ShmTransport(Transport):
         if dst.cancel is not None and dst.cancel.is_set():
             raise TransferCancelled("transfer cancelled")
         assert dst.block_ids is not None
-        got = self._shm_read(url, m, handle, dst.pool, dst.block_ids, dst.want_digests or dst.verifier is not None)
+        want = dst.want_digests or dst.verifier is not None
+        got = self._shm_read(url, m, handle, dst.pool, dst.block_ids, want)
         if got is None:
             return None
-        dst.digests = got
+        dst.digests = got if want else None
         return dst.nbytes
 
     def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, pool: KVPool, block_ids: Sequence[int],
@@ -550,7 +551,7 @@ class ShmTransport(Transport):
         if _shm_read is not None and m.layout.compat_hash == pool.layout.compat_hash \
                 and len(block_ids) == len(handle.block_ids):
             sums = self._shm_read(url, m, handle, pool, block_ids, want_digests)
-            return None if sums is None else (len(block_ids) * pool.layout.block_nbytes, sums or None)
+            return None if sums is None else (len(block_ids) * pool.layout.block_nbytes, sums if want_digests else None)
         dst = Spans(pool, None, block_ids)
         dst.want_digests = want_digests
         n = self._read_one_sided(url, m, handle, dst, None)
