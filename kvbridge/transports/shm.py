@@ -12,9 +12,11 @@ One-sided reads (whole raw handles, host destinations, x86-64): the first read f
 sender sends OPEN, which is authorized like a MAP and answers where the sender's pool, its
 block generations and its live-handle table are; the receiver maps them read-only and
 from then on reads with no message at all -- check, copy, re-check, seqlock-style (see
-:mod:`.shmtable` for the safety argument). Whole blocks of a sender of this pool's geometry
-are copied by one C pass (:func:`kvbridge.blockcopy.copy_blocks`) that hashes each block as
-it lands; whether the sender still lives is asked at most once per ``LIVENESS_EVERY`` (a
+:mod:`.shmtable` for the safety argument). A whole handle into whole blocks of this pool's
+geometry is checked, copied (each block hashed as it lands, in the same pass as the copy where
+the CPU has AVX2) and checked again in one C call (``kvbridge.blockcopy.shm_read``); some
+blocks of one take the same steps in Python around :func:`kvbridge.blockcopy.copy_blocks`.
+Whether the sender still lives is asked at most once per ``LIVENESS_EVERY`` (a
 read just after it died still passed the checks above, so its bytes are the handle's).
 Leased handles are claimed by the receiver in the lease store. The re-check after the copy
 (DONE, on the MAP path) is the validate-after-read

@@ -10,7 +10,8 @@ Push: the writer sends a WRITE frame (reservation, layers, checksums) followed b
 bytes, which the receiver's server takes straight into the reserved blocks. No
 intermediate buffers, no per-block ``bytes`` -- except for reads of up to ``SMALL_READ``
 bytes of host pools, which the sender copies out into one buffer, validates and sends in one
-call (a whole unleased read: one C call, ``KVSender.serve_small``; any other: a C gather,
+call (a whole unleased read: one C call, ``KVSender.serve_next`` -- which also receives it --
+or ``KVSender.serve_small``; any other: a C gather,
 :func:`kvbridge.blockcopy.gather_blocks`), and the receiver takes in one receive into a
 private buffer before copying it into place, hashing each block as it lands (one C call,
 :func:`_read_small_native`; its Python twin :func:`_read_small`). Connections are pooled;
