@@ -468,19 +468,17 @@ class ShmTransport(Transport):
         if dst.cancel is not None and dst.cancel.is_set():
             raise TransferCancelled("transfer cancelled")
         assert dst.block_ids is not None
-        want = dst.want_digests or dst.verifier is not None
-        got = self._shm_read(url, m, handle, dst.pool, dst.block_ids, want)
-        if got is None:
-            return None
-        dst.digests = got if want else None
-        return dst.nbytes
+        read, dst.digests = self._shm_read(url, m, handle, dst.pool, dst.block_ids,
+                                           dst.want_digests or dst.verifier is not None)
+        return dst.nbytes if read else None
 
     def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, pool: KVPool, block_ids: Sequence[int],
-                  want: bool) -> Optional[list[int]]:
+                  want: bool) -> tuple[bool, Optional[list[int]]]:
         """``blockcopy.shm_read``: the handle live in the table and its generations as issued,
         the copy into ``block_ids`` (hashed as it lands when ``want``), both again -- one C call.
-        The digests ([] unhashed), None where it cannot vouch for the read (nothing written, or
-        the sender is gone: MAP/DONE then answers), StaleHandle where the blocks changed meanwhile."""
+        (True, the digests or None unhashed) once read; (False, None) where it cannot vouch for
+        the read (nothing written, or the sender is gone: MAP/DONE then answers); StaleHandle
+        where the blocks changed meanwhile."""
         after = self.after_copy
         bufs = pool.buffers               # held across the C call, as the mapping (its view, pinned there)
         assert _shm_read is not None
@@ -495,11 +493,11 @@ class ShmTransport(Transport):
                 raise ProtocolError("the sender's mapping was closed by this reader") from None
             raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
         del bufs
-        if code == 1:
-            return None
         if code == 2:
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
-        return (sums or []) if self._alive(url, m) else None
+        if code == 1 or not self._alive(url, m):
+            return False, None
+        return True, sums
 
     def _alive(self, url: str, m: SenderMap) -> bool:
         """Is the sender still there? Asked at most once per LIVENESS_EVERY: a poll releases the
@@ -552,8 +550,8 @@ class ShmTransport(Transport):
             return None
         if _shm_read is not None and m.layout.compat_hash == pool.layout.compat_hash \
                 and len(block_ids) == len(handle.block_ids):
-            sums = self._shm_read(url, m, handle, pool, block_ids, want_digests)
-            return None if sums is None else (len(block_ids) * pool.layout.block_nbytes, sums if want_digests else None)
+            read, sums = self._shm_read(url, m, handle, pool, block_ids, want_digests)
+            return (len(block_ids) * pool.layout.block_nbytes, sums) if read else None
         dst = Spans(pool, None, block_ids)
         dst.want_digests = want_digests
         n = self._read_one_sided(url, m, handle, dst, None)
