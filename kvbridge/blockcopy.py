@@ -17,7 +17,9 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
   checked and landed in one call; ``serve_small`` (extension only): the sender's side, a whole
   small read of an indexed handle checked, copied out, validated and answered in one call;
   ``shm_read`` (extension only): an shm:// one-sided read -- table and generations checked,
-  blocks copied (and hashed), both checked again -- in one call (see ``native/cpu/kvcopy.c``).
+  blocks copied (and hashed), both checked again -- in one call; ``recv_blocks`` (extension
+  only): a tcp:// reply's block bytes received straight into whole blocks, each block hashed as
+  its pieces land, in one call (see ``native/cpu/kvcopy.c``).
 
 The extension is built by ``pip install`` (it needs a C compiler and Python's headers). Without
 it -- or with ``KVBRIDGE_NO_NATIVE=1`` in the environment -- the Python twin runs; the tests run
@@ -204,3 +206,6 @@ serve_small = _native.serve_small if NATIVE else None
 serve_next = _native.serve_next if NATIVE else None
 # shm:// one-sided reads in one call; without the extension shm.py takes the same steps in Python
 shm_read = _native.shm_read if NATIVE else None
+# tcp:// large reads received straight into whole blocks (hashed as they land) in one call;
+# without the extension tcp.py's receive loop runs (recv_iter and the stream verifier)
+recv_blocks = _native.recv_blocks if NATIVE else None

@@ -167,13 +167,17 @@ class KVReceiver:
         return handle
 
     def _check_dst(self, dst_block_ids: Sequence[int], want: int) -> list[int]:
-        dst = [int(b) for b in dst_block_ids]
-        if len(dst) != want:
-            raise PoolError(f"{want} blocks to move but {len(dst)} destination block ids")
-        if want > 1 and len(set(dst)) != want:
-            raise PoolError("duplicate destination block ids")
-        if want and (min(dst) < 0 or max(dst) >= self.pool.num_blocks):
-            self.pool._check_ids(dst)          # says which
+        dst = list(map(int, dst_block_ids))
+        n = len(dst)
+        if n != want:
+            raise PoolError(f"{want} blocks to move but {n} destination block ids")
+        if n > 1:
+            if len(set(dst)) != n:
+                raise PoolError("duplicate destination block ids")
+            if min(dst) < 0 or max(dst) >= self.pool.num_blocks:
+                self.pool._check_ids(dst)          # says which
+        elif n and not 0 <= dst[0] < self.pool.num_blocks:
+            self.pool._check_ids(dst)
         return dst
 
     def _prepare(self, handle: HandleLike, dst_block_ids: Sequence[int], indices: Optional[Sequence[int]],
@@ -548,7 +552,8 @@ class KVReceiver:
         """The pipeline for the usual fetch -- a whole unleased raw handle whose transport moves
         (and hashes) its host blocks in one piece (:meth:`Transport.read_small`) --
         without its job, spans and stages; any other outcome than verified bytes on unchanged
-        blocks goes on in :meth:`_pull` from where it stands. None: not such a fetch."""
+        blocks goes on in :meth:`_pull` from where it stands. None: not such a fetch.
+        (The hot path of every small fetch: written flat, one call per step.)"""
         pool = self.pool
         if (h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
                 or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released):
@@ -558,7 +563,7 @@ class KVReceiver:
         want = self.verify and bool(h.checksums)
         gens = pool.generations(dst)
         t0 = time.perf_counter()
-        tr = self.transport(url)
+        tr = self._by_url.get(url) or self.transport(url)
         try:
             got = tr.read_small(url, h, pool, dst, want)
         except KVBridgeError as exc:
@@ -567,17 +572,20 @@ class KVReceiver:
             return None
         if (want and tuple(got[1] or ()) != h.checksums) or not pool.same_generations(dst, gens):
             return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
-        res = FetchResult(h, dst, True, got[0], 0.0, 1)
         if release:
             try:
                 tr.release(url, h, False)              # without a reply: it rides on a later request
             except KVBridgeError:
                 self.release(h, wait=False)            # the other URLs, and the log line
             else:
-                self._forget(h)
-        res.seconds = time.perf_counter() - t0
-        self.stats.fetched(True, res.nbytes, res.seconds)
-        return res
+                with self._lock:                       # :meth:`_forget`, inline
+                    released = self._released
+                    released[h.handle_id] = None
+                    if len(released) > RELEASED_KEPT:
+                        released.popitem(last=False)
+        seconds = time.perf_counter() - t0
+        self.stats.fetched(True, got[0], seconds)
+        return FetchResult(h, dst, True, got[0], seconds, 1)
 
     def _job(self, h: KVHandle, dst: list[int], release: bool, gens: list[int], t0: float) -> _Job:
         j = _Job(h, dst, None, release, FetchResult(h, dst), None, gens)

@@ -87,6 +87,11 @@ class Spans:
         return self._segments
 
     @property
+    def whole_blocks(self) -> bool:
+        """Every layer of :attr:`block_ids`, in canonical order (what ``planes`` and the ids describe)."""
+        return self.block_ids is not None and self._layers is None
+
+    @property
     def watched(self) -> bool:
         return self.verifier is not None or self.cancel is not None
 

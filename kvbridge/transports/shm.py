@@ -235,6 +235,7 @@ class ShmTransport(Transport):
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
         self._clients: dict[str, SocketClient] = {}
+        self._by_url: dict[str, SocketClient] = {}          # the same clients by URL: no parse per release
         self._maps: OrderedDict[tuple[str, bool], SharedSegment] = OrderedDict()
         self._senders: dict[str, Optional[SenderMap]] = {}   # url -> mapped sender (None: MAP/DONE only)
         self._lock = threading.Lock()
@@ -267,11 +268,15 @@ class ShmTransport(Transport):
         return srv
 
     def _client(self, url: str) -> SocketClient:
+        c = self._by_url.get(url)
+        if c is not None:
+            return c
         path = _path_of(url, self.scheme)
         with self._lock:
             c = self._clients.get(path)
             if c is None:
                 c = self._clients[path] = SocketClient(connector(socket.AF_UNIX, path, url), self.timeout)
+            self._by_url[url] = c
         return c
 
     def _segment(self, name: str, writable: bool) -> SharedSegment:
@@ -478,7 +483,7 @@ class ShmTransport(Transport):
         the copy into ``block_ids`` (hashed as it lands when ``want``), both again -- one C call.
         (True, the digests or None unhashed) once read; (False, None) where it cannot vouch for
         the read (nothing written, or the sender is gone: MAP/DONE then answers); StaleHandle
-        where the blocks changed meanwhile."""
+        where the blocks changed meanwhile. (Every small shm fetch runs it: written flat.)"""
         after = self.after_copy
         bufs = pool.buffers               # held across the C call, as the mapping (its view, pinned there)
         assert _shm_read is not None
@@ -495,7 +500,7 @@ class ShmTransport(Transport):
         del bufs
         if code == 2:
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
-        if code == 1 or not self._alive(url, m):
+        if code == 1 or (time.monotonic() - m.polled >= LIVENESS_EVERY and not self._alive(url, m)):
             return False, None
         return True, sums
 
@@ -504,7 +509,7 @@ class ShmTransport(Transport):
         GIL, and bytes copied from a sender that died an instant ago were still checked valid.
         False: the sender closed or died; forgotten, so MAP/DONE says which."""
         alive = True
-        now = time.monotonic()
+        now = time.monotonic()        # (callers on the hot path look at m.polled first)
         if now - m.polled < LIVENESS_EVERY:
             return True
         m.polled = now
@@ -602,6 +607,7 @@ class ShmTransport(Transport):
             clients, maps = list(self._clients.values()), list(self._maps.values())
             senders = [m for m in self._senders.values() if m is not None]
             self._clients.clear()
+            self._by_url.clear()
             self._maps.clear()
             self._senders.clear()
         for c in clients:

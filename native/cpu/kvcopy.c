@@ -52,6 +52,12 @@
  *       (served: bytes sent, or -1 with nothing sent; used: that frame's bytes; received: bytes
  *       now in `buf`, -2 on the socket's timeout, -3 when the peer closed).
  *
+ *   recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
+ *       tcp:// reads too large for read_small: a DATA reply's block bytes (wire order) received
+ *       straight into the blocks, recvmsg over a window of up to 1,024 parts / 4 MiB, each
+ *       block's xxh3-64 fed with every piece right after it landed (with `hash`); the GIL
+ *       released for each receive, `cancel.is_set()` asked between them. Code 0: all landed;
+ *       1: the peer closed first; 2: cancelled (with the bytes received so far).
  *   shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin,
  *            between) -> (code, digests | None)
  *       shm:// one-sided reads in one call (kvbridge/transports/shmtable.py): the handle's
@@ -71,6 +77,7 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #define XXH_STATIC_LINKING_ONLY
 #if defined(KVB_X86_DISPATCH)
@@ -775,6 +782,160 @@ done:
     return res;
 }
 
+/* ------------------------------------------------------------------ tcp:// large reads */
+
+#define RECV_IOV 1024               /* iovecs per recvmsg (IOV_MAX) ... */
+#define RECV_WINDOW (4 << 20)       /* ... and about this many bytes */
+
+/* recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
+ * The block bytes of a DATA reply -- wire order: plane by plane, the blocks in the order of
+ * `dst_ids` -- received from socket `fd` straight into the blocks, recvmsg over a window of
+ * parts at a time; with `hash`, each block's xxh3-64 fed with every piece right after it
+ * landed (still in cache), so the digests are those of the bytes as they landed. The GIL is
+ * released for each receive and its hashing; `cancel` (None, or anything with is_set()) is
+ * asked between receives. Codes: 0 all received (the digests, or None); 1 the peer closed
+ * the connection after `received` bytes; 2 cancelled after `received` bytes. The socket's own
+ * timeouts apply (SO_RCVTIMEO): a timeout or a socket error is an OSError. */
+static PyObject *recv_blocks(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd, hash;
+    PyObject *dpobj, *didobj, *cancel;
+    long long part;
+    if (!PyArg_ParseTuple(args, "iOOLpO", &fd, &dpobj, &didobj, &part, &hash, &cancel))
+        return NULL;
+    planes_t dp = {NULL, 0};
+    int64_t *ids = NULL;
+    XXH3_state_t **st = NULL;
+    struct iovec *iov = NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = 0;
+    if (get_planes(dpobj, &dp) < 0)
+        return NULL;
+    if ((ids = get_ids(didobj, &dp, part, &n)) == NULL)
+        goto done;
+    if (part <= 0 && n * dp.n > 0) {
+        PyErr_SetString(PyExc_ValueError, "recv_blocks: part must be positive");
+        goto done;
+    }
+    iov = PyMem_Malloc(RECV_IOV * sizeof(struct iovec));
+    if (iov == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (hash) {
+        st = PyMem_Calloc((size_t)(n ? n : 1), sizeof(XXH3_state_t *));
+        if (st == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if ((st[k] = XXH3_createState()) == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
+            XXH3_64bits_reset(st[k]);
+        }
+    }
+    Py_ssize_t nparts = n * dp.n;           /* stream part i: plane i / n, block ids[i % n] */
+    Py_ssize_t i = 0;                       /* first part not wholly received */
+    int64_t off = 0;                        /* bytes of part i received */
+    long long received = 0;
+    int code = 0;
+    while (i < nparts) {
+        int cnt = 0;
+        int64_t have = 0;
+        for (Py_ssize_t q = i; q < nparts && cnt < RECV_IOV && have < RECV_WINDOW; q++, cnt++) {
+            const plane_t *p = &dp.p[q / n];
+            int64_t o = q == i ? off : 0;
+            iov[cnt].iov_base = (char *)(uintptr_t)(p->base + ids[q % n] * p->stride) + o;
+            iov[cnt].iov_len = (size_t)(part - o);
+            have += part - o;
+        }
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)cnt;
+        ssize_t k;
+        int err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        k = recvmsg(fd, &msg, 0);
+        err = errno;
+        if (k > 0) {                        /* advance over what landed, hashing each piece of it */
+            int64_t left = k;
+            while (left > 0) {
+                int64_t c = part - off < left ? part - off : left;
+                if (st != NULL) {
+                    const plane_t *p = &dp.p[i / n];
+                    XXH3_64bits_update(st[i % n], (const char *)(uintptr_t)(p->base + ids[i % n] * p->stride) + off,
+                                       (size_t)c);
+                }
+                off += c;
+                left -= c;
+                if (off == part) {
+                    i++;
+                    off = 0;
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (k < 0) {
+            if (err == EINTR) {
+                if (PyErr_CheckSignals() < 0)
+                    goto done;
+                continue;
+            }
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            goto done;
+        }
+        if (k == 0) {
+            code = 1;
+            break;
+        }
+        received += k;
+        if (cancel != Py_None && i < nparts) {
+            PyObject *r = PyObject_CallMethod(cancel, "is_set", NULL);
+            if (r == NULL)
+                goto done;
+            int set = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (set < 0)
+                goto done;
+            if (set) {
+                code = 2;
+                break;
+            }
+        }
+    }
+    if (code == 0 && st != NULL) {
+        XXH64_hash_t *d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
+        if (d == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t b = 0; b < n; b++)
+            d[b] = XXH3_64bits_digest(st[b]);
+        PyObject *digests = digest_list(d, n);
+        PyMem_Free(d);
+        if (digests == NULL)
+            goto done;
+        res = Py_BuildValue("(iLN)", 0, received, digests);
+    } else {
+        res = Py_BuildValue("(iLO)", code, received, Py_None);
+    }
+done:
+    if (st != NULL) {
+        for (Py_ssize_t k = 0; k < n; k++)
+            if (st[k] != NULL)
+                XXH3_freeState(st[k]);
+        PyMem_Free(st);
+    }
+    PyMem_Free(iov);
+    PyMem_Free(ids);
+    PyMem_Free(dp.p);
+    return res;
+}
+
 /* ------------------------------------------------------------------ shm one-sided reads */
 
 #define TABLE_HEAD 64   /* kvbridge/transports/shmtable.py: HEAD_SIZE, SLOT, PROBE */
@@ -933,6 +1094,9 @@ static PyMethodDef methods[] = {
     {"serve_next", serve_next, METH_VARARGS,
      "serve_next(fd, buf, table, id_offset, gens, planes, part) -> (served, used, received): one receive into buf, "
      "and a whole small READ at its front answered in the same call"},
+    {"recv_blocks", recv_blocks, METH_VARARGS,
+     "recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests): a DATA reply's "
+     "block bytes received straight into the blocks, each block hashed as its pieces land"},
     {"shm_read", shm_read, METH_VARARGS,
      "shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin, between) "
      "-> (code, digests): an shm one-sided read checked, copied and checked again in one call"},
