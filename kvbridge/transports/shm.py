@@ -221,6 +221,15 @@ def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]
         raise ProtocolError("MAPPED frame is malformed") from None
 
 
+def _blockwise(m: SenderMap, pool: KVPool, dst_ids: Optional[Sequence[int]], n: int) -> bool:
+    """``n`` of the sender's blocks go whole into as many whole blocks ``dst_ids`` of ``pool``, of
+    the same geometry on both sides: block-by-block copies (one C pass) are then exact. (A
+    sender announcing another layout would have each copy spill into the next destination
+    block: not here; m.part is derived from m.layout, so an equal compat hash means an equal
+    part.)"""
+    return dst_ids is not None and len(dst_ids) == n and m.layout.compat_hash == pool.layout.compat_hash
+
+
 LIVENESS_EVERY = 0.001   # seconds between two checks that a one-sided reader's sender is alive
 
 
@@ -411,9 +420,7 @@ class ShmTransport(Transport):
                         indices: Optional[list[int]]) -> Optional[int]:
         """Check, copy, re-check; None when the fast path cannot vouch for the read (the
         MAP/DONE exchange then answers, with the sender's own refusal if there is one)."""
-        if (_shm_read is not None and indices is None and dst.block_ids is not None
-                and len(dst.block_ids) == len(handle.block_ids)
-                and m.layout.compat_hash == dst.pool.layout.compat_hash):
+        if _shm_read is not None and indices is None and _blockwise(m, dst.pool, dst.block_ids, handle.num_blocks):
             return self._read_native(url, m, handle, dst)
         hit = m.lookup(handle.to_bytes())
         if hit is None:
@@ -430,12 +437,8 @@ class ShmTransport(Transport):
             if any(not 0 <= i < n for i in indices) or len(set(indices)) != len(indices):
                 return None
             sel = [ids[i] for i in indices]
-        if (dst.block_ids is not None and len(dst.block_ids) == len(sel)
-                and m.layout.compat_hash == dst.pool.layout.compat_hash):
-            # whole blocks of the same geometry on both sides (a sender announcing another
-            # layout would have each copy spill into the next destination block: not here;
-            # m.part is derived from m.layout, so an equal compat hash means an equal part)
-            # -- one C pass copies them and, when asked, hashes each as it lands
+        if dst.block_ids is not None and _blockwise(m, dst.pool, dst.block_ids, len(sel)):
+            # one C pass copies them and, when asked, hashes each as it lands
             if dst.cancel is not None and dst.cancel.is_set():
                 raise TransferCancelled("transfer cancelled")
             # Both memories stay mapped across the C call: the destination's buffers are held
@@ -553,8 +556,7 @@ class ShmTransport(Transport):
         m = self._senders.get(url)
         if m is None or not ONE_SIDED or not pool.is_host or handle.layerwise or handle.codec != "raw":
             return None
-        if _shm_read is not None and m.layout.compat_hash == pool.layout.compat_hash \
-                and len(block_ids) == len(handle.block_ids):
+        if _shm_read is not None and _blockwise(m, pool, block_ids, handle.num_blocks):
             read, sums = self._shm_read(url, m, handle, pool, block_ids, want_digests)
             return (len(block_ids) * pool.layout.block_nbytes, sums) if read else None
         dst = Spans(pool, None, block_ids)
