@@ -75,6 +75,7 @@
 #include <Python.h>
 #include <errno.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
@@ -805,7 +806,7 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
         return NULL;
     planes_t dp = {NULL, 0};
     int64_t *ids = NULL;
-    XXH3_state_t **st = NULL;
+    XXH3_state_t *st = NULL;
     struct iovec *iov = NULL;
     PyObject *res = NULL;
     Py_ssize_t n = 0;
@@ -822,18 +823,17 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (hash) {
-        st = PyMem_Calloc((size_t)(n ? n : 1), sizeof(XXH3_state_t *));
+    if (hash) {                             /* one state per block, in one aligned allocation */
+        size_t bytes = (size_t)(n ? n : 1) * sizeof(XXH3_state_t);
+        bytes = (bytes + 63) & ~(size_t)63;
+        st = aligned_alloc(64, bytes);
         if (st == NULL) {
             PyErr_NoMemory();
             goto done;
         }
         for (Py_ssize_t k = 0; k < n; k++) {
-            if ((st[k] = XXH3_createState()) == NULL) {
-                PyErr_NoMemory();
-                goto done;
-            }
-            XXH3_64bits_reset(st[k]);
+            XXH3_INITSTATE(&st[k]);
+            XXH3_64bits_reset(&st[k]);
         }
     }
     Py_ssize_t nparts = n * dp.n;           /* stream part i: plane i / n, block ids[i % n] */
@@ -866,7 +866,7 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
                 int64_t c = part - off < left ? part - off : left;
                 if (st != NULL) {
                     const plane_t *p = &dp.p[i / n];
-                    XXH3_64bits_update(st[i % n], (const char *)(uintptr_t)(p->base + ids[i % n] * p->stride) + off,
+                    XXH3_64bits_update(&st[i % n], (const char *)(uintptr_t)(p->base + ids[i % n] * p->stride) + off,
                                        (size_t)c);
                 }
                 off += c;
@@ -914,7 +914,7 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
             goto done;
         }
         for (Py_ssize_t b = 0; b < n; b++)
-            d[b] = XXH3_64bits_digest(st[b]);
+            d[b] = XXH3_64bits_digest(&st[b]);
         PyObject *digests = digest_list(d, n);
         PyMem_Free(d);
         if (digests == NULL)
@@ -924,12 +924,7 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
         res = Py_BuildValue("(iLO)", code, received, Py_None);
     }
 done:
-    if (st != NULL) {
-        for (Py_ssize_t k = 0; k < n; k++)
-            if (st[k] != NULL)
-                XXH3_freeState(st[k]);
-        PyMem_Free(st);
-    }
+    free(st);
     PyMem_Free(iov);
     PyMem_Free(ids);
     PyMem_Free(dp.p);
