@@ -14,27 +14,13 @@ import pytest
 import torch
 import xxhash
 
-from kvbridge import KVLayout, KVPool, blockcopy
+from kvbridge import KVPool, blockcopy
 from kvbridge.blockcopy import planes, py_copy_blocks, py_gather_blocks, py_hash_blocks, py_scatter_blocks
 from kvbridge.integrity import block_checksums, layer_checksums
 
+from ._pools import LAYOUTS, filled
+
 pytestmark = pytest.mark.timeout(60)
-
-LAYOUTS = {
-    "kv_first": KVLayout(3, 2, 16, 4, "float16", "kv_first", "NHD", 0, 1),
-    "block_first": KVLayout(2, 1, 32, 8, "bfloat16", "block_first", "HND", 0, 1),
-    "split": KVLayout(2, 2, 8, 16, "float32", "split", "NHD", 0, 1),
-    "latent": KVLayout.mla(3, 64, block_size=4, dtype="float16"),
-}
-
-
-def _filled(layout: KVLayout, n: int, seed: int) -> KVPool:
-    pool = KVPool.allocate(layout, n, allocator="engine")
-    g = torch.Generator().manual_seed(seed)
-    for b in pool.buffers:
-        flat = b.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=g))
-    return pool
 
 
 def _by_hand(pool: KVPool, ids: list[int], layers: range) -> list[int]:
@@ -59,7 +45,7 @@ def test_the_extension_is_built():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_checksums_match_the_definition_in_c_and_python(name):
-    pool = _filled(LAYOUTS[name], 9, 1)
+    pool = filled(LAYOUTS[name], 9, 1)
     L = pool.layout
     ids = [7, 0, 3, 8]
     want = _by_hand(pool, ids, range(L.num_layers))
@@ -81,7 +67,7 @@ def test_copy_blocks_moves_the_bytes_and_hashes_what_landed(name, impl):
         pytest.skip("the extension is not built")
     copy = blockcopy.copy_blocks if impl == "native" else py_copy_blocks
     layout = LAYOUTS[name]
-    src, dst = _filled(layout, 11, 2), _filled(layout, 6, 3)      # different sizes: different strides
+    src, dst = filled(layout, 11, 2), filled(layout, 6, 3)      # different sizes: different strides
     rnd = random.Random(4)
     sid, did = rnd.sample(range(11), 5), rnd.sample(range(6), 5)
     digests = copy(planes(dst), did, planes(src), sid, layout.part_nbytes, True)
@@ -179,7 +165,7 @@ def test_gather_and_scatter_are_the_wire_order_of_the_segments(name, impl):
     scatter = blockcopy.scatter_blocks if impl == "native" else py_scatter_blocks
     from kvbridge.transports.base import Spans
     layout = LAYOUTS[name]
-    src, dst = _filled(layout, 11, 7), _filled(layout, 6, 8)
+    src, dst = filled(layout, 11, 7), filled(layout, 6, 8)
     sid, did = [9, 2, 3, 0], [5, 1, 0, 4]
     p = layout.part_nbytes
     wire = bytes(b"".join(bytes(v) for v in Spans.of_blocks(src, sid).views()))
@@ -210,7 +196,7 @@ def test_addresses_outside_a_plane_are_refused_before_any_copy(impl):
     copy = blockcopy.copy_blocks if impl == "native" else py_copy_blocks
     hsh = blockcopy.hash_blocks if impl == "native" else py_hash_blocks
     layout = LAYOUTS["kv_first"]
-    src, dst = _filled(layout, 4, 5), _filled(layout, 4, 6)
+    src, dst = filled(layout, 4, 5), filled(layout, 4, 6)
     before = block_checksums(dst, range(4))
     p = layout.part_nbytes
     n = layout.num_layers * layout.num_parts
@@ -255,7 +241,7 @@ def test_a_closed_pool_is_refused_never_touched():
     refused, not read or written (its memory may be gone)."""
     from kvbridge import KVReceiver, KVSender, PoolError
     layout = LAYOUTS["kv_first"]
-    pool = _filled(layout, 4, 7)
+    pool = filled(layout, 4, 7)
     block_checksums(pool, [0, 1])                     # planes cached
     pool.close()
     with pytest.raises(PoolError):
@@ -275,11 +261,11 @@ def test_a_sender_announcing_another_geometry_never_spills_into_other_blocks():
     written, and no other block changes."""
     from kvbridge import KVReceiver, KVSender, ProtocolError
     layout = LAYOUTS["kv_first"]
-    src = _filled(layout, 4, 8)
+    src = filled(layout, 4, 8)
     shared = KVPool.allocate(layout, 4, shared=True, allocator="engine")
     for a, b in zip(shared.buffers, src.buffers):
         a.copy_(b)
-    dst = _filled(layout, 4, 9)
+    dst = filled(layout, 4, 9)
     neighbours = block_checksums(dst, [0, 2, 3])
     with KVSender(shared, "shm://", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("a", [0], 4)

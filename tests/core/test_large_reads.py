@@ -21,23 +21,10 @@ from kvbridge.errors import IntegrityError
 from kvbridge.integrity import block_checksums
 from kvbridge.transports.base import Spans
 
+from ._pools import LAYOUTS, filled
+
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(blockcopy.recv_blocks is None, reason="recv_blocks needs the C extension")]
-
-LAYOUTS = {
-    "kv_first": KVLayout(3, 2, 16, 4, "float16", "kv_first", "NHD", 0, 1),
-    "block_first": KVLayout(2, 1, 32, 8, "bfloat16", "block_first", "HND", 0, 1),
-    "latent": KVLayout.mla(3, 64, block_size=4, dtype="float16"),
-}
-
-
-def _filled(layout: KVLayout, n: int, seed: int) -> KVPool:
-    pool = KVPool.allocate(layout, n, allocator="engine")
-    g = torch.Generator().manual_seed(seed)
-    for b in pool.buffers:
-        flat = b.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=g))
-    return pool
 
 
 def _wire(pool: KVPool, ids: list[int]) -> bytes:
@@ -74,7 +61,7 @@ def _pieces(total: int, rng: random.Random, part: int) -> list[int]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_blocks_land_hashed_however_the_bytes_arrive(name: str, seed: int) -> None:
     layout = LAYOUTS[name]
-    src, dst = _filled(layout, 9, seed), _filled(layout, 7, 100 + seed)
+    src, dst = filled(layout, 9, seed), filled(layout, 7, 100 + seed)
     sid, did = [8, 2, 5, 0], [4, 1, 6, 0]
     wire = _wire(src, sid)
     untouched = block_checksums(dst, [2, 3, 5])
@@ -89,12 +76,12 @@ def test_blocks_land_hashed_however_the_bytes_arrive(name: str, seed: int) -> No
         assert sums == (block_checksums(src, sid) if hash_ else None)
         assert block_checksums(dst, did) == block_checksums(src, sid)
         assert block_checksums(dst, [2, 3, 5]) == untouched               # nothing else written
-        dst = _filled(layout, 7, 100 + seed)                              # start over for the next round
+        dst = filled(layout, 7, 100 + seed)                              # start over for the next round
 
 
 def test_a_peer_that_closes_early_says_how_much_landed() -> None:
     layout = LAYOUTS["kv_first"]
-    src, dst = _filled(layout, 4, 1), _filled(layout, 4, 2)
+    src, dst = filled(layout, 4, 1), filled(layout, 4, 2)
     wire = _wire(src, [0, 1])
     mine, theirs = socket.socketpair()
     with mine, theirs:
@@ -105,7 +92,7 @@ def test_a_peer_that_closes_early_says_how_much_landed() -> None:
 
 def test_a_cancelled_read_stops_between_receives() -> None:
     layout = LAYOUTS["kv_first"]
-    src, dst = _filled(layout, 4, 1), _filled(layout, 4, 2)
+    src, dst = filled(layout, 4, 1), filled(layout, 4, 2)
     wire = _wire(src, [0, 1])
 
     class Flag:
@@ -126,7 +113,7 @@ def test_a_cancelled_read_stops_between_receives() -> None:
 
 def test_a_silent_peer_times_out_on_the_sockets_own_timeout() -> None:
     layout = LAYOUTS["kv_first"]
-    dst = _filled(layout, 4, 2)
+    dst = filled(layout, 4, 2)
     mine, theirs = socket.socketpair()
     with mine, theirs:
         mine.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))
@@ -139,7 +126,7 @@ def test_a_silent_peer_times_out_on_the_sockets_own_timeout() -> None:
 
 def test_blocks_outside_the_pool_are_refused_before_a_byte_is_read() -> None:
     layout = LAYOUTS["kv_first"]
-    dst = _filled(layout, 4, 2)
+    dst = filled(layout, 4, 2)
     before = block_checksums(dst, range(4))
     mine, theirs = socket.socketpair()
     with mine, theirs:
@@ -168,7 +155,7 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def test_a_verified_large_fetch_takes_the_one_call_and_lands_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_calls(monkeypatch)
-    src, dst = _filled(BIG, 12, 3), KVPool.allocate(BIG, 12)
+    src, dst = filled(BIG, 12, 3), KVPool.allocate(BIG, 12)
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as s, KVReceiver(dst, leases=False) as r:
         res = r.fetch(s.publish("r", [3, 7, 1, 10, 5], 80), [0, 2, 4, 6, 8])
         assert res.ok, res.error
@@ -181,7 +168,7 @@ def test_bytes_that_are_not_the_handles_are_refetched_then_refused(monkeypatch: 
     disk on its side): the digests of what landed disagree, the block is fetched again, and the
     fetch fails naming it -- the hash taken in the receive loop is what is compared."""
     calls = _count_calls(monkeypatch)
-    src, dst = _filled(BIG, 12, 3), KVPool.allocate(BIG, 12)
+    src, dst = filled(BIG, 12, 3), KVPool.allocate(BIG, 12)
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as s, KVReceiver(dst, leases=False) as r:
         h = s.publish("r", [3, 7, 1, 10, 5], 80)
         src.buffers[1][0, 7].view(torch.uint8).view(-1)[5] ^= 0xFF       # block 7: layer 1's K
