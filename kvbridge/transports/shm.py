@@ -221,13 +221,13 @@ def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]
         raise ProtocolError("MAPPED frame is malformed") from None
 
 
-def _blockwise(m: SenderMap, pool: KVPool, dst_ids: Optional[Sequence[int]], n: int) -> bool:
+def _blockwise(m: SenderMap, pool: KVPool, dst_ids: Sequence[int], n: int) -> bool:
     """``n`` of the sender's blocks go whole into as many whole blocks ``dst_ids`` of ``pool``, of
     the same geometry on both sides: block-by-block copies (one C pass) are then exact. (A
     sender announcing another layout would have each copy spill into the next destination
     block: not here; m.part is derived from m.layout, so an equal compat hash means an equal
     part.)"""
-    return dst_ids is not None and len(dst_ids) == n and m.layout.compat_hash == pool.layout.compat_hash
+    return len(dst_ids) == n and m.layout.compat_hash == pool.layout.compat_hash
 
 
 LIVENESS_EVERY = 0.001   # seconds between two checks that a one-sided reader's sender is alive
@@ -420,7 +420,8 @@ class ShmTransport(Transport):
                         indices: Optional[list[int]]) -> Optional[int]:
         """Check, copy, re-check; None when the fast path cannot vouch for the read (the
         MAP/DONE exchange then answers, with the sender's own refusal if there is one)."""
-        if _shm_read is not None and indices is None and _blockwise(m, dst.pool, dst.block_ids, handle.num_blocks):
+        if (_shm_read is not None and indices is None and dst.block_ids is not None
+                and _blockwise(m, dst.pool, dst.block_ids, handle.num_blocks)):
             return self._read_native(url, m, handle, dst)
         hit = m.lookup(handle.to_bytes())
         if hit is None:

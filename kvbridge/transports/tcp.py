@@ -69,8 +69,9 @@ def _recv_into(sock: socket.socket, dst: Spans) -> int:
             return recv_staged(sock, dst, ring)
         finally:
             _RINGS.give(ring)
-    if blockcopy.recv_blocks is not None and dst.whole_blocks and (dst.verifier is None or not dst.verifier.started):
-        return _recv_blocks(sock, dst)
+    v = dst.verifier
+    if blockcopy.recv_blocks is not None and dst.whole_blocks and (v is None or not (v.per_layer or v.started)):
+        return _recv_blocks(sock, dst)      # (a per-layer verifier's digests are per (layer, block): its own loop)
     return recv_iter(sock, dst.iter_views(), dst.on_landed)
 
 

@@ -91,24 +91,37 @@ def test_a_peer_that_closes_early_says_how_much_landed() -> None:
 
 
 def test_a_cancelled_read_stops_between_receives() -> None:
+    """The flag is asked after each receive: the peer sends one piece, then the next only once
+    the flag was asked (and said no); the second answer stops the read with 200 bytes landed."""
     layout = LAYOUTS["kv_first"]
     src, dst = filled(layout, 4, 1), filled(layout, 4, 2)
     wire = _wire(src, [0, 1])
+    asked = [threading.Event(), threading.Event()]
 
     class Flag:
-        asked = 0
+        n = 0
 
         def is_set(self) -> bool:
-            self.asked += 1
-            return self.asked >= 2
+            asked[self.n].set()
+            self.n += 1
+            return self.n >= 2
+
+    def peer() -> None:
+        theirs.sendall(wire[:100])
+        asked[0].wait(10)
+        theirs.sendall(wire[100:200])
+        asked[1].wait(10)
+        theirs.sendall(wire[200:])
 
     flag = Flag()
     mine, theirs = socket.socketpair()
     with mine, theirs:
-        t = _send_in_pieces(theirs, wire, [100, 100, len(wire) - 200], close=False)
+        t = threading.Thread(target=peer, daemon=True)
+        t.start()
         code, got, sums = blockcopy.recv_blocks(mine.fileno(), planes(dst), [2, 3], layout.part_nbytes, True, flag)
         t.join()
-    assert code == 2 and sums is None and 200 <= got < len(wire) and flag.asked == 2
+    assert (code, got, sums, flag.n) == (2, 200, None, 2)
+    assert bytes(Spans.of_blocks(dst, [2]).views()[0][:100]) == wire[:100]
 
 
 def test_a_silent_peer_times_out_on_the_sockets_own_timeout() -> None:
@@ -176,3 +189,26 @@ def test_bytes_that_are_not_the_handles_are_refetched_then_refused(monkeypatch: 
     assert not res.ok and isinstance(res.error, IntegrityError)
     assert res.failed_block_ids == [2]
     assert calls[0] == 5
+
+
+def test_a_layerwise_read_of_every_layer_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer-wise handle whose layers are all ready is read in one piece, but its checksums are
+    per (layer, block): its own stream verifier hashes it as it lands, and no second pass over
+    the landed blocks runs (the one-call receive, whose digests are per block, is not taken)."""
+    import kvbridge.receiver as receiver_mod
+    calls = _count_calls(monkeypatch)
+    second: list[int] = []
+    real = receiver_mod.layer_checksums
+
+    def counted(*a: Any, **k: Any) -> Any:
+        second.append(1)
+        return real(*a, **k)
+    monkeypatch.setattr(receiver_mod, "layer_checksums", counted)
+    src, dst = filled(BIG, 12, 3), KVPool.allocate(BIG, 12)
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as s, KVReceiver(dst, leases=False) as r:
+        h = s.publish("r", [3, 7, 1, 10, 5], 80, layers_ready=1)
+        assert s.mark_ready(h, BIG.num_layers)
+        res = r.fetch(h, [0, 2, 4, 6, 8])
+        assert res.ok, res.error
+    assert block_checksums(dst, [0, 2, 4, 6, 8]) == block_checksums(src, [3, 7, 1, 10, 5])
+    assert (calls, second) == ([], [])
