@@ -552,8 +552,7 @@ class KVReceiver:
         """The pipeline for the usual fetch -- a whole unleased raw handle whose transport moves
         (and hashes) its host blocks in one piece (:meth:`Transport.read_small`) --
         without its job, spans and stages; any other outcome than verified bytes on unchanged
-        blocks goes on in :meth:`_pull` from where it stands. None: not such a fetch.
-        (The hot path of every small fetch: written flat, one call per step.)"""
+        blocks goes on in :meth:`_pull` from where it stands. None: not such a fetch."""
         pool = self.pool
         if (h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
                 or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released):
@@ -578,11 +577,7 @@ class KVReceiver:
             except KVBridgeError:
                 self.release(h, wait=False)            # the other URLs, and the log line
             else:
-                with self._lock:                       # :meth:`_forget`, inline
-                    released = self._released
-                    released[h.handle_id] = None
-                    if len(released) > RELEASED_KEPT:
-                        released.popitem(last=False)
+                self._forget(h)
         seconds = time.perf_counter() - t0
         self.stats.fetched(True, got[0], seconds)
         return FetchResult(h, dst, True, got[0], seconds, 1)
