@@ -562,7 +562,7 @@ class KVReceiver:
         want = self.verify and bool(h.checksums)
         gens = pool.generations(dst)
         t0 = time.perf_counter()
-        tr = self._by_url.get(url) or self.transport(url)
+        tr = self.transport(url)
         try:
             got = tr.read_small(url, h, pool, dst, want)
         except KVBridgeError as exc:

@@ -487,7 +487,7 @@ class ShmTransport(Transport):
         the copy into ``block_ids`` (hashed as it lands when ``want``), both again -- one C call.
         (True, the digests or None unhashed) once read; (False, None) where it cannot vouch for
         the read (nothing written, or the sender is gone: MAP/DONE then answers); StaleHandle
-        where the blocks changed meanwhile. (Every small shm fetch runs it: written flat.)"""
+        where the blocks changed meanwhile."""
         after = self.after_copy
         bufs = pool.buffers               # held across the C call, as the mapping (its view, pinned there)
         assert _shm_read is not None
@@ -504,7 +504,7 @@ class ShmTransport(Transport):
         del bufs
         if code == 2:
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
-        if code == 1 or (time.monotonic() - m.polled >= LIVENESS_EVERY and not self._alive(url, m)):
+        if code == 1 or not self._alive(url, m):
             return False, None
         return True, sums
 
@@ -513,7 +513,7 @@ class ShmTransport(Transport):
         GIL, and bytes copied from a sender that died an instant ago were still checked valid.
         False: the sender closed or died; forgotten, so MAP/DONE says which."""
         alive = True
-        now = time.monotonic()        # (callers on the hot path look at m.polled first)
+        now = time.monotonic()
         if now - m.polled < LIVENESS_EVERY:
             return True
         m.polled = now

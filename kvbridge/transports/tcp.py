@@ -3,9 +3,11 @@
 Pull: the receiver sends one READ frame (the handle, optional block indices, optional
 layer range); the server authorizes it against the sender (live handle, token/MAC,
 generations, claim fence), answers with a DATA (or, for layers, LDATA) header and
-``sendmsg``s the pool memory; the receiver ``recvmsg_into``s directly into destination
-pool memory. After the last byte the server sends the reply's trailer: the owner's
-validate-after-read (:mod:`.wire`), which the receiver checks before it keeps the bytes.
+``sendmsg``s the pool memory; the receiver receives directly into destination pool
+memory (whole blocks of a host pool, layer-wise reads aside: one C call that receives and
+hashes each block as its pieces land, :func:`_recv_blocks`; otherwise ``recvmsg_into``).
+After the last byte the server sends the reply's trailer: the owner's validate-after-read
+(:mod:`.wire`), which the receiver checks before it keeps the bytes.
 Push: the writer sends a WRITE frame (reservation, layers, checksums) followed by the
 bytes, which the receiver's server takes straight into the reserved blocks. No
 intermediate buffers, no per-block ``bytes`` -- except for reads of up to ``SMALL_READ``
