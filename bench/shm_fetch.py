@@ -5,10 +5,10 @@ process; every mode runs once per round, the order rotating, so each call starts
 caches the previous one left (as in an interleaved transfer benchmark):
 
 - ``memmove``: ``ctypes.memmove`` of the same size between two private buffers (the ceiling);
-- ``shm_read``: the one-sided read's C call alone (live-handle table and generation checks,
-  the copy hashed as it lands, the re-check), the handle's digest computed beforehand;
-- ``+ digest, compare``: the same with the handle's BLAKE2b digest computed and the landed
-  checksums compared with the handle's in the timed call;
+- ``shm_read``: the one-sided read's C call alone (the handle's key computed and looked up in
+  the live-handle table, the generation checks, the copy hashed as it lands, the re-check);
+- ``+ compare``: the same with the landed checksums compared with the handle's and the
+  destination blocks' generations held across the copy, in the call (as a fetch asks it);
 - ``fetch (keep)`` / ``fetch``: ``KVReceiver.fetch`` of a fresh verified handle, without and
   with its release.
 
@@ -46,7 +46,6 @@ def main(argv: Any = None) -> dict[str, Any]:
     from kvbridge.layout import KVLayout
     from kvbridge.pool import KVPool
     from kvbridge.receiver import KVReceiver
-    from kvbridge.transports.shmtable import digest
     if shm_read is None:
         raise SystemExit("the one-call shm read needs the C extension")
 
@@ -73,17 +72,16 @@ def main(argv: Any = None) -> dict[str, Any]:
             url = first.urls[0]
             m = recv.transport(url)._senders[url]                   # type: ignore[attr-defined]
             h = handle()                                            # a live handle the C call reads again and again
-            raw, d, pl = h.to_bytes(), digest(h.to_bytes()), planes(pool)
+            raw, pl = h.to_bytes(), planes(pool)
 
             def c_only() -> None:
-                code, _ = shm_read(m.tview, m.nslots, d, m.gens, h.block_ids, h.generations, pl, case.dst_ids,
-                                   m.packed, m.part, True, m.view, None)
+                code, _ = shm_read(m.native, raw, h.block_ids, h.generations, pl, case.dst_ids, True, None, None, None)
                 assert code == 0
 
-            def c_digest() -> None:
-                code, sums = shm_read(m.tview, m.nslots, digest(raw), m.gens, h.block_ids, h.generations, pl,
-                                      case.dst_ids, m.packed, m.part, True, m.view, None)
-                assert code == 0 and tuple(sums) == h.checksums
+            def c_compare() -> None:
+                code, sums = shm_read(m.native, raw, h.block_ids, h.generations, pl, case.dst_ids, True, h.checksums,
+                                      pool.live_generations, None)
+                assert code == 0 and sums is None
 
             kept: list[KVHandle] = []
 
@@ -98,7 +96,7 @@ def main(argv: Any = None) -> dict[str, Any]:
 
             modes: dict[str, Callable[[], None]] = {
                 "memmove": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), size),
-                "shm_read": c_only, "+ digest, compare": c_digest,
+                "shm_read": c_only, "+ compare": c_compare,
                 "fetch (keep)": fetch(False), "fetch": fetch(True),
             }
             names = list(modes)

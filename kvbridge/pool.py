@@ -39,7 +39,7 @@ import torch
 from .errors import ConfigError, LayoutMismatch, PoolError
 from .layout import KVLayout, KVOrder
 
-__all__ = ["KVPool", "SharedSegment", "sweep_dead_segments"]
+__all__ = ["KVPool", "SharedSegment", "retired_during", "sweep_dead_segments"]
 
 _ALIGN = 4096
 GEN_SIZE = 4   # bytes per block in a shared pool's generation table (native-endian u32)
@@ -147,6 +147,12 @@ class SharedSegment:
         if self.owner:
             self._finalizer()
 
+
+
+def retired_during(request_id: str) -> PoolError:
+    """The error of a transfer whose destination blocks were freed or retired while it ran."""
+    return PoolError(f"destination blocks of {request_id!r} were freed or retired during the transfer; their "
+                     "contents are not this request's KV")
 
 class KVPool:
     """Blocks of KV cache for every layer, plus their allocator and generations.

@@ -48,7 +48,7 @@ from .integrity import StreamVerifier, block_checksums, layer_checksums, unpack_
 from .lease import Claim, LeaseStore
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout
-from .pool import KVPool
+from .pool import KVPool, retired_during
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
 from .releases import AfterRead, Releaser, claim_batch, release_batch
@@ -461,8 +461,7 @@ class KVReceiver:
                 except KVBridgeError:
                     c = None
         if res.error is None and self.pool.generations(j.dst) != j.gens:
-            res.error = PoolError(f"destination blocks of {h.request_id!r} were freed or retired during the "
-                                  "transfer; their contents are not this request's KV")
+            res.error = retired_during(h.request_id)
         if res.error is None and store is not None and c is not None:
             # A release succeeds only while the lease is claimed by us with this fence -- so
             # before the owner could have revoked it and freed the blocks.
@@ -559,18 +558,16 @@ class KVReceiver:
             return None                  # the pipeline serves it, or refuses it precisely
         dst = self._check_dst(dst_block_ids, h.num_blocks)
         url = h.urls[0]
-        want = self.verify and bool(h.checksums)
-        gens = pool.generations(dst)
         t0 = time.perf_counter()
         tr = self.transport(url)
-        try:
-            got = tr.read_small(url, h, pool, dst, want)
+        try:       # the destination's generations held across it (read_small's to check): a job taking
+            got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums))   # them now is exact
         except KVBridgeError as exc:
-            return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
+            return self._pull(None, self._job(h, dst, release, t0), failed=exc)
         if got is None:
             return None
-        if (want and tuple(got[1] or ()) != h.checksums) or not pool.same_generations(dst, gens):
-            return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
+        if got[1] is not None:              # a checksum differs: the pipeline refetches or refuses
+            return self._pull(None, self._job(h, dst, release, t0), landed=got)
         if release:
             try:
                 tr.release(url, h, False)              # without a reply: it rides on a later request
@@ -582,8 +579,8 @@ class KVReceiver:
         self.stats.fetched(True, got[0], seconds)
         return FetchResult(h, dst, True, got[0], seconds, 1)
 
-    def _job(self, h: KVHandle, dst: list[int], release: bool, gens: list[int], t0: float) -> _Job:
-        j = _Job(h, dst, None, release, FetchResult(h, dst), None, gens)
+    def _job(self, h: KVHandle, dst: list[int], release: bool, t0: float) -> _Job:
+        j = _Job(h, dst, None, release, FetchResult(h, dst), None, self.pool.generations(dst))
         j.t0 = t0
         return j
 

@@ -30,7 +30,7 @@ __all__ = ["Transfer", "TransferState", "FetchResult", "Workers"]
 log = logging.getLogger("kvbridge.transfer")
 
 
-@dataclass
+@dataclass(slots=True)
 class FetchResult:
     """Outcome of one transfer. ``failed_block_ids`` are destination ids that hold no valid KV.
 

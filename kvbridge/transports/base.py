@@ -19,12 +19,13 @@ from __future__ import annotations
 import abc
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence, TypeVar, Union
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, TransferCancelled
 from ..handle import KVHandle
 from ..layout import Segment
 from ..policy import Timeout
+from ..pool import retired_during
 from ..lease.base import Claim
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ __all__ = ["Run", "Spans", "Staging", "ReadGrant", "WriteGrant", "BlockSource", 
 
 # (address, nbytes): a contiguous run of host memory
 Run = tuple[int, int]
+T = TypeVar("T")
 
 
 class Spans:
@@ -320,6 +322,25 @@ class Chunk:
 SpansFor = Callable[[int, int, int], Spans]   # destination of layers [first, end), given the bytes that come
 
 
+def generations_held(pool: "KVPool", block_ids: list[int], request_id: str, read: Callable[[], T]) -> T:
+    """``read()``, unless a block of ``block_ids`` was freed or retired meanwhile: then
+    PoolError, whatever ``read`` returned or raised (the bytes landed are not the caller's)."""
+    gens = pool.generations(block_ids)
+    try:
+        return read()
+    finally:
+        if not pool.same_generations(block_ids, gens):
+            raise retired_during(request_id)     # noqa: B012 -- it overrides the read's outcome
+
+
+def unverified(digests: Optional[list[int]], handle: KVHandle, verify: bool) -> Optional[list[int]]:
+    """What :meth:`Transport.read_small` returns beside the bytes: the blocks' checksums as they
+    landed where ``verify`` and one differs from the handle's, else None (nothing to check)."""
+    if not verify or digests is None or tuple(digests) == handle.checksums:
+        return None
+    return digests
+
+
 class Transport(abc.ABC):
     """A client for one URL scheme. Instances keep connections and are thread-safe."""
 
@@ -344,12 +365,16 @@ class Transport(abc.ABC):
         ``claim`` names the lease claimer and fence the read is made under (leased handles)."""
 
     def read_small(self, url: str, handle: KVHandle, pool: "KVPool", block_ids: list[int],
-                   want_digests: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+                   verify: bool) -> Optional[tuple[int, Optional[list[int]]]]:
         """Optional fast path for the most common read: all of an unleased handle's blocks into
         whole ``block_ids`` of a host pool (checked by the caller; tcp: up to 64 KiB, shm: a
-        one-sided read of any size). Returns the bytes moved and, with ``want_digests``, each
-        block's checksum as it landed; None where this transport has no such path for this
-        read (:meth:`read` then). Raises as :meth:`read` does."""
+        one-sided read of any size). Returns the bytes moved and None where nothing is left to
+        check -- with ``verify``, every block's checksum as it landed equals the handle's --
+        or, where one differs, each block's checksum as it landed (see :func:`unverified`);
+        None where this transport has no such path for this read (:meth:`read` then). Raises
+        as :meth:`read` does, and PoolError (:func:`~kvbridge.pool.retired_during`) where a
+        destination block's generation moved while it ran (:func:`generations_held`): whatever
+        it returns or raises else, the blocks are still the caller's."""
         return None
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,

@@ -53,10 +53,10 @@ from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, Stale
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
-from ..pool import KVPool, SharedSegment
-from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs
+from ..pool import KVPool, SharedSegment, retired_during
+from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs, generations_held, unverified
 from .shmcopy import copy_into
-from .shmtable import ONE_SIDED, HandleTable, SenderMap, digest, open_info
+from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
 from .sockets import SocketClient, SocketServer, connector
 from .staging import copy_slices, device_slices
 from .tcp import _claim_of
@@ -482,18 +482,20 @@ class ShmTransport(Transport):
         return dst.nbytes if read else None
 
     def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, pool: KVPool, block_ids: Sequence[int],
-                  want: bool) -> tuple[bool, Optional[list[int]]]:
+                  want: bool, expect: Optional[tuple[int, ...]] = None,
+                  dst_gens: Optional[list[int]] = None) -> tuple[bool, Optional[list[int]]]:
         """``blockcopy.shm_read``: the handle live in the table and its generations as issued,
         the copy into ``block_ids`` (hashed as it lands when ``want``), both again -- one C call.
-        (True, the digests or None unhashed) once read; (False, None) where it cannot vouch for
-        the read (nothing written, or the sender is gone: MAP/DONE then answers); StaleHandle
-        where the blocks changed meanwhile."""
+        (True, the digests -- None unhashed, or equal to ``expect`` where given) once read;
+        (False, None) where it cannot vouch for the read (nothing written, or the sender is gone:
+        MAP/DONE then answers); StaleHandle where the blocks changed meanwhile; with
+        ``dst_gens`` (the pool's live generations), PoolError where a destination block's moved."""
         after = self.after_copy
         bufs = pool.buffers               # held across the C call, as the mapping (its view, pinned there)
         assert _shm_read is not None
         try:
-            code, sums = _shm_read(m.tview, m.nslots, digest(handle.to_bytes()), m.gens, handle.block_ids,
-                                   handle.generations, planes(pool), block_ids, m.packed, m.part, want, m.view,
+            code, sums = _shm_read(m.native, handle.to_bytes(), handle.block_ids, handle.generations,
+                                   planes(pool), block_ids, want, expect, dst_gens,
                                    None if after is None else (lambda: after(handle)))
         except ValueError as exc:
             try:
@@ -504,6 +506,8 @@ class ShmTransport(Transport):
         del bufs
         if code == 2:
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
+        if code == 3:
+            raise retired_during(handle.request_id)
         if code == 1 or not self._alive(url, m):
             return False, None
         return True, sums
@@ -551,19 +555,21 @@ class ShmTransport(Transport):
                                   Kind.DONE, f"map {url}"))
 
     def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int],
-                   want_digests: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+                   verify: bool) -> Optional[tuple[int, Optional[list[int]]]]:
         """The one-sided read of a whole handle from a sender already mapped (any size: it sends
         nothing); None where it cannot vouch for the read (then :meth:`read` and MAP/DONE)."""
         m = self._senders.get(url)
         if m is None or not ONE_SIDED or not pool.is_host or handle.layerwise or handle.codec != "raw":
             return None
         if _shm_read is not None and _blockwise(m, pool, block_ids, handle.num_blocks):
-            read, sums = self._shm_read(url, m, handle, pool, block_ids, want_digests)
+            read, sums = self._shm_read(url, m, handle, pool, block_ids, verify, handle.checksums if verify else None,
+                                        pool.live_generations)
             return (len(block_ids) * pool.layout.block_nbytes, sums) if read else None
         dst = Spans(pool, None, block_ids)
-        dst.want_digests = want_digests
-        n = self._read_one_sided(url, m, handle, dst, None)
-        return None if n is None else (n, dst.digests)
+        dst.want_digests = verify
+        n = generations_held(pool, block_ids, handle.request_id,
+                             lambda: self._read_one_sided(url, m, handle, dst, None))
+        return None if n is None else (n, unverified(dst.digests, handle, verify))
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:

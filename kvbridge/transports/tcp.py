@@ -34,7 +34,7 @@ from ..errors import (ConfigError, ConnectionLost, KVBridgeError, PoolError, Pro
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
-from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport
+from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport, generations_held, unverified
 from .sockets import SocketClient, SocketServer, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
@@ -288,13 +288,14 @@ class TCPTransport(Transport):
         return n
 
     def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int],
-                   want_digests: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+                   verify: bool) -> Optional[tuple[int, Optional[list[int]]]]:
         nbytes = len(block_ids) * pool.layout.block_nbytes
         if nbytes > SMALL_READ or blockcopy.read_small is None or not pool.is_host:
             return None
-        _, sums = self._small(self._client(url), url, encode_request(handle.to_bytes(), None, None), pool, block_ids,
-                              nbytes, want_digests, None)
-        return nbytes, sums
+        payload = encode_request(handle.to_bytes(), None, None)
+        _, sums = generations_held(pool, block_ids, handle.request_id, lambda: self._small(
+            self._client(url), url, payload, pool, block_ids, nbytes, verify, None))
+        return nbytes, unverified(sums, handle, verify)
 
     @staticmethod
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,

@@ -58,13 +58,16 @@
  *       block's xxh3-64 fed with every piece right after it landed (with `hash`); the GIL
  *       released for each receive, `cancel.is_set()` asked between them. Code 0: all landed;
  *       1: the peer closed first; 2: cancelled (with the bytes received so far).
- *   shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin,
- *            between) -> (code, digests | None)
+ *   shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between)
+ *            -> (code, digests | None)
  *       shm:// one-sided reads in one call (kvbridge/transports/shmtable.py): the handle's
- *       digest live in the sender's table and its blocks' generations as issued, the copy (and
- *       hash), then the same slot sequence and generations again. Code 0: copied and still the
- *       handle's; 1: not vouched for, nothing written; 2: changed during the copy, the bytes
- *       landed are not the handle's. Loads of the table and generations are acquire loads.
+ *       key (XXH3-128 of its bytes) live in the sender's table and its blocks' generations as
+ *       issued, the copy (and hash), then the destination's generations, the same slot
+ *       sequence and the source generations again; digests equal to `expect` come back as
+ *       None. Code 0: copied and still the handle's; 1: not vouched for, nothing written; 2:
+ *       the source changed during the copy, the bytes landed are not the handle's; 3: a
+ *       destination block changed during the copy. Loads of the table and generations are
+ *       acquire loads.
  *
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
@@ -184,6 +187,26 @@ static PyObject *digest_list(const XXH64_hash_t *d, Py_ssize_t n) {
     return out;
 }
 
+/* The n digests as a list -- or None where `expect` (the checksums the caller would compare them
+ * with: a tuple of ints; NULL or anything else compares with nothing) holds exactly them. */
+static PyObject *digests_unless(const XXH64_hash_t *d, Py_ssize_t n, PyObject *expect) {
+    if (expect != NULL && PyTuple_Check(expect) && PyTuple_GET_SIZE(expect) == n) {
+        Py_ssize_t k = 0;
+        for (; k < n; k++) {
+            unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(expect, k));
+            if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();          /* not a checksum: the list goes back, the caller refuses */
+                break;
+            }
+            if (v != (unsigned long long)d[k])
+                break;
+        }
+        if (k == n)
+            Py_RETURN_NONE;
+    }
+    return digest_list(d, n);
+}
+
 static PyObject *hash_blocks(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *pobj, *idobj;
@@ -240,9 +263,10 @@ done:
  * block did[k] of destination plane j; with `hash`, the xxh3-64 of each destination block as
  * it landed -- in one pass per block (kvb_copy_hash) where FUSED and no part of the block
  * partly overlaps its source, else in CHUNK pieces, each hashed after its copy. Addresses were
- * checked by the callers. Returns the digest list, None, or NULL with an exception set. */
+ * checked by the callers. Returns the digest list (None where they equal `expect`, see
+ * digests_unless), None unhashed, or NULL with an exception set. */
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
-                           Py_ssize_t n, int64_t part, int hash) {
+                           Py_ssize_t n, int64_t part, int hash, PyObject *expect) {
     PyObject *res = NULL;
     XXH64_hash_t *d = NULL;
     XXH3_state_t *st = NULL;
@@ -299,7 +323,7 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
     if (ts)
         PyEval_RestoreThread(ts);
     if (hash) {
-        res = digest_list(d, n);
+        res = digests_unless(d, n, expect);
     } else {
         res = Py_None;
         Py_INCREF(res);
@@ -348,7 +372,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "source and destination name different numbers of blocks");
         goto done;
     }
-    res = copy_core(&dp, did, &sp, sid, nd, part, hash);
+    res = copy_core(&dp, did, &sp, sid, nd, part, hash, NULL);
 done:
     PyMem_Free(did);
     PyMem_Free(sid);
@@ -424,7 +448,7 @@ static PyObject *scatter_wire(const planes_t *dp, const int64_t *ids, Py_ssize_t
     }
     for (Py_ssize_t k = 0; k < n; k++)
         sid[k] = k;
-    res = copy_core(dp, ids, &sp, sid, n, part, hash);
+    res = copy_core(dp, ids, &sp, sid, n, part, hash, NULL);
 done:
     PyMem_Free(sid);
     PyMem_Free(sp.p);
@@ -951,40 +975,48 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
     return 1;
 }
 
-/* shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash,
- *          pin, between) -> (code, digests | None)
- * The one-sided read of kvbridge/transports/shmtable.py in one call: the handle whose 16-byte
- * `digest` is live in the sender's `table` (nslots slots) and whose blocks `ids` still hold
- * generations `want` in `gens` is copied from `src_planes` (the mapped pool) into `dst_ids` of
- * `dst_planes` (hashed as it lands when `hash`), then the slot's sequence number and every
- * generation are read again. `pin` (the mapping's memoryview) is held for the call; `between`,
- * if not None, is called after the copy and before the second look (tests). Codes:
+/* shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between)
+ *     -> (code, digests | None)
+ * The one-sided read of kvbridge/transports/shmtable.py in one call. `mapping` is the reader's
+ * view of one sender, made once: (table, nslots, gens, src_planes, part, pin). The handle whose
+ * bytes are `raw` -- its key, their XXH3-128 (canonical, big-endian), live in the sender's
+ * `table` (nslots slots) -- and whose blocks `ids` still hold generations `want` in `gens` is
+ * copied from `src_planes` (the mapped pool) into `dst_ids` of `dst_planes` (hashed as it lands
+ * when `hash`), then the slot's sequence number and every generation are read again. `pin` (the
+ * mapping's memoryview) is held for the call; `expect`, if a tuple, is the handle's checksums:
+ * digests equal to them come back as None (copy_core); `dst_gens`, if a list, is the
+ * destination pool's generations, taken at the start and compared at the end; `between`, if not
+ * None, is called after the copy and before the second look (tests). Codes:
  *   0  copied, and nothing changed: the digests (or None);
  *   1  not vouched for (not in the table, a generation already moved): nothing was written;
- *   2  something changed during the copy: the bytes landed are not the handle's. */
+ *   2  the source changed during the copy: the bytes landed are not the handle's;
+ *   3  a destination block was freed or retired during the copy (checked before 2). */
 static PyObject *shm_read(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *tobj, *gobj, *idobj, *wantobj, *dpobj, *didobj, *spobj, *pinobj, *between;
-    Py_ssize_t nslots;
-    const char *dg;
-    Py_ssize_t dglen;
+    PyObject *mapobj, *tobj, *gobj, *idobj, *wantobj, *dpobj, *didobj, *spobj, *pinobj, *expect, *dgobj, *between;
+    Py_ssize_t nslots, rawlen;
+    const char *raw;
     long long part;
     int hash;
-    if (!PyArg_ParseTuple(args, "Ony#OOOOOOLpOO", &tobj, &nslots, &dg, &dglen, &gobj, &idobj, &wantobj, &dpobj,
-                          &didobj, &spobj, &part, &hash, &pinobj, &between))
+    if (!PyArg_ParseTuple(args, "O!y#OOOOpOOO", &PyTuple_Type, &mapobj, &raw, &rawlen, &idobj, &wantobj, &dpobj,
+                          &didobj, &hash, &expect, &dgobj, &between) ||
+        !PyArg_ParseTuple(mapobj, "OnOOLO", &tobj, &nslots, &gobj, &spobj, &part, &pinobj))
         return NULL;
+    if (dgobj != Py_None && !PyList_Check(dgobj)) {
+        PyErr_SetString(PyExc_TypeError, "shm_read: dst_gens must be a list or None");
+        return NULL;
+    }
     Py_buffer tb = {0}, gb = {0}, pin = {0};
     planes_t dp = {NULL, 0}, sp = {NULL, 0};
     int64_t *did = NULL, *sid = NULL;
     uint32_t *want = NULL;
-    PyObject *res = NULL, *digests = NULL, *wt = NULL;
+    PyObject *res = NULL, *digests = NULL, *wt = NULL, *dsnap = NULL;
     if (PyObject_GetBuffer(pinobj, &pin, PyBUF_SIMPLE) < 0)
         return NULL;
     if (PyObject_GetBuffer(tobj, &tb, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(gobj, &gb, PyBUF_SIMPLE) < 0)
         goto done;
-    if (dglen != 16 || nslots <= 0 || (nslots & (nslots - 1)) ||
-        nslots > (tb.len - TABLE_HEAD) / TABLE_SLOT) {
-        PyErr_SetString(PyExc_ValueError, "shm_read: a 16-byte digest and a table of nslots slots expected");
+    if (nslots <= 0 || (nslots & (nslots - 1)) || nslots > (tb.len - TABLE_HEAD) / TABLE_SLOT) {
+        PyErr_SetString(PyExc_ValueError, "shm_read: a table of nslots (a power of two) slots expected");
         goto done;
     }
     if (get_planes(dpobj, &dp) < 0 || get_planes(spobj, &sp) < 0)
@@ -1003,6 +1035,19 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
         goto done;
     }
+    if (dgobj != Py_None) {                        /* the destination's generations as the read starts */
+        if ((dsnap = PyTuple_New(nd)) == NULL)
+            goto done;
+        for (Py_ssize_t k = 0; k < nd; k++) {
+            if (did[k] >= PyList_GET_SIZE(dgobj)) {
+                PyErr_SetString(PyExc_ValueError, "shm_read: a destination block outside dst_gens");
+                goto done;
+            }
+            PyObject *v = PyList_GET_ITEM(dgobj, did[k]);
+            Py_INCREF(v);
+            PyTuple_SET_ITEM(dsnap, k, v);
+        }
+    }
     want = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(uint32_t));
     if (want == NULL) {
         PyErr_NoMemory();
@@ -1019,10 +1064,12 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         want[k] = (uint32_t)v;
     }
     /* 1. live in the table, exactly these bytes; every block still the handle's */
+    XXH128_canonical_t key;
+    XXH128_canonicalFromHash(&key, XXH3_128bits(raw, (size_t)rawlen));
+    const unsigned char *dg = key.digest;
     const unsigned char *table = tb.buf, *gens = gb.buf;
     Py_ssize_t nblocks = gb.len / 4;
-    uint32_t home = ((uint32_t)(unsigned char)dg[0] | (uint32_t)(unsigned char)dg[1] << 8 |
-                     (uint32_t)(unsigned char)dg[2] << 16 | (uint32_t)(unsigned char)dg[3] << 24) &
+    uint32_t home = ((uint32_t)dg[0] | (uint32_t)dg[1] << 8 | (uint32_t)dg[2] << 16 | (uint32_t)dg[3] << 24) &
                     (uint32_t)(nslots - 1);
     const unsigned char *slot = NULL;
     uint32_t seq = 0;
@@ -1039,7 +1086,7 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         goto done;
     }
     /* 2. copy */
-    digests = copy_core(&dp, did, &sp, sid, nd, part, hash);
+    digests = copy_core(&dp, did, &sp, sid, nd, part, hash, expect);
     if (digests == NULL)
         goto done;
     if (between != Py_None) {
@@ -1048,15 +1095,22 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
             goto done;
         Py_DECREF(r);
     }
-    /* 3. the same slot sequence and generations after the copy: no byte came from a reuse */
+    /* 3. the destination still this read's; the same slot sequence and generations after the
+     *    copy: no byte came from a reuse */
+    int mine = dsnap == NULL ? 1 : same_gens(dgobj, did, nd, dsnap);
+    if (mine < 0)
+        goto done;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    if (load32(slot) != seq || !gens_hold(gens, nblocks, sid, want, ns))
+    if (!mine)
+        res = Py_BuildValue("(iO)", 3, Py_None);
+    else if (load32(slot) != seq || !gens_hold(gens, nblocks, sid, want, ns))
         res = Py_BuildValue("(iO)", 2, Py_None);
     else
         res = Py_BuildValue("(iO)", 0, digests);
 done:
     Py_XDECREF(digests);
     Py_XDECREF(wt);
+    Py_XDECREF(dsnap);
     PyMem_Free(want);
     PyMem_Free(did);
     PyMem_Free(sid);
@@ -1093,7 +1147,7 @@ static PyMethodDef methods[] = {
      "recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests): a DATA reply's "
      "block bytes received straight into the blocks, each block hashed as its pieces land"},
     {"shm_read", shm_read, METH_VARARGS,
-     "shm_read(table, nslots, digest, gens, ids, want, dst_planes, dst_ids, src_planes, part, hash, pin, between) "
+     "shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between) "
      "-> (code, digests): an shm one-sided read checked, copied and checked again in one call"},
     {NULL, NULL, 0, NULL},
 };

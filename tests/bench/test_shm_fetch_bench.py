@@ -27,6 +27,6 @@ def test_shm_fetch_times_every_mode(tmp_path: Path) -> None:
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["rows"]}
-    assert set(rows) == {"memmove", "shm_read", "+ digest, compare", "fetch (keep)", "fetch"}
+    assert set(rows) == {"memmove", "shm_read", "+ compare", "fetch (keep)", "fetch"}
     assert all(r["us"]["median"] > 0 for r in rows.values())
     assert rows["memmove"]["ratio"]["median"] == 1.0

@@ -147,6 +147,26 @@ def test_block_changing_under_the_copy_is_detected(how: str) -> None:
         p.close()
 
 
+def test_destination_block_freed_under_the_copy_is_refused(pair: Pair) -> None:
+    """A destination block whose generation moves during the one-sided copy (the engine reused
+    it): the C call sees it before the source's re-check, the fetch fails with PoolError naming
+    it, and nothing is tried again."""
+    assert pair.rcv.fetch(pair.publish([5]), [9]).ok               # mapping open
+    h = pair.publish([3, 7])
+
+    def reused(handle: KVHandle) -> None:
+        pair.dst._gens[1] += 1
+
+    pair.tr.after_copy = reused
+    try:
+        res = pair.rcv.fetch(h, [0, 1])
+    finally:
+        pair.tr.after_copy = None
+    assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
+    assert res.failed_block_ids == [0, 1] and res.attempts == 1
+    assert pair.settled_frames()["MAP"] == 0
+
+
 @pytest.mark.parametrize("how", ["retired", "ended"])
 def test_block_changed_before_the_read_is_refused_with_nothing_written(how: str) -> None:
     """A handle whose block the engine retired (generation moved, handle still in the table), or
@@ -171,12 +191,12 @@ def test_block_changed_before_the_read_is_refused_with_nothing_written(how: str)
 
 
 def test_the_c_one_sided_read_checks_table_and_generations_before_writing(pair: Pair) -> None:
-    """blockcopy.shm_read on a real mapping: a digest not live in the table, or a generation
-    other than the block's, writes nothing (code 1); the genuine ones copy and hash (code 0)."""
+    """blockcopy.shm_read on a real mapping: bytes whose key is not live in the table, or a
+    generation other than the block's, write nothing (code 1); the genuine ones copy and hash
+    (code 0), the digests coming back as None exactly when they equal the ones expected."""
     from kvbridge import blockcopy
     from kvbridge.blockcopy import planes
     from kvbridge.integrity import block_checksums
-    from kvbridge.transports.shmtable import digest
     if blockcopy.shm_read is None:
         pytest.skip("the extension is not built")
     assert pair.rcv.fetch(pair.publish([5]), [9]).ok               # mapping open
@@ -184,16 +204,41 @@ def test_the_c_one_sided_read_checks_table_and_generations_before_writing(pair: 
     m = pair.tr._senders[pair.snd.url]
     before = block_checksums(pair.dst, [0, 1])
 
-    def read(dg: bytes, want: tuple[int, ...]) -> Any:
-        return blockcopy.shm_read(m.tview, m.nslots, dg, m.gens, h.block_ids, want, planes(pair.dst), [0, 1],
-                                  m.packed, m.part, True, m.view, None)
+    def read(raw: bytes, want: tuple[int, ...], expect: Any = None) -> Any:
+        return blockcopy.shm_read(m.native, raw, h.block_ids, want, planes(pair.dst), [0, 1], True, expect, None, None)
+    raw = h.to_bytes()
     moved = (h.generations[0], h.generations[1] + 1)
-    assert read(digest(h.to_bytes()), moved) == (1, None)
-    assert read(digest(h.to_bytes() + b"x"), h.generations) == (1, None)
-    assert read(digest(h.to_bytes()), (h.generations[0], 1 << 32 | h.generations[1])) == (1, None)
+    assert read(raw, moved) == (1, None)
+    assert read(raw + b"x", h.generations) == (1, None)
+    assert read(raw[:-1], h.generations) == (1, None)
+    assert read(raw[:5] + bytes([raw[5] ^ 1]) + raw[6:], h.generations) == (1, None)
+    assert read(raw, (h.generations[0], 1 << 32 | h.generations[1])) == (1, None)
     assert block_checksums(pair.dst, [0, 1]) == before           # nothing written
-    code, sums = read(digest(h.to_bytes()), h.generations)
+    code, sums = read(raw, h.generations)
     assert code == 0 and sums == list(h.checksums) == block_checksums(pair.dst, [0, 1])
+    assert read(raw, h.generations, h.checksums) == (0, None)    # compared in the call
+    other = (h.checksums[0], h.checksums[1] ^ 1)
+    for expect in (other, h.checksums[:1], list(h.checksums), (h.checksums[0], "x")):
+        assert read(raw, h.generations, expect) == (0, list(h.checksums)), expect
+
+
+def test_the_table_key_is_xxh3_128_of_the_handle_bytes(pair: Pair) -> None:
+    """The sender's table (keyed in Python) and the reader's C call (keying in C) agree: the key
+    is the canonical XXH3-128 of the handle's bytes, and the C call finds the slot the sender wrote."""
+    from kvbridge import blockcopy
+    from kvbridge.blockcopy import planes
+    from kvbridge.transports import shmtable
+    if blockcopy.shm_read is None:
+        pytest.skip("the extension is not built")
+    import xxhash
+    assert shmtable.digest(b"kvbridge") == xxhash.xxh3_128(b"kvbridge").digest()
+    assert pair.rcv.fetch(pair.publish([5]), [9]).ok               # mapping open
+    h = pair.publish([2])
+    m = pair.tr._senders[pair.snd.url]
+    assert m.lookup(h.to_bytes()) is not None
+    code, sums = blockcopy.shm_read(m.native, h.to_bytes(), h.block_ids, h.generations, planes(pair.dst), [0], True,
+                                    None, None, None)
+    assert code == 0 and sums == list(h.checksums)
 
 
 def test_corrupted_byte_caught_with_verification(pair: Pair) -> None:

@@ -332,7 +332,7 @@ def test_the_usual_fetch_refetches_a_block_whose_digest_is_wrong_once(monkeypatc
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("flip", [2, 3], 8)
         calls = _after_read_small(monkeypatch, rcv, snd.url,      # as if block 1's bytes had changed in transit
-                                  lambda got, n: got if n > 1 else (got[0], [got[1][0], got[1][1] ^ 1]))
+                                  lambda got, n: got if n > 1 else (got[0], [h.checksums[0], h.checksums[1] ^ 1]))
         res = rcv.fetch(h, [5, 6])
         assert calls == [1]
         assert res.ok and res.attempts == 1 and rcv.stats.refetches == 1 and rcv.stats.integrity_failures == 0
@@ -345,16 +345,28 @@ def test_the_usual_fetch_refetches_a_block_whose_digest_is_wrong_once(monkeypatc
         assert rcv.stats.integrity_failures == 1
 
 
-def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("outcome", ["landed", "peer gone"])
+def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(monkeypatch: pytest.MonkeyPatch,
+                                                                     outcome: str) -> None:
+    """A destination block freed while the small read runs: PoolError naming it, whether the
+    bytes landed or the read failed (retrying would write into a block that is not the
+    fetch's any more), and nothing tried again."""
+    from kvbridge.errors import PeerUnavailable
+    from kvbridge.transports.tcp import TCPTransport
     src, dst = _pools()
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("moved", [2, 3], 8)
+        real, calls = TCPTransport._small, []
 
-        def freed_meanwhile(got: Any, n: int) -> Any:
+        def freed_meanwhile(*args: Any) -> Any:
+            calls.append(1)
             dst._gens[6] += 1                              # the engine reused a destination block
+            got = real(*args)
+            if outcome == "peer gone":
+                raise PeerUnavailable("the sender went away mid-read")
             return got
 
-        _after_read_small(monkeypatch, rcv, snd.url, freed_meanwhile)
+        monkeypatch.setattr(TCPTransport, "_small", staticmethod(freed_meanwhile))
         res = rcv.fetch(h, [5, 6])
-        assert not res.ok and "freed or retired during the transfer" in str(res.error)
-        assert res.failed_block_ids == [5, 6]
+        assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
+        assert res.failed_block_ids == [5, 6] and calls == [1] and res.attempts == 1
