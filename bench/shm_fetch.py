@@ -80,7 +80,7 @@ def main(argv: Any = None) -> dict[str, Any]:
 
             def c_compare() -> None:
                 code, sums = shm_read(m.native, raw, h.block_ids, h.generations, pl, case.dst_ids, True, h.checksums,
-                                      pool.live_generations, None)
+                                      (pool.live_generations, pool.generations(case.dst_ids)), None)
                 assert code == 0 and sums is None
 
             kept: list[KVHandle] = []

@@ -148,11 +148,11 @@ class SharedSegment:
             self._finalizer()
 
 
-
 def retired_during(request_id: str) -> PoolError:
     """The error of a transfer whose destination blocks were freed or retired while it ran."""
     return PoolError(f"destination blocks of {request_id!r} were freed or retired during the transfer; their "
                      "contents are not this request's KV")
+
 
 class KVPool:
     """Blocks of KV cache for every layer, plus their allocator and generations.

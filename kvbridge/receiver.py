@@ -558,16 +558,17 @@ class KVReceiver:
             return None                  # the pipeline serves it, or refuses it precisely
         dst = self._check_dst(dst_block_ids, h.num_blocks)
         url = h.urls[0]
+        gens = pool.generations(dst)          # as the fetch begins: read_small and any fallback hold to them
         t0 = time.perf_counter()
         tr = self.transport(url)
-        try:       # the destination's generations held across it (read_small's to check): a job taking
-            got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums))   # them now is exact
+        try:
+            got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
         except KVBridgeError as exc:
-            return self._pull(None, self._job(h, dst, release, t0), failed=exc)
+            return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
         if got is None:
             return None
         if got[1] is not None:              # a checksum differs: the pipeline refetches or refuses
-            return self._pull(None, self._job(h, dst, release, t0), landed=got)
+            return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
         if release:
             try:
                 tr.release(url, h, False)              # without a reply: it rides on a later request
@@ -579,8 +580,8 @@ class KVReceiver:
         self.stats.fetched(True, got[0], seconds)
         return FetchResult(h, dst, True, got[0], seconds, 1)
 
-    def _job(self, h: KVHandle, dst: list[int], release: bool, t0: float) -> _Job:
-        j = _Job(h, dst, None, release, FetchResult(h, dst), None, self.pool.generations(dst))
+    def _job(self, h: KVHandle, dst: list[int], release: bool, gens: list[int], t0: float) -> _Job:
+        j = _Job(h, dst, None, release, FetchResult(h, dst), None, gens)
         j.t0 = t0
         return j
 

@@ -322,23 +322,33 @@ class Chunk:
 SpansFor = Callable[[int, int, int], Spans]   # destination of layers [first, end), given the bytes that come
 
 
-def generations_held(pool: "KVPool", block_ids: list[int], request_id: str, read: Callable[[], T]) -> T:
-    """``read()``, unless a block of ``block_ids`` was freed or retired meanwhile: then
-    PoolError, whatever ``read`` returned or raised (the bytes landed are not the caller's)."""
-    gens = pool.generations(block_ids)
+def generations_held(pool: "KVPool", block_ids: list[int], gens: list[int], request_id: str,
+                     read: Callable[[], T]) -> T:
+    """``read()``, unless a block of ``block_ids`` no longer has its generation in ``gens`` when
+    it ends: then PoolError, whatever ``read`` returned or the error it raised (the bytes
+    landed are not the caller's, and a retry would write into a block that is not)."""
     try:
-        return read()
-    finally:
+        out = read()
+    except Exception:
         if not pool.same_generations(block_ids, gens):
-            raise retired_during(request_id)     # noqa: B012 -- it overrides the read's outcome
+            raise retired_during(request_id) from None
+        raise
+    if not pool.same_generations(block_ids, gens):
+        raise retired_during(request_id)
+    return out
 
 
-def unverified(digests: Optional[list[int]], handle: KVHandle, verify: bool) -> Optional[list[int]]:
-    """What :meth:`Transport.read_small` returns beside the bytes: the blocks' checksums as they
-    landed where ``verify`` and one differs from the handle's, else None (nothing to check)."""
-    if not verify or digests is None or tuple(digests) == handle.checksums:
+def unverified(digests: Optional[list[int]], handle: KVHandle, verify: bool, pool: "KVPool",
+               block_ids: list[int]) -> Optional[list[int]]:
+    """What :meth:`Transport.read_small` returns beside the bytes: with ``verify``, the blocks'
+    checksums as they landed (``digests``; hashed now where the read did not) where one
+    differs from the handle's; else None (nothing left to check)."""
+    if not verify:
         return None
-    return digests
+    if digests is None:
+        from ..integrity import block_checksums
+        digests = block_checksums(pool, block_ids)
+    return None if tuple(digests) == handle.checksums else digests
 
 
 class Transport(abc.ABC):
@@ -364,8 +374,8 @@ class Transport(abc.ABC):
 
         ``claim`` names the lease claimer and fence the read is made under (leased handles)."""
 
-    def read_small(self, url: str, handle: KVHandle, pool: "KVPool", block_ids: list[int],
-                   verify: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+    def read_small(self, url: str, handle: KVHandle, pool: "KVPool", block_ids: list[int], verify: bool,
+                   gens: list[int]) -> Optional[tuple[int, Optional[list[int]]]]:
         """Optional fast path for the most common read: all of an unleased handle's blocks into
         whole ``block_ids`` of a host pool (checked by the caller; tcp: up to 64 KiB, shm: a
         one-sided read of any size). Returns the bytes moved and None where nothing is left to
@@ -373,8 +383,8 @@ class Transport(abc.ABC):
         or, where one differs, each block's checksum as it landed (see :func:`unverified`);
         None where this transport has no such path for this read (:meth:`read` then). Raises
         as :meth:`read` does, and PoolError (:func:`~kvbridge.pool.retired_during`) where a
-        destination block's generation moved while it ran (:func:`generations_held`): whatever
-        it returns or raises else, the blocks are still the caller's."""
+        destination block's generation is no longer the one in ``gens`` (the caller's snapshot,
+        taken before) when it ends (:func:`generations_held`)."""
         return None
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,

@@ -483,13 +483,14 @@ class ShmTransport(Transport):
 
     def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, pool: KVPool, block_ids: Sequence[int],
                   want: bool, expect: Optional[tuple[int, ...]] = None,
-                  dst_gens: Optional[list[int]] = None) -> tuple[bool, Optional[list[int]]]:
+                  dst_gens: Optional[tuple[list[int], list[int]]] = None) -> tuple[bool, Optional[list[int]]]:
         """``blockcopy.shm_read``: the handle live in the table and its generations as issued,
         the copy into ``block_ids`` (hashed as it lands when ``want``), both again -- one C call.
         (True, the digests -- None unhashed, or equal to ``expect`` where given) once read;
         (False, None) where it cannot vouch for the read (nothing written, or the sender is gone:
         MAP/DONE then answers); StaleHandle where the blocks changed meanwhile; with
-        ``dst_gens`` (the pool's live generations), PoolError where a destination block's moved."""
+        ``dst_gens`` (the pool's live list, the destination blocks' generations as the caller
+        began), PoolError where one is not as it began after the copy."""
         after = self.after_copy
         bufs = pool.buffers               # held across the C call, as the mapping (its view, pinned there)
         assert _shm_read is not None
@@ -554,8 +555,8 @@ class ShmTransport(Transport):
         return int(self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim), move,
                                   Kind.DONE, f"map {url}"))
 
-    def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int],
-                   verify: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+    def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int], verify: bool,
+                   gens: list[int]) -> Optional[tuple[int, Optional[list[int]]]]:
         """The one-sided read of a whole handle from a sender already mapped (any size: it sends
         nothing); None where it cannot vouch for the read (then :meth:`read` and MAP/DONE)."""
         m = self._senders.get(url)
@@ -563,13 +564,13 @@ class ShmTransport(Transport):
             return None
         if _shm_read is not None and _blockwise(m, pool, block_ids, handle.num_blocks):
             read, sums = self._shm_read(url, m, handle, pool, block_ids, verify, handle.checksums if verify else None,
-                                        pool.live_generations)
+                                        (pool.live_generations, gens))
             return (len(block_ids) * pool.layout.block_nbytes, sums) if read else None
         dst = Spans(pool, None, block_ids)
         dst.want_digests = verify
-        n = generations_held(pool, block_ids, handle.request_id,
+        n = generations_held(pool, block_ids, gens, handle.request_id,
                              lambda: self._read_one_sided(url, m, handle, dst, None))
-        return None if n is None else (n, unverified(dst.digests, handle, verify))
+        return None if n is None else (n, unverified(dst.digests, handle, verify, pool, block_ids))
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:

@@ -1,13 +1,13 @@
 """shm:// one-sided reads: the live-handle table and the reader's view of a sender.
 
 A sender's shm endpoint keeps, in a shared-memory segment of its own, a table of the
-whole raw handles it serves: one 32-byte slot per live handle, holding a 16-byte key of the
-handle's exact bytes (their XXH3-128) and a sequence number (odd: live). Together with the
+whole raw handles it serves: one 32-byte slot per live handle, holding a 16-byte BLAKE2b
+digest of the handle's exact bytes and a sequence number (odd: live). Together with the
 per-block generations that a shared :class:`~kvbridge.pool.KVPool` mirrors into its
 segment, it lets a reader that mapped both (once, over the control channel) do what a
 MAP/DONE exchange did, with no message:
 
-1. the handle's key is in the table and live (the bytes are exactly what the sender
+1. the handle's digest is in the table and live (the bytes are exactly what the sender
    issued -- token and MAC included -- and the handle has not ended), and every block's
    generation equals the handle's;
 2. copy the blocks out of the mapped pool;
@@ -23,12 +23,12 @@ answered). The argument needs stores to become visible in program order and load
 to pass loads (x86-64's TSO); elsewhere :data:`ONE_SIDED` is False and every read takes
 the MAP/DONE exchange.
 
-The key tells the handles a sender issued from any other bytes (a stale, altered or
-truncated handle); it is not what keeps a reader out. A reader that can look a key up has
-mapped the sender's whole pool read-only, after OPEN checked a genuine handle and its token,
-so a handle forged to collide with a live key could reach no byte that reader cannot read
-already. A non-cryptographic 128-bit hash is enough for that, and the one-sided read
-computes it in the same C call as the copy (``blockcopy.shm_read``).
+The digest stands in for the sender's own check of the bytes (the MAC and token, or the
+comparison with those issued): a receiver without the secret never checks a MAC, and a
+handle may come from anyone, so the key must be one that no other bytes can be made to
+match, knowing a genuine handle or not -- a cryptographic hash (BLAKE2b-128: no second
+preimage is within reach), computed by the one-sided read's C call itself
+(``blockcopy.shm_read``, the same bytes as :func:`digest`).
 
 Anything the fast path cannot vouch for -- a handle not in the table (layer-wise, coded,
 table full, ended, forged), a generation already moved, a bad index -- goes to the
@@ -37,6 +37,7 @@ MAP/DONE exchange, so refusals keep their exact error from the sender.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -46,8 +47,6 @@ import struct
 import threading
 from typing import Any, Optional
 
-import xxhash
-
 from ..errors import ConfigError, ProtocolError
 from ..blockcopy import pack_planes
 from ..layout import KVLayout
@@ -56,7 +55,7 @@ from ..pool import GEN_SIZE, SharedSegment
 __all__ = ["ONE_SIDED", "HandleTable", "SenderMap", "digest"]
 
 ONE_SIDED = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-MAGIC = b"KVBTAB2\0"     # 2: keys are XXH3-128 (1: BLAKE2b-128)
+MAGIC = b"KVBTAB1\0"
 HEAD = struct.Struct("=8sI")
 HEAD_SIZE = 64
 SLOT = 32            # u32 seq | u32 pad | 16-byte digest | pad
@@ -67,8 +66,8 @@ MAX_SLOTS = 1 << 20
 
 
 def digest(raw: bytes) -> bytes:
-    """A handle's key in the table: XXH3-128 of its bytes, canonical (big-endian) form."""
-    return xxhash.xxh3_128_digest(raw)
+    """A handle's key in the table: BLAKE2b-128 of its bytes."""
+    return hashlib.blake2b(raw, digest_size=16).digest()
 
 
 def _home(d: bytes, n: int) -> int:

@@ -287,15 +287,15 @@ class TCPTransport(Transport):
         client.put_back(sock)
         return n
 
-    def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int],
-                   verify: bool) -> Optional[tuple[int, Optional[list[int]]]]:
+    def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int], verify: bool,
+                   gens: list[int]) -> Optional[tuple[int, Optional[list[int]]]]:
         nbytes = len(block_ids) * pool.layout.block_nbytes
         if nbytes > SMALL_READ or blockcopy.read_small is None or not pool.is_host:
             return None
         payload = encode_request(handle.to_bytes(), None, None)
-        _, sums = generations_held(pool, block_ids, handle.request_id, lambda: self._small(
+        _, sums = generations_held(pool, block_ids, gens, handle.request_id, lambda: self._small(
             self._client(url), url, payload, pool, block_ids, nbytes, verify, None))
-        return nbytes, unverified(sums, handle, verify)
+        return nbytes, unverified(sums, handle, verify, pool, block_ids)
 
     @staticmethod
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,

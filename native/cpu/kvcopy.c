@@ -61,7 +61,7 @@
  *   shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between)
  *            -> (code, digests | None)
  *       shm:// one-sided reads in one call (kvbridge/transports/shmtable.py): the handle's
- *       key (XXH3-128 of its bytes) live in the sender's table and its blocks' generations as
+ *       digest (BLAKE2b-128 of its bytes) live in the sender's table and its blocks' generations as
  *       issued, the copy (and hash), then the destination's generations, the same slot
  *       sequence and the source generations again; digests equal to `expect` come back as
  *       None. Code 0: copied and still the handle's; 1: not vouched for, nothing written; 2:
@@ -90,6 +90,7 @@
 #include "xxhash.h"
 #endif
 #include "copyhash.h"
+#include "blake2b.h"
 
 #ifndef CHUNK
 #define CHUNK (64 * 1024)
@@ -618,15 +619,15 @@ static void put_be(unsigned char *p, uint64_t v, int n) {
         p[i] = (unsigned char)(v & 0xff);
 }
 
-/* 1 when `gens` (the pool's list) holds `want` (a tuple) at `ids`; 0 otherwise; -1 on error */
+/* 1 when `gens` (the pool's list) holds `want` (a tuple or a list) at `ids`; 0 otherwise; -1 on error */
 static int same_gens(PyObject *gens, const int64_t *ids, Py_ssize_t n, PyObject *want) {
-    if (!PyTuple_Check(want) || PyTuple_GET_SIZE(want) != n)
+    if (!(PyTuple_Check(want) || PyList_Check(want)) || PySequence_Fast_GET_SIZE(want) != n)
         return 0;
     for (Py_ssize_t k = 0; k < n; k++) {
         if (ids[k] >= PyList_GET_SIZE(gens))
             return 0;
         unsigned long long a = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(gens, ids[k]));
-        unsigned long long b = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(want, k));
+        unsigned long long b = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(want, k));
         if (PyErr_Occurred())
             return -1;
         if (a != b)
@@ -979,13 +980,14 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
  *     -> (code, digests | None)
  * The one-sided read of kvbridge/transports/shmtable.py in one call. `mapping` is the reader's
  * view of one sender, made once: (table, nslots, gens, src_planes, part, pin). The handle whose
- * bytes are `raw` -- its key, their XXH3-128 (canonical, big-endian), live in the sender's
+ * bytes are `raw` -- their BLAKE2b-128 digest (blake2b.c) live in the sender's
  * `table` (nslots slots) -- and whose blocks `ids` still hold generations `want` in `gens` is
  * copied from `src_planes` (the mapped pool) into `dst_ids` of `dst_planes` (hashed as it lands
  * when `hash`), then the slot's sequence number and every generation are read again. `pin` (the
  * mapping's memoryview) is held for the call; `expect`, if a tuple, is the handle's checksums:
- * digests equal to them come back as None (copy_core); `dst_gens`, if a list, is the
- * destination pool's generations, taken at the start and compared at the end; `between`, if not
+ * digests equal to them come back as None (copy_core); `dst_gens`, if not None, is (the
+ * destination pool's generation list, the destination blocks' generations as the caller
+ * began), compared after the copy; `between`, if not
  * None, is called after the copy and before the second look (tests). Codes:
  *   0  copied, and nothing changed: the digests (or None);
  *   1  not vouched for (not in the table, a generation already moved): nothing was written;
@@ -1002,15 +1004,20 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
                           &didobj, &hash, &expect, &dgobj, &between) ||
         !PyArg_ParseTuple(mapobj, "OnOOLO", &tobj, &nslots, &gobj, &spobj, &part, &pinobj))
         return NULL;
-    if (dgobj != Py_None && !PyList_Check(dgobj)) {
-        PyErr_SetString(PyExc_TypeError, "shm_read: dst_gens must be a list or None");
-        return NULL;
+    PyObject *dlive = NULL, *dwant = NULL;
+    if (dgobj != Py_None) {
+        if (!PyTuple_Check(dgobj) || PyTuple_GET_SIZE(dgobj) != 2 || !PyList_Check(PyTuple_GET_ITEM(dgobj, 0))) {
+            PyErr_SetString(PyExc_TypeError, "shm_read: dst_gens must be None or (pool list, generations)");
+            return NULL;
+        }
+        dlive = PyTuple_GET_ITEM(dgobj, 0);
+        dwant = PyTuple_GET_ITEM(dgobj, 1);
     }
     Py_buffer tb = {0}, gb = {0}, pin = {0};
     planes_t dp = {NULL, 0}, sp = {NULL, 0};
     int64_t *did = NULL, *sid = NULL;
     uint32_t *want = NULL;
-    PyObject *res = NULL, *digests = NULL, *wt = NULL, *dsnap = NULL;
+    PyObject *res = NULL, *digests = NULL, *wt = NULL;
     if (PyObject_GetBuffer(pinobj, &pin, PyBUF_SIMPLE) < 0)
         return NULL;
     if (PyObject_GetBuffer(tobj, &tb, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(gobj, &gb, PyBUF_SIMPLE) < 0)
@@ -1035,19 +1042,6 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
         goto done;
     }
-    if (dgobj != Py_None) {                        /* the destination's generations as the read starts */
-        if ((dsnap = PyTuple_New(nd)) == NULL)
-            goto done;
-        for (Py_ssize_t k = 0; k < nd; k++) {
-            if (did[k] >= PyList_GET_SIZE(dgobj)) {
-                PyErr_SetString(PyExc_ValueError, "shm_read: a destination block outside dst_gens");
-                goto done;
-            }
-            PyObject *v = PyList_GET_ITEM(dgobj, did[k]);
-            Py_INCREF(v);
-            PyTuple_SET_ITEM(dsnap, k, v);
-        }
-    }
     want = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(uint32_t));
     if (want == NULL) {
         PyErr_NoMemory();
@@ -1064,9 +1058,8 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         want[k] = (uint32_t)v;
     }
     /* 1. live in the table, exactly these bytes; every block still the handle's */
-    XXH128_canonical_t key;
-    XXH128_canonicalFromHash(&key, XXH3_128bits(raw, (size_t)rawlen));
-    const unsigned char *dg = key.digest;
+    unsigned char dg[16];
+    kvb_blake2b(dg, sizeof dg, raw, (size_t)rawlen);
     const unsigned char *table = tb.buf, *gens = gb.buf;
     Py_ssize_t nblocks = gb.len / 4;
     uint32_t home = ((uint32_t)dg[0] | (uint32_t)dg[1] << 8 | (uint32_t)dg[2] << 16 | (uint32_t)dg[3] << 24) &
@@ -1097,7 +1090,7 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
     }
     /* 3. the destination still this read's; the same slot sequence and generations after the
      *    copy: no byte came from a reuse */
-    int mine = dsnap == NULL ? 1 : same_gens(dgobj, did, nd, dsnap);
+    int mine = dlive == NULL ? 1 : same_gens(dlive, did, nd, dwant);
     if (mine < 0)
         goto done;
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
@@ -1110,7 +1103,6 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
 done:
     Py_XDECREF(digests);
     Py_XDECREF(wt);
-    Py_XDECREF(dsnap);
     PyMem_Free(want);
     PyMem_Free(did);
     PyMem_Free(sid);
@@ -1122,6 +1114,18 @@ done:
         PyBuffer_Release(&tb);
     PyBuffer_Release(&pin);
     return res;
+}
+
+/* blake2b_128(data) -> 16 bytes: the digest shm_read keys the table with (tests hold it to hashlib's) */
+static PyObject *blake2b_128(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_buffer in;
+    if (!PyArg_ParseTuple(args, "y*", &in))
+        return NULL;
+    unsigned char out[16];
+    kvb_blake2b(out, sizeof out, in.buf, (size_t)in.len);
+    PyBuffer_Release(&in);
+    return PyBytes_FromStringAndSize((const char *)out, sizeof out);
 }
 
 static PyMethodDef methods[] = {
@@ -1146,6 +1150,8 @@ static PyMethodDef methods[] = {
     {"recv_blocks", recv_blocks, METH_VARARGS,
      "recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests): a DATA reply's "
      "block bytes received straight into the blocks, each block hashed as its pieces land"},
+    {"blake2b_128", blake2b_128, METH_VARARGS,
+     "blake2b_128(data) -> the 16-byte BLAKE2b digest shm_read keys the live-handle table with"},
     {"shm_read", shm_read, METH_VARARGS,
      "shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between) "
      "-> (code, digests): an shm one-sided read checked, copied and checked again in one call"},

@@ -222,16 +222,21 @@ def test_the_c_one_sided_read_checks_table_and_generations_before_writing(pair: 
         assert read(raw, h.generations, expect) == (0, list(h.checksums)), expect
 
 
-def test_the_table_key_is_xxh3_128_of_the_handle_bytes(pair: Pair) -> None:
-    """The sender's table (keyed in Python) and the reader's C call (keying in C) agree: the key
-    is the canonical XXH3-128 of the handle's bytes, and the C call finds the slot the sender wrote."""
+def test_the_table_key_is_the_blake2b_digest_of_the_handle_bytes(pair: Pair) -> None:
+    """The C call keys the table as the sender (hashlib) does: BLAKE2b-128 of the handle's bytes,
+    equal to hashlib's for every length around its 128-byte blocks, and the C call finds the
+    slot the sender wrote."""
+    import hashlib
+    import os
     from kvbridge import blockcopy
     from kvbridge.blockcopy import planes
     from kvbridge.transports import shmtable
     if blockcopy.shm_read is None:
         pytest.skip("the extension is not built")
-    import xxhash
-    assert shmtable.digest(b"kvbridge") == xxhash.xxh3_128(b"kvbridge").digest()
+    from kvbridge import _kvcopy
+    for n in [*range(0, 300), 383, 384, 385, 1000, 4096, 10_000]:
+        data = os.urandom(n)
+        assert _kvcopy.blake2b_128(data) == hashlib.blake2b(data, digest_size=16).digest() == shmtable.digest(data), n
     assert pair.rcv.fetch(pair.publish([5]), [9]).ok               # mapping open
     h = pair.publish([2])
     m = pair.tr._senders[pair.snd.url]

@@ -370,3 +370,62 @@ def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(monkeypatch
         res = rcv.fetch(h, [5, 6])
         assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
         assert res.failed_block_ids == [5, 6] and calls == [1] and res.attempts == 1
+
+
+@pytest.mark.parametrize("then", ["retry", "refetch"])
+def test_a_fallback_holds_to_the_generations_of_the_fetch_start(monkeypatch: pytest.MonkeyPatch, then: str) -> None:
+    """A destination block freed just after read_small checked it, before the pipeline takes
+    over (a retry after a failed read, a refetch after a bad digest): the pipeline compares with
+    the generations of the fetch's start, so the fetch fails with PoolError, not ok."""
+    from kvbridge.errors import PeerUnavailable
+    src, dst = _pools()
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        h = snd.publish("moved", [2, 3], 8)
+
+        def freed_after(got: Any, n: int) -> Any:
+            dst._gens[6] += 1                              # another thread frees block 6 right then
+            if then == "retry":
+                raise PeerUnavailable("the sender went away")
+            return got[0], [h.checksums[0], h.checksums[1] ^ 1]
+
+        _after_read_small(monkeypatch, rcv, snd.url, freed_after)
+        res = rcv.fetch(h, [5, 6])
+        assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
+        assert res.failed_block_ids == [5, 6]
+
+
+def test_generations_held_and_unverified() -> None:
+    """The two helpers of Transport.read_small: a moved generation turns any outcome but an
+    interrupt into PoolError; a read that did not hash is hashed before it counts as verified."""
+    from kvbridge.errors import PoolError
+    from kvbridge.integrity import block_checksums
+    from kvbridge.transports.base import generations_held, unverified
+    src, dst = _pools()
+    gens = dst.generations([5, 6])
+    assert generations_held(dst, [5, 6], gens, "r", lambda: 7) == 7
+
+    def boom() -> None:
+        raise ValueError("read failed")
+    with pytest.raises(ValueError):
+        generations_held(dst, [5, 6], gens, "r", boom)
+
+    def moved(exc: Optional[BaseException]) -> Any:
+        def read() -> int:
+            dst._gens[5] += 1
+            if exc is not None:
+                raise exc
+            return 7
+        return read
+    for exc in (None, ValueError("read failed")):
+        with pytest.raises(PoolError, match="freed or retired"):
+            generations_held(dst, [5, 6], dst.generations([5, 6]), "r", moved(exc))
+    with pytest.raises(KeyboardInterrupt):
+        generations_held(dst, [5, 6], dst.generations([5, 6]), "r", moved(KeyboardInterrupt()))
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("u", [2, 3], 8)
+    for b in dst.buffers:
+        b.view(-1).view(torch.uint8).zero_()
+    assert unverified(None, h, False, dst, [5, 6]) is None
+    landed = block_checksums(dst, [5, 6])
+    assert unverified(None, h, True, dst, [5, 6]) == landed != list(h.checksums)   # hashed now, and differs
+    assert unverified(list(h.checksums), h, True, dst, [5, 6]) is None
