@@ -604,13 +604,17 @@ class SocketClient:
 class _Flusher:
     """One daemon thread per process that sends deferred releases no request has carried
     within ``RELEASE_LINGER`` (twice that when every connection was busy at the first visit):
-    a released handle's blocks are freed at most that much later."""
+    a released handle's blocks are freed at most that much later. While releases keep coming
+    it wakes every linger by itself; only once nothing is due does it wait to be woken, so a
+    release costs its caller a lock and an append, not a wake-up of this thread every linger."""
 
     def __init__(self, linger: float = RELEASE_LINGER) -> None:
         self.linger = linger
         self._lock = threading.Lock()
         self._due: list[SocketClient] = []
         self._wake = threading.Event()
+        self._waiting = self._recent = False          # the thread waits on _wake (both set under _lock)
+        self._recent = False           # schedule() was called since the thread last looked
         self._thread: Optional[threading.Thread] = None
 
     def schedule(self, client: SocketClient) -> None:
@@ -619,13 +623,21 @@ class _Flusher:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvbridge-release-flush", daemon=True)
                 self._thread.start()
-        self._wake.set()
+            wake, self._waiting, self._recent = self._waiting, False, True
+        if wake:
+            self._wake.set()
 
     def _loop(self) -> None:
         while True:
-            self._wake.wait()
+            with self._lock:           # cleared under the lock that schedule() sets it after: no lost wake-up
+                if not self._due and not self._recent:     # a whole linger without a release
+                    self._waiting = True
+                    self._wake.clear()
+                self._recent = False
+                waiting = self._waiting
+            if waiting:
+                self._wake.wait()
             time.sleep(self.linger)
-            self._wake.clear()
             try:
                 self.flush_all()
             except Exception:      # never let one bad client stop every later release
@@ -639,13 +651,13 @@ class _Flusher:
         later = [c for c in dict.fromkeys(due) if not c.flush(idle_only=not final)]
         if later:
             with self._lock:
-                self._due.extend(later)
-            self._wake.set()
+                self._due.extend(later)     # the loop finds them due: no wake-up needed
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
         self._due, self._thread = [], None
         self._wake = threading.Event()
+        self._waiting = False
 
 
 _FLUSHER = _Flusher()

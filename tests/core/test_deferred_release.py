@@ -176,3 +176,49 @@ def test_a_malformed_releases_frame_ends_nothing_and_keeps_the_connection():
             kind, rid, n = unpack_header(recv_exact(conn, HEADER.size))
             assert (kind, rid) == (Kind.PONG, 10)
             assert snd.num_live == 2 and src.refcount(2) == 0 and src.refcount(1) == 1
+
+
+class _Client:
+    """What the flusher asks of a client: flush, counted."""
+
+    def __init__(self) -> None:
+        self.flushes = 0
+
+    def flush(self, idle_only: bool = False) -> bool:
+        self.flushes += 1
+        return True
+
+
+class _CountedEvent(threading.Event):
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_the_flusher_is_woken_only_from_waiting() -> None:
+    """Releases that keep coming cost no wake-up of the flusher per linger (it wakes itself while
+    something is due); one after a quiet spell wakes it, and nothing scheduled is left unsent."""
+    fl = sockets._Flusher(linger=0.005)
+    fl._wake = ev = _CountedEvent()
+    c = _Client()
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:                  # a release every millisecond: 60 lingers
+        fl.schedule(c)
+        time.sleep(0.001)
+    deadline = time.monotonic() + 5
+    while fl._due and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not fl._due and c.flushes >= 20
+    assert ev.sets <= 10, ev.sets                  # the first, and a few gaps a busy machine left in the sleeps
+    for _ in range(5):                             # after a quiet spell, each is sent within a few lingers
+        time.sleep(0.03)
+        before = c.flushes
+        fl.schedule(c)
+        deadline = time.monotonic() + 5
+        while c.flushes == before and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert c.flushes == before + 1
