@@ -565,8 +565,8 @@ class KVReceiver:
             got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
         except KVBridgeError as exc:
             return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
-        if got is None:
-            return None
+        if got is None:                     # no fast path, or it could not vouch: the pipeline, held to `gens`
+            return self._pull(None, self._job(h, dst, release, gens, t0))
         if got[1] is not None:              # a checksum differs: the pipeline refetches or refuses
             return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
         if release:

@@ -51,6 +51,7 @@ from ..blockcopy import copy_blocks, planes
 from ..blockcopy import shm_read as _shm_read
 from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle, TransferCancelled
 from ..handle import KVHandle
+from ..integrity import block_checksums
 from ..lease.base import Claim
 from ..policy import Timeout
 from ..pool import KVPool, SharedSegment, retired_during
@@ -563,13 +564,18 @@ class ShmTransport(Transport):
         if m is None or not ONE_SIDED or not pool.is_host or handle.layerwise or handle.codec != "raw":
             return None
         if _shm_read is not None and _blockwise(m, pool, block_ids, handle.num_blocks):
-            read, sums = self._shm_read(url, m, handle, pool, block_ids, verify, handle.checksums if verify else None,
+            done, sums = self._shm_read(url, m, handle, pool, block_ids, verify, handle.checksums if verify else None,
                                         (pool.live_generations, gens))
-            return (len(block_ids) * pool.layout.block_nbytes, sums) if read else None
+            return (len(block_ids) * pool.layout.block_nbytes, sums) if done else None
         dst = Spans(pool, None, block_ids)
         dst.want_digests = verify
-        n = generations_held(pool, block_ids, gens, handle.request_id,
-                             lambda: self._read_one_sided(url, m, handle, dst, None))
+
+        def one_sided() -> Optional[int]:
+            got = self._read_one_sided(url, m, handle, dst, None)
+            if got is not None and verify and dst.digests is None:    # copied unhashed: hash it now,
+                dst.digests = block_checksums(pool, block_ids)         # while the blocks are still the fetch's
+            return got
+        n = generations_held(pool, block_ids, gens, handle.request_id, one_sided)
         return None if n is None else (n, unverified(dst.digests, handle, verify, pool, block_ids))
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,

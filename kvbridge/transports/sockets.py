@@ -613,7 +613,7 @@ class _Flusher:
         self._lock = threading.Lock()
         self._due: list[SocketClient] = []
         self._wake = threading.Event()
-        self._waiting = self._recent = False          # the thread waits on _wake (both set under _lock)
+        self._waiting = False          # the thread waits on _wake (both set under _lock)
         self._recent = False           # schedule() was called since the thread last looked
         self._thread: Optional[threading.Thread] = None
 
@@ -651,13 +651,16 @@ class _Flusher:
         later = [c for c in dict.fromkeys(due) if not c.flush(idle_only=not final)]
         if later:
             with self._lock:
-                self._due.extend(later)     # the loop finds them due: no wake-up needed
+                self._due.extend(later)     # the loop finds them due (and wakes if it waits)
+                wake, self._waiting = self._waiting, False
+            if wake:
+                self._wake.set()
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
         self._due, self._thread = [], None
         self._wake = threading.Event()
-        self._waiting = False
+        self._waiting = self._recent = False
 
 
 _FLUSHER = _Flusher()

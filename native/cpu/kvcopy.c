@@ -66,8 +66,8 @@
  *       sequence and the source generations again; digests equal to `expect` come back as
  *       None. Code 0: copied and still the handle's; 1: not vouched for, nothing written; 2:
  *       the source changed during the copy, the bytes landed are not the handle's; 3: a
- *       destination block changed during the copy. Loads of the table and generations are
- *       acquire loads.
+ *       destination block's generation is not the caller's snapshot after the copy. Loads of
+ *       the table and generations are acquire loads.
  *
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
@@ -1041,6 +1041,21 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
     if (nd != ns || PyTuple_GET_SIZE(wt) != ns) {
         PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
         goto done;
+    }
+    if (dwant != NULL) {              /* the snapshot refused before anything is written, not after */
+        if (!(PyTuple_Check(dwant) || PyList_Check(dwant)) || PySequence_Fast_GET_SIZE(dwant) != nd) {
+            PyErr_SetString(PyExc_ValueError, "shm_read: one destination generation per destination block expected");
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < nd; k++) {
+            PyObject *g = PySequence_Fast_GET_ITEM(dwant, k);
+            unsigned long long v = PyLong_Check(g) ? PyLong_AsUnsignedLongLong(g) : (unsigned long long)-1;
+            if (!PyLong_Check(g) || (v == (unsigned long long)-1 && PyErr_Occurred())) {
+                PyErr_Clear();
+                PyErr_SetString(PyExc_ValueError, "shm_read: destination generations must be ints >= 0");
+                goto done;
+            }
+        }
     }
     want = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(uint32_t));
     if (want == NULL) {
