@@ -1,5 +1,6 @@
 """Build of kvbridge's one C extension, ``kvbridge._kvcopy`` (native/cpu/kvcopy.c): block
-copies and xxh3-64 checksums in one pass (and the BLAKE2b keys of shm's handle table). Everything else is in pyproject.toml. Where it
+copies and xxh3-64 checksums in one pass, and the BLAKE2b keys of shm's handle table.
+Everything else is in pyproject.toml. Where it
 cannot be built, kvbridge runs the same operations in Python (``KVBRIDGE_NO_NATIVE=1``
 chooses that path on purpose)."""
 

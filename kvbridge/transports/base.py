@@ -338,16 +338,14 @@ def generations_held(pool: "KVPool", block_ids: list[int], gens: list[int], requ
     return out
 
 
-def unverified(digests: Optional[list[int]], handle: KVHandle, verify: bool, pool: "KVPool",
-               block_ids: list[int]) -> Optional[list[int]]:
+def unverified(digests: Optional[list[int]], handle: KVHandle, verify: bool) -> Optional[list[int]]:
     """What :meth:`Transport.read_small` returns beside the bytes: with ``verify``, the blocks'
-    checksums as they landed (``digests``; hashed now where the read did not) where one
-    differs from the handle's; else None (nothing left to check)."""
+    checksums as they landed (``digests``, which a verified read must have taken, inside its
+    generation check) where one differs from the handle's; else None (nothing left to check)."""
     if not verify:
         return None
-    if digests is None:
-        from ..integrity import block_checksums
-        digests = block_checksums(pool, block_ids)
+    if digests is None:       # never counted as verified: the fetch fails instead
+        raise ProtocolError("a verified read landed without the blocks' checksums")
     return None if tuple(digests) == handle.checksums else digests
 
 

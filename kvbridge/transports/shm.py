@@ -576,7 +576,7 @@ class ShmTransport(Transport):
                 dst.digests = block_checksums(pool, block_ids)         # while the blocks are still the fetch's
             return got
         n = generations_held(pool, block_ids, gens, handle.request_id, one_sided)
-        return None if n is None else (n, unverified(dst.digests, handle, verify, pool, block_ids))
+        return None if n is None else (n, unverified(dst.digests, handle, verify))
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:

@@ -295,7 +295,7 @@ class TCPTransport(Transport):
         payload = encode_request(handle.to_bytes(), None, None)
         _, sums = generations_held(pool, block_ids, gens, handle.request_id, lambda: self._small(
             self._client(url), url, payload, pool, block_ids, nbytes, verify, None))
-        return nbytes, unverified(sums, handle, verify, pool, block_ids)
+        return nbytes, unverified(sums, handle, verify)
 
     @staticmethod
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,

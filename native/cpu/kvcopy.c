@@ -992,7 +992,8 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
  *   0  copied, and nothing changed: the digests (or None);
  *   1  not vouched for (not in the table, a generation already moved): nothing was written;
  *   2  the source changed during the copy: the bytes landed are not the handle's;
- *   3  a destination block was freed or retired during the copy (checked before 2). */
+ *   3  a destination block's generation is not the caller's snapshot after the copy (checked
+ *      before 2: freed or reused since the caller began). */
 static PyObject *shm_read(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *mapobj, *tobj, *gobj, *idobj, *wantobj, *dpobj, *didobj, *spobj, *pinobj, *expect, *dgobj, *between;

@@ -399,7 +399,7 @@ def test_a_fallback_holds_to_the_generations_of_the_fetch_start(monkeypatch: pyt
 
 def test_generations_held_and_unverified() -> None:
     """The two helpers of Transport.read_small: a moved generation turns any outcome but an
-    interrupt into PoolError; a read that did not hash is hashed before it counts as verified."""
+    interrupt into PoolError; a read that did not hash never counts as verified."""
     from kvbridge.errors import PoolError
     from kvbridge.integrity import block_checksums
     from kvbridge.transports.base import generations_held, unverified
@@ -428,7 +428,9 @@ def test_generations_held_and_unverified() -> None:
         h = snd.publish("u", [2, 3], 8)
     for b in dst.buffers:
         b.view(-1).view(torch.uint8).zero_()
-    assert unverified(None, h, False, dst, [5, 6]) is None
+    assert unverified(None, h, False) is None
+    with pytest.raises(ProtocolError):                 # an unhashed read never counts as verified
+        unverified(None, h, True)
     landed = block_checksums(dst, [5, 6])
-    assert unverified(None, h, True, dst, [5, 6]) == landed != list(h.checksums)   # hashed now, and differs
-    assert unverified(list(h.checksums), h, True, dst, [5, 6]) is None
+    assert unverified(landed, h, True) == landed != list(h.checksums)   # differs: handed back
+    assert unverified(list(h.checksums), h, True) is None
