@@ -7,7 +7,9 @@ alike:
 - ``memmove``: ``ctypes.memmove`` of the block (the ceiling);
 - ``copy``: ``copy_blocks`` without a hash;
 - ``copy+hash``: ``copy_blocks`` with the xxh3 of what landed, the fastest path the extension
-  has here (one pass where ``_kvcopy.FUSED``);
+  has here (one pass where ``_kvcopy.FUSED``: with AVX-512F where it is 2);
+- ``copy+hash (AVX2)``: the same one pass with AVX2 registers (where ``FUSED`` is 2; where it is 1
+  this is the row above again);
 - ``copy then hash``: the same with the chunked path (copy 64 KiB, hash it while in cache);
 - ``hash``: ``hash_blocks`` of the block alone.
 
@@ -52,6 +54,7 @@ def main(argv: Any = None) -> dict[str, Any]:
             "memmove": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), size),
             "copy": lambda: copy_blocks(dp, [0], sp, [0], size, 0),
             "copy+hash": lambda: copy_blocks(dp, [0], sp, [0], size, 1),
+            "copy+hash (AVX2)": lambda: copy_blocks(dp, [0], sp, [0], size, 3),
             "copy then hash": lambda: copy_blocks(dp, [0], sp, [0], size, 2),
             "hash": lambda: hash_blocks(sp, [0], size, 1),
         }
@@ -73,8 +76,9 @@ def main(argv: Any = None) -> dict[str, Any]:
             for name in names:
                 samples[name].append(acc[name] / iters)
         want = copy_blocks(dp, [0], sp, [0], size, 1)
-        if want != copy_blocks(dp, [0], sp, [0], size, 2) or want != hash_blocks(sp, [0], size, 1):
-            raise AssertionError(f"{fmt_size(size)}: the two paths disagree")
+        if (want != copy_blocks(dp, [0], sp, [0], size, 2) or want != copy_blocks(dp, [0], sp, [0], size, 3)
+                or want != hash_blocks(sp, [0], size, 1)):
+            raise AssertionError(f"{fmt_size(size)}: the paths disagree")
         for name in names:
             ratios = [m / t for m, t in zip(samples["memmove"], samples[name])]
             rows.append({"size": size, "mode": name, "us": summarize([t * 1e6 for t in samples[name]]),

@@ -6,7 +6,9 @@
  * the accumulators are scrambled after every 16th; the last 64 bytes of the input (which
  * overlap the stripes before them) are accumulated once more with the secret at 121; the
  * accumulators merge into the digest with len * PRIME64_1. Here each stripe is loaded once,
- * stored to the destination and accumulated from the same registers (AVX2), so the copy costs
+ * stored to the destination and accumulated from the same registers (AVX2, or AVX-512F in one
+ * register where the CPU has it: half the instructions, which decides the speed once the bytes
+ * are in cache), so the copy costs
  * no second read of the bytes and its loads and stores overlap the hash's arithmetic. A stripe
  * split between two pieces is assembled from the bytes just written. Everything but the fused
  * stripe loop is xxHash's own code (XXH_INLINE_ALL: private to this file).
@@ -25,6 +27,10 @@
 #define STRIPE 64
 #define STRIPES_PER_BLOCK 16                       /* (secret size 192 - 64) / 8 */
 #define SECRET_SCRAMBLE (XXH_SECRET_DEFAULT_SIZE - STRIPE)
+/* Blocks from this size take the 512-bit pass where there is one: below it, the first 512-bit
+ * instructions after other work cost more than they save (4 KiB: ~0.3 us slower, measured with
+ * bench/copyhash.py --evict; 16 KiB: even). */
+#define WIDE_FROM (16u << 10)
 
 #ifdef KVB_AVX2
 /* `n` stripes from src to dst, accumulated as xxHash's AVX2 XXH3_accumulate_512 does, the
@@ -62,6 +68,44 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, char *ds
     _mm256_storeu_si256((__m256i *)acc, a0);
     _mm256_storeu_si256((__m256i *)(acc + 4), a1);
 }
+
+/* stripes_avx2 with one 512-bit register per stripe, as xxHash's XXH3_accumulate_512_avx512
+ * and XXH3_scrambleAcc_avx512 do: half the instructions per stripe, the same results. Whole
+ * xxh3 blocks (16 stripes from a scramble) are unrolled, so their secret offsets are constants. */
+__attribute__((target("avx512f"))) static inline __m512i stripe_avx512(__m512i a, char *dst, const char *src,
+                                                                      const unsigned char *key) {
+    __m512i d = _mm512_loadu_si512((const void *)src);
+    _mm512_storeu_si512((void *)dst, d);
+    __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512((const void *)key));
+    __m512i p = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
+    return _mm512_add_epi64(p, _mm512_add_epi64(a, _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+}
+
+__attribute__((target("avx512f"))) static void stripes_avx512(uint64_t *acc, char *dst, const char *src,
+                                                             size_t n, size_t k) {
+    __m512i a = _mm512_loadu_si512((const void *)acc);
+    const unsigned char *secret = XXH3_kSecret;
+    const __m512i prime32 = _mm512_set1_epi32((int)XXH_PRIME32_1);
+    const __m512i scramble = _mm512_loadu_si512((const void *)(secret + SECRET_SCRAMBLE));
+    while (n) {
+        size_t m = 1;
+        if (k % STRIPES_PER_BLOCK == 0 && n >= STRIPES_PER_BLOCK) {
+            m = STRIPES_PER_BLOCK;
+#pragma GCC unroll 16
+            for (int j = 0; j < STRIPES_PER_BLOCK; j++)
+                a = stripe_avx512(a, dst + j * STRIPE, src + j * STRIPE, secret + j * 8);
+        } else {
+            a = stripe_avx512(a, dst, src, secret + (k % STRIPES_PER_BLOCK) * 8);
+        }
+        k += m, n -= m, src += m * STRIPE, dst += m * STRIPE;
+        if (k % STRIPES_PER_BLOCK == 0) {                       /* XXH3_scrambleAcc_avx512 */
+            __m512i x = _mm512_xor_si512(_mm512_xor_si512(a, _mm512_srli_epi64(a, 47)), scramble);
+            a = _mm512_add_epi64(_mm512_mul_epu32(x, prime32),
+                                 _mm512_slli_epi64(_mm512_mul_epu32(_mm512_srli_epi64(x, 32), prime32), 32));
+        }
+    }
+    _mm512_storeu_si512((void *)acc, a);
+}
 #endif
 
 int kvb_copy_hash_fused(void) {
@@ -69,7 +113,7 @@ int kvb_copy_hash_fused(void) {
     static int have = -1;
     if (have < 0) {
         __builtin_cpu_init();
-        have = __builtin_cpu_supports("avx2") ? 1 : 0;
+        have = __builtin_cpu_supports("avx512f") ? 2 : __builtin_cpu_supports("avx2") ? 1 : 0;
     }
     return have;
 #else
@@ -84,9 +128,11 @@ static void stripe_scalar(uint64_t *acc, const unsigned char *p, size_t k) {
         XXH3_scrambleAcc_scalar(acc, XXH3_kSecret + SECRET_SCRAMBLE);
 }
 
-uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part) {
+uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part, int level) {
     const size_t len = np * part;
-    if (len <= 240 || !kvb_copy_hash_fused()) {   /* xxHash's short paths need the whole input */
+    if (level > kvb_copy_hash_fused())
+        level = kvb_copy_hash_fused();
+    if (len <= 240 || level <= 0) {   /* xxHash's short paths need the whole input */
         XXH3_state_t st;
         XXH3_64bits_reset(&st);
         for (size_t j = 0; j < np; j++) {
@@ -118,7 +164,10 @@ uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size
         if (whole > R - k)
             whole = R - k;
         if (whole) {
-            stripes_avx2(acc, d, s, whole, k);
+            if (level >= 2 && len >= WIDE_FROM)
+                stripes_avx512(acc, d, s, whole, k);
+            else
+                stripes_avx2(acc, d, s, whole, k);
             k += whole, s += whole * STRIPE, d += whole * STRIPE, n -= whole * STRIPE;
         }
         if (n) {                                       /* under a stripe, or past the last one */

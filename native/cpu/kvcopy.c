@@ -9,10 +9,12 @@
  *       group == number of planes, one checksum per block (kvbridge.integrity.block_checksums);
  *       with group == parts per layer, one per (layer, block) (layer_checksums).
  *   copy_blocks(dst_planes, dst_ids, src_planes, src_ids, part, hash) -> list[int] | None
- *       (`hash`: 0 none, 1 the fastest path, 2 the chunked path even where FUSED -- for the
- *       tests and bench/copyhash.py, which compare the two)
+ *       (`hash`: 0 none, 1 the fastest path, 2 the chunked path even where FUSED, 3 the one
+ *       pass with AVX2 even where AVX-512 runs -- for the tests and bench/copyhash.py, which
+ *       compare them)
  *       copy every block's parts from src to dst, plane by plane; with `hash`, also the xxh3-64
- *       of each block's bytes *as they landed in dst*: where FUSED (x86-64 with AVX2), in one
+ *       of each block's bytes *as they landed in dst*: where FUSED (x86-64 with AVX2: 1; with
+ *       AVX-512F: 2), in one
  *       pass -- each 64-byte stripe loaded once, stored and hashed from the same registers
  *       (copyhash.c), as fast as the copy alone; elsewhere chunk by chunk, each chunk hashed
  *       while it is still in cache (each byte is read from memory once).
@@ -282,7 +284,7 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
         }
     }
     /* one pass per block (copyhash.c) where the CPU allows and no part partly overlaps itself */
-    if (hash == 1 && kvb_copy_hash_fused() && part * dp->n > 240) {
+    if ((hash == 1 || hash == 3) && kvb_copy_hash_fused() && part * dp->n > 240) {
         dps = PyMem_Malloc((size_t)dp->n * sizeof(char *));
         sps = PyMem_Malloc((size_t)dp->n * sizeof(char *));
         if (dps == NULL || sps == NULL) {
@@ -302,7 +304,7 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
                     fused = 0;
             }
             if (fused) {
-                d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part);
+                d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, hash == 3 ? 1 : 2);
                 continue;
             }
         }
@@ -345,8 +347,8 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     int hash;
     if (!PyArg_ParseTuple(args, "OOOOLi", &dpobj, &didobj, &spobj, &sidobj, &part, &hash))
         return NULL;
-    if (hash < 0 || hash > 2) {
-        PyErr_SetString(PyExc_ValueError, "hash: 0 (none), 1 (hash) or 2 (hash, chunked path)");
+    if (hash < 0 || hash > 3) {
+        PyErr_SetString(PyExc_ValueError, "hash: 0 (none), 1 (hash), 2 (hash, chunked path) or 3 (hash, AVX2 pass)");
         return NULL;
     }
     planes_t dp, sp;
@@ -1181,7 +1183,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__kvcopy(void) {
     PyObject *m = PyModule_Create(&module);
-    /* FUSED: 1 where copies with a hash take one pass (copyhash.c: x86-64 with AVX2) */
+    /* FUSED: where copies with a hash take one pass (copyhash.c: x86-64), 1 with AVX2, 2 with AVX-512F */
     if (m != NULL && PyModule_AddIntConstant(m, "FUSED", kvb_copy_hash_fused()) < 0) {
         Py_DECREF(m);
         return NULL;

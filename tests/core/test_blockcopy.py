@@ -94,7 +94,8 @@ def test_one_pass_copy_and_hash_equals_xxhash_for_every_shape(part):
     """Copies with a hash take one pass where ``_kvcopy.FUSED`` (each 64-byte stripe loaded once,
     stored and hashed): the digest of every shape -- one to five parts, stripes split between
     parts, the last stripe overlapping, a block copied onto itself -- is xxhash's xxh3_64 of the
-    bytes, and the bytes land; so does the chunked path (hash=2), which runs where FUSED is 0."""
+    bytes, and the bytes land; so do the chunked path (hash=2), which runs where FUSED is 0, and
+    the AVX2 pass (hash=3), which runs where FUSED is 1 (hash=1 takes the AVX-512 one where FUSED is 2)."""
     if not blockcopy.NATIVE:
         pytest.skip("the extension is not built")
     rnd = random.Random(part)
@@ -104,11 +105,11 @@ def test_one_pass_copy_and_hash_equals_xxhash_for_every_shape(part):
         dsts = [torch.zeros(3 * part, dtype=torch.uint8) for _ in range(nplanes)]
         sp, dp = _raw_planes(srcs, part, 3), _raw_planes(dsts, part, 3)
         sid, did = rnd.sample(range(3), 2), rnd.sample(range(3), 2)
-        for fn in ("copy", "copy chunked", "scatter"):
+        for fn in ("copy", "copy chunked", "copy avx2", "scatter"):
             for t in dsts:
                 t.zero_()
-            if fn.startswith("copy"):       # hash=1: the fastest path here; 2: the chunked one
-                got = blockcopy.copy_blocks(dp, did, sp, sid, part, 2 if fn == "copy chunked" else 1)
+            if fn.startswith("copy"):       # hash=1: the fastest path here; 2: the chunked one; 3: AVX2's
+                got = blockcopy.copy_blocks(dp, did, sp, sid, part, {"copy": 1, "copy chunked": 2, "copy avx2": 3}[fn])
             else:
                 wire = b"".join(bytes(srcs[j][b * part:(b + 1) * part].numpy()) for j in range(nplanes) for b in sid)
                 got = blockcopy.scatter_blocks(dp, did, bytearray(wire), 0, part, True)
@@ -125,17 +126,18 @@ def test_one_pass_copy_and_hash_equals_xxhash_for_every_shape(part):
 
 
 def test_one_pass_copy_is_taken_where_the_cpu_allows():
-    """The one-pass kernel is what runs on x86-64 with AVX2 (this test then fails if it is not
-    built in); elsewhere the chunked path is the documented one."""
+    """The one-pass kernel is what runs on x86-64 with AVX2, in one 512-bit register per stripe
+    where the CPU has AVX-512F (this test then fails if it is not built in); elsewhere the
+    chunked path is the documented one."""
     if not blockcopy.NATIVE:
         pytest.skip("the extension is not built")
     from kvbridge import _kvcopy
     import platform
-    avx2 = "avx2" in open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else False
-    if platform.machine().lower() not in ("x86_64", "amd64") or not avx2:
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if platform.machine().lower() not in ("x86_64", "amd64") or "avx2" not in flags:
         assert _kvcopy.FUSED == 0
         pytest.skip("no AVX2 here: copies with a hash take the chunked path")
-    assert _kvcopy.FUSED == 1
+    assert _kvcopy.FUSED == (2 if "avx512f" in flags else 1)
 
 
 def test_one_pass_copy_of_parts_that_partly_overlap_takes_the_chunked_path():
