@@ -10,7 +10,8 @@ import sysconfig
 from setuptools import Extension, setup
 
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
-SOURCES = ["native/cpu/kvcopy.c", "native/cpu/copyhash.c", "native/cpu/blake2b.c", "native/cpu/xxhash/xxhash.c"]
+SOURCES = ["native/cpu/kvcopy.c", "native/cpu/copyhash.c", "native/cpu/blake2b.c", "native/cpu/dstids.c",
+           "native/cpu/xxhash/xxhash.c"]
 MACROS = [("XXH_NAMESPACE", "kvb_")]
 if X86:   # xxHash's runtime dispatch (SSE2/AVX2/AVX-512) needs baseline flags, no -march
     SOURCES.append("native/cpu/xxhash/xxh_x86dispatch.c")

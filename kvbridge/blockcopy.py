@@ -13,6 +13,8 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
 - :func:`gather_blocks` / :func:`scatter_blocks`: blocks to and from one buffer in canonical
   (wire) order -- plane by plane, ids in the order given -- for tcp:// small reads: the
   sender's reply is built in one buffer, the receiver's lands (and is hashed) in one pass.
+- :func:`dst_snapshot`: a fetch's destination ids checked (distinct ints in the pool) and their
+  generations taken, in one call.
 - ``read_small`` (extension only): a tcp:// small read's request sent, its reply received,
   checked and landed in one call; ``serve_small`` (extension only): the sender's side, a whole
   small read of an indexed handle checked, copied out, validated and answered in one call;
@@ -40,7 +42,8 @@ if TYPE_CHECKING:
     from .pool import KVPool
 
 __all__ = ["NATIVE", "planes", "pack_planes", "hash_blocks", "copy_blocks", "gather_blocks", "scatter_blocks",
-           "py_hash_blocks", "py_copy_blocks", "py_gather_blocks", "py_scatter_blocks"]
+           "dst_snapshot", "py_hash_blocks", "py_copy_blocks", "py_gather_blocks", "py_scatter_blocks",
+           "py_dst_snapshot"]
 
 _native: Any = None
 if not os.environ.get("KVBRIDGE_NO_NATIVE"):
@@ -195,7 +198,23 @@ def py_scatter_blocks(dst: bytes, dst_ids: Sequence[int], src: Any, offset: int,
     return out if hash else None
 
 
+def py_dst_snapshot(ids: Any, gens: list[int], n: int) -> Optional[tuple[list[int], list[int]]]:
+    """``n`` distinct ints (``int`` itself) in ``[0, len(gens))``, given as a list or tuple: a new
+    list of them and one of their generations in ``gens`` now; else None (the caller's long way
+    says what is wrong, or takes what only it takes)."""
+    if type(ids) not in (list, tuple) or len(ids) != n:
+        return None
+    nb = len(gens)
+    for b in ids:
+        if type(b) is not int or not 0 <= b < nb:
+            return None
+    if n > 1 and len(set(ids)) != n:
+        return None
+    return list(ids), [gens[b] for b in ids]
+
+
 hash_blocks = _native.hash_blocks if NATIVE else py_hash_blocks
+dst_snapshot = _native.dst_snapshot if NATIVE else py_dst_snapshot
 copy_blocks = _native.copy_blocks if NATIVE else py_copy_blocks
 gather_blocks = _native.gather_blocks if NATIVE else py_gather_blocks
 scatter_blocks = _native.scatter_blocks if NATIVE else py_scatter_blocks

@@ -42,6 +42,20 @@ from .layout import KVLayout, KVOrder
 __all__ = ["KVPool", "SharedSegment", "retired_during", "sweep_dead_segments"]
 
 _ALIGN = 4096
+
+
+def _page_aligned(alloc: Callable[..., torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A host buffer of ``shape`` that starts on a page boundary, as shared pools' buffers do.
+    Copies between two pools then keep the same offset within a page on both sides: a copy
+    (and hash) from a shared pool into a buffer one cache line past a page boundary -- where
+    torch's allocator puts large buffers -- ran at 0.7-0.8x of the aligned copy here
+    (``bench/copyhash.py --dst-offset``)."""
+    nbytes = dtype.itemsize
+    for d in shape:
+        nbytes *= d
+    raw = alloc(nbytes + _ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % _ALIGN
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
 GEN_SIZE = 4   # bytes per block in a shared pool's generation table (native-endian u32)
 TensorOrPair = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -205,7 +219,10 @@ class KVPool:
         shape = layout.buffer_shape(num_blocks)
         if not shared:
             alloc = torch.zeros if zero else torch.empty
-            bufs = [alloc(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_buffers)]
+            if device.type == "cpu":
+                bufs = [_page_aligned(alloc, shape, layout.torch_dtype) for _ in range(layout.num_buffers)]
+            else:
+                bufs = [alloc(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_buffers)]
             return cls(layout, bufs, num_blocks, allocator=allocator)
         if device.type != "cpu":
             raise ConfigError("shared=True pools live in host shared memory; use device='cpu'")

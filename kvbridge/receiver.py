@@ -39,6 +39,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
+from .blockcopy import dst_snapshot
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
                      LayoutMismatch, LeaseError, LeaseExpired, PeerUnavailable, PoolError, ProtocolError,
                      TransferCancelled, TransferTimeout, Unvouched)
@@ -241,7 +242,7 @@ class KVReceiver:
               landed: Optional[tuple[int, Optional[list[int]]]] = None) -> FetchResult:
         """The pipeline. ``t`` is None for a blocking fetch on the caller's thread (nothing
         to report progress to, nothing can cancel it). A whole read's first try, made by
-        :meth:`_fetch_small`, either ``failed`` or ``landed`` (bytes, digests): go on from there."""
+        :meth:`fetch`, either ``failed`` or ``landed`` (bytes, digests): go on from there."""
         try:
             if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled before it started")
@@ -540,34 +541,33 @@ class KVReceiver:
 
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
               indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
-        """Move the handle's blocks into ``dst_block_ids`` on this thread; the result."""
-        if indices is None and type(handle) is KVHandle and self.secret is None:
-            res = self._fetch_small(handle, dst_block_ids, release)
-            if res is not None:
-                return res
-        return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
+        """Move the handle's blocks into ``dst_block_ids`` on this thread; the result.
 
-    def _fetch_small(self, h: KVHandle, dst_block_ids: Sequence[int], release: bool) -> Optional[FetchResult]:
-        """The pipeline for the usual fetch -- a whole unleased raw handle whose transport moves
-        (and hashes) its host blocks in one piece (:meth:`Transport.read_small`) --
-        without its job, spans and stages; any other outcome than verified bytes on unchanged
-        blocks goes on in :meth:`_pull` from where it stands. None: not such a fetch."""
+        The usual fetch -- a whole unleased raw handle whose transport moves (and hashes) its
+        host blocks in one piece (:meth:`Transport.read_small`) -- runs here, in one frame,
+        without the pipeline's job, spans and stages; any other outcome than verified bytes on
+        unchanged blocks goes on in :meth:`_pull` from where it stands."""
+        h = handle
         pool = self.pool
-        if (h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
+        if (indices is not None or type(h) is not KVHandle or self.secret is not None
+                or h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
                 or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released):
-            return None                  # the pipeline serves it, or refuses it precisely
-        dst = self._check_dst(dst_block_ids, h.num_blocks)
+            return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
+        # the destination as the fetch begins: read_small and any fallback hold to these generations
+        got_dst = dst_snapshot(dst_block_ids, pool.live_generations, len(h.block_ids))
+        if got_dst is None:              # the pipeline's _check_dst says what is wrong with them
+            return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
+        dst, gens = got_dst
         url = h.urls[0]
-        gens = pool.generations(dst)          # as the fetch begins: read_small and any fallback hold to them
         t0 = time.perf_counter()
-        tr = self.transport(url)
+        tr = self._by_url.get(url) or self.transport(url)
         try:
             got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
         except KVBridgeError as exc:
             return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
-        if got is None:                     # no fast path, or it could not vouch: the pipeline, held to `gens`
-            return self._pull(None, self._job(h, dst, release, gens, t0))
-        if got[1] is not None:              # a checksum differs: the pipeline refetches or refuses
+        if got is None or got[1] is not None:
+            # no fast path, or it could not vouch: the pipeline, held to `gens`; or a checksum
+            # differs (`landed`): the pipeline refetches or refuses
             return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
         if release:
             try:
@@ -659,11 +659,13 @@ class KVReceiver:
         return False
 
     def _forget(self, handle: KVHandle) -> None:
-        """This receiver released ``handle`` (unleased): refuse it from now on."""
-        with self._lock:
-            self._released[handle.handle_id] = None
-            if len(self._released) > RELEASED_KEPT:
-                self._released.popitem(last=False)
+        """This receiver released ``handle`` (unleased): refuse it from now on. No lock: each
+        step is one OrderedDict operation, atomic under the GIL, and two threads trimming at
+        once only keep one handle fewer."""
+        released = self._released
+        released[handle.handle_id] = None
+        if len(released) > RELEASED_KEPT:
+            released.popitem(last=False)
 
     # -- push mode: reservations (this receiver is a BlockSink) ------------------------------
     def reserve(self, dst_block_ids: Sequence[int], request_id: str = "", *, num_tokens: Optional[int] = None,

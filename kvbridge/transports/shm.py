@@ -231,6 +231,9 @@ def _blockwise(m: SenderMap, pool: KVPool, dst_ids: Sequence[int], n: int) -> bo
     return len(dst_ids) == n and m.layout.compat_hash == pool.layout.compat_hash
 
 
+# what the one-call read takes of a destination pool: (pool, its buffers, its planes -- b"" where
+# whole blocks cannot be read into it in one call --, its generations list, bytes per block)
+Lane = tuple[Any, Any, bytes, list[int], int]
 LIVENESS_EVERY = 0.001   # seconds between two checks that a one-sided reader's sender is alive
 
 
@@ -470,7 +473,7 @@ class ShmTransport(Transport):
         if stale:
             dst.digests = None
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
-        return nbytes if self._alive(url, m) else None
+        return nbytes if time.monotonic() < m.poll_after or self._alive(url, m) else None
 
     def _read_native(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans) -> Optional[int]:
         """:meth:`_read_one_sided` of a whole handle into whole blocks of the same geometry in one
@@ -478,51 +481,74 @@ class ShmTransport(Transport):
         if dst.cancel is not None and dst.cancel.is_set():
             raise TransferCancelled("transfer cancelled")
         assert dst.block_ids is not None
-        read, dst.digests = self._shm_read(url, m, handle, dst.pool, dst.block_ids,
+        lane = self._lane(m, dst.pool)   # the caller saw whole blocks of the same geometry: lane[2] is set
+        read, dst.digests = self._shm_read(url, m, handle, lane, dst.block_ids,
                                            dst.want_digests or dst.verifier is not None)
         return dst.nbytes if read else None
 
-    def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, pool: KVPool, block_ids: Sequence[int],
-                  want: bool, expect: Optional[tuple[int, ...]] = None,
-                  dst_gens: Optional[tuple[list[int], list[int]]] = None) -> tuple[bool, Optional[list[int]]]:
+    @staticmethod
+    def _lane(m: SenderMap, pool: KVPool) -> Lane:
+        """What the one-call read takes of the destination ``pool`` (``SenderMap.lane``), made once
+        per pool and again where its buffers were replaced; its planes are b"" where it cannot
+        take whole blocks into it (no extension, a device pool, another geometry than the sender's)."""
+        lane = m.lane
+        if lane is None or lane[0] is not pool or lane[1] is not pool.buffers:
+            fits = _shm_read is not None and pool.is_host and m.layout.compat_hash == pool.layout.compat_hash
+            lane = m.lane = (pool, pool.buffers, planes(pool) if fits else b"", pool.live_generations,
+                             pool.layout.block_nbytes)
+        return lane
+
+    def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, lane: Lane,
+                  block_ids: Sequence[int], want: bool, expect: Optional[tuple[int, ...]] = None,
+                  dst_gens: Optional[list[int]] = None) -> tuple[bool, Optional[list[int]]]:
         """``blockcopy.shm_read``: the handle live in the table and its generations as issued,
-        the copy into ``block_ids`` (hashed as it lands when ``want``), both again -- one C call.
-        (True, the digests -- None unhashed, or equal to ``expect`` where given) once read;
-        (False, None) where it cannot vouch for the read (nothing written, or the sender is gone:
-        MAP/DONE then answers); StaleHandle where the blocks changed meanwhile; with
-        ``dst_gens`` (the pool's live list, the destination blocks' generations as the caller
-        began), PoolError where one is not as it began after the copy."""
+        the copy into ``block_ids`` of the lane's pool (hashed as it lands when ``want``), both
+        again -- one C call. (True, the digests -- None unhashed, or equal to ``expect`` where
+        given) once read; (False, None) where it cannot vouch for the read (nothing written, or
+        the sender is gone: MAP/DONE then answers); StaleHandle where the blocks changed
+        meanwhile; with ``dst_gens`` (the destination blocks' generations as the caller began),
+        PoolError where one is not as it began after the copy. (:meth:`read_small` makes the
+        same call itself, and ends the same way.)"""
         after = self.after_copy
-        bufs = pool.buffers               # held across the C call, as the mapping (its view, pinned there)
+        # the lane holds the pool's buffers across the C call, as the mapping's view is pinned there
         assert _shm_read is not None
         try:
             code, sums = _shm_read(m.native, handle.to_bytes(), handle.block_ids, handle.generations,
-                                   planes(pool), block_ids, want, expect, dst_gens,
+                                   lane[2], block_ids, want, expect, None if dst_gens is None else (lane[3], dst_gens),
                                    None if after is None else (lambda: after(handle)))
         except ValueError as exc:
-            try:
-                len(m.view), len(m.gens), len(m.tview)
-            except ValueError:            # released: this reader is closing the mapping
-                raise ProtocolError("the sender's mapping was closed by this reader") from None
-            raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
-        del bufs
+            raise self._outside(m, exc) from None
+        if code:
+            return self._not_read(code, handle)
+        return (True, sums) if time.monotonic() < m.poll_after or self._alive(url, m) else (False, None)
+
+    @staticmethod
+    def _outside(m: SenderMap, exc: ValueError) -> ProtocolError:
+        """The error of a one-call read the extension refused (ValueError): an address outside
+        the mapped pools, or the mapping closed by this reader meanwhile."""
+        try:
+            len(m.view), len(m.gens), len(m.tview)
+        except ValueError:            # released: this reader is closing the mapping
+            return ProtocolError("the sender's mapping was closed by this reader")
+        return ProtocolError(f"one-sided read outside the mapped pools: {exc}")
+
+    @staticmethod
+    def _not_read(code: int, handle: KVHandle) -> tuple[bool, None]:
+        """A one-call read's code other than 0: (False, None) where it could not vouch for the
+        read (1); StaleHandle (2) or PoolError (3) raised."""
         if code == 2:
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
         if code == 3:
             raise retired_during(handle.request_id)
-        if code == 1 or not self._alive(url, m):
-            return False, None
-        return True, sums
+        return False, None
 
     def _alive(self, url: str, m: SenderMap) -> bool:
-        """Is the sender still there? Asked at most once per LIVENESS_EVERY: a poll releases the
-        GIL, and bytes copied from a sender that died an instant ago were still checked valid.
-        False: the sender closed or died; forgotten, so MAP/DONE says which."""
+        """Is the sender still there? The callers ask only once ``m.poll_after`` has passed, so at
+        most once per LIVENESS_EVERY: a poll releases the GIL, and bytes copied from a sender
+        that died an instant ago were still checked valid. False: the sender closed or died;
+        forgotten, so MAP/DONE says which."""
         alive = True
-        now = time.monotonic()
-        if now - m.polled < LIVENESS_EVERY:
-            return True
-        m.polled = now
+        m.poll_after = time.monotonic() + LIVENESS_EVERY
         try:
             quiet = not m.poll.poll(0)        # nothing arrived on the control socket: no EOF
         except RuntimeError:                  # another thread is polling it: ask the socket
@@ -561,12 +587,27 @@ class ShmTransport(Transport):
         """The one-sided read of a whole handle from a sender already mapped (any size: it sends
         nothing); None where it cannot vouch for the read (then :meth:`read` and MAP/DONE)."""
         m = self._senders.get(url)
-        if m is None or not ONE_SIDED or not pool.is_host or handle.layerwise or handle.codec != "raw":
+        if m is None or not ONE_SIDED or handle.layerwise or handle.codec != "raw":
             return None
-        if _shm_read is not None and _blockwise(m, pool, block_ids, handle.num_blocks):
-            done, sums = self._shm_read(url, m, handle, pool, block_ids, verify, handle.checksums if verify else None,
-                                        (pool.live_generations, gens))
-            return (len(block_ids) * pool.layout.block_nbytes, sums) if done else None
+        lane = m.lane
+        if lane is None or lane[0] is not pool or lane[1] is not pool.buffers:   # _lane's test, one frame shorter
+            lane = self._lane(m, pool)
+        if lane[2] and len(block_ids) == len(handle.block_ids):
+            if self.after_copy is not None:      # tests: _shm_read calls it between the copy and the re-check
+                done, sums = self._shm_read(url, m, handle, lane, block_ids, verify,
+                                            handle.checksums if verify else None, gens)
+                return (len(block_ids) * lane[4], sums) if done else None
+            try:           # _shm_read's call and outcomes, one frame shorter: the usual fetch's read
+                code, sums = _shm_read(m.native, handle.to_bytes(), handle.block_ids, handle.generations, lane[2],
+                                       block_ids, verify, handle.checksums if verify else None, (lane[3], gens), None)
+            except ValueError as exc:
+                raise self._outside(m, exc) from None
+            if code:
+                self._not_read(code, handle)     # raises, or the read was not vouched for
+                return None
+            return (len(block_ids) * lane[4], sums) if time.monotonic() < m.poll_after or self._alive(url, m) else None
+        if not pool.is_host:
+            return None
         dst = Spans(pool, None, block_ids)
         dst.want_digests = verify
 
@@ -616,7 +657,7 @@ class ShmTransport(Transport):
         self._client(url).control(Kind.WABORT, ticket.to_bytes(), f"abort write to {url}")
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
-        self._client(url).release(handle, wait, url)
+        (self._by_url.get(url) or self._client(url)).release(handle, wait, url)
 
     def close(self) -> None:
         with self._lock:

@@ -184,7 +184,9 @@ class SenderMap:
         self.native = (self.tview, n, self.gens, self.packed, self.part, self.view)
         self.watch: Any = None                    # the control connection OPEN came on: EOF = sender gone
         self.poll: Any = None                     # a poll object watching it
-        self.polled = 0.0                         # when it was last asked (monotonic)
+        self.poll_after = 0.0                     # when to ask it again (monotonic)
+        # the destination pool the one-call read last looked at, as ShmTransport._lane made it
+        self.lane: Optional[tuple[Any, Any, bytes, list[int], int]] = None
 
     def lookup(self, raw: bytes) -> Optional[tuple[int, int]]:
         """(slot, seq) of a live handle with exactly these bytes, or None."""

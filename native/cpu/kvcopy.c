@@ -70,6 +70,9 @@
  *       the source changed during the copy, the bytes landed are not the handle's; 3: a
  *       destination block's generation is not the caller's snapshot after the copy. Loads of
  *       the table and generations are acquire loads.
+ *   dst_snapshot(ids, gens, n) -> (ids, generations) | None   (dstids.c)
+ *       a fetch's destination ids checked (n distinct ints in range) and their generations
+ *       taken in one call; None where they are not such ids.
  *
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
@@ -93,6 +96,7 @@
 #endif
 #include "copyhash.h"
 #include "blake2b.h"
+#include "dstids.h"
 
 #ifndef CHUNK
 #define CHUNK (64 * 1024)
@@ -1170,6 +1174,9 @@ static PyMethodDef methods[] = {
      "block bytes received straight into the blocks, each block hashed as its pieces land"},
     {"blake2b_128", blake2b_128, METH_VARARGS,
      "blake2b_128(data) -> the 16-byte BLAKE2b digest shm_read keys the live-handle table with"},
+    {"dst_snapshot", kvb_dst_snapshot, METH_VARARGS,
+     "dst_snapshot(ids, gens, n) -> (ids, their generations) as new lists, or None where the ids are not n "
+     "distinct ints in [0, len(gens)) (see native/cpu/dstids.c)"},
     {"shm_read", shm_read, METH_VARARGS,
      "shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between) "
      "-> (code, digests): an shm one-sided read checked, copied and checked again in one call"},

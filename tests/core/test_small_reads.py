@@ -296,7 +296,7 @@ def test_a_claimed_read_learns_its_fence(read: Any) -> None:
     assert spans.claimed == Claim("me", 3, 4) and _blocks(dst, [4, 9]) == BODY
 
 
-# -- the receiver's usual fetch (KVReceiver._fetch_small) goes on in the pipeline when it must --
+# -- the receiver's usual fetch (KVReceiver.fetch's one-frame path) goes on in the pipeline when it must --
 def _after_read_small(monkeypatch: pytest.MonkeyPatch, rcv: KVReceiver, url: str, then: Any) -> list[int]:
     """Make the receiver's ``read_small`` to ``url`` return ``then(what it read, call number)``;
     the call numbers so far."""
