@@ -597,6 +597,7 @@ class ShmTransport(Transport):
                 done, sums = self._shm_read(url, m, handle, lane, block_ids, verify,
                                             handle.checksums if verify else None, gens)
                 return (len(block_ids) * lane[4], sums) if done else None
+            assert _shm_read is not None         # a lane has planes only with the extension
             try:           # _shm_read's call and outcomes, one frame shorter: the usual fetch's read
                 code, sums = _shm_read(m.native, handle.to_bytes(), handle.block_ids, handle.generations, lane[2],
                                        block_ids, verify, handle.checksums if verify else None, (lane[3], gens), None)

@@ -81,7 +81,8 @@ def test_destinations_the_short_path_does_not_take(scheme):
     with KVSender(src, scheme, leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         ids = src.alloc(2)
         for t in src.buffers:
-            t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8))
+            raw = t.view(-1).view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
         before = [bytes(t.view(torch.uint8).numpy()) for t in dst.buffers]
         for bad, says in (([3, 3], "duplicate"), ([1, 8], "8"), ([1], "2 blocks"), ([-1, 2], "-1")):
             with pytest.raises(PoolError, match=says):
