@@ -8,7 +8,7 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
 - :func:`hash_blocks`: xxh3-64 per block (or per layer and block), exactly
   :func:`kvbridge.integrity.block_checksums`' definition.
 - :func:`copy_blocks`: copy blocks between two plane sets and, optionally, hash each block's
-  bytes as they land: in one pass where the CPU has AVX2 (each 64-byte stripe loaded once,
+  bytes as they land: in one pass where the CPU has AVX2 or AVX-512F (each 64-byte stripe loaded once,
   stored and hashed; ``_kvcopy.FUSED``), elsewhere chunk by chunk while the chunk is in cache.
 - :func:`gather_blocks` / :func:`scatter_blocks`: blocks to and from one buffer in canonical
   (wire) order -- plane by plane, ids in the order given -- for tcp:// small reads: the
