@@ -195,6 +195,10 @@ class KVPool:
         self._free: deque[int] = deque(() if self.engine_allocated else range(num_blocks))
         self._refs = [0] * num_blocks
         self._gens = [0] * num_blocks
+        # Every block's generation: the pool's own list (never replaced), read by the C extension
+        # on every small read and fetch -- a plain attribute, not a property, for that hot path.
+        # Never change it from outside the pool.
+        self.live_generations: list[int] = self._gens
         # A shared pool mirrors each generation (u32) into its segment at ``gen_offset``, so a
         # reader that maps the segment checks generations with no message (shm:// one-sided reads).
         self.gen_offset = gen_offset if segment is not None else None
@@ -414,11 +418,6 @@ class KVPool:
 
     def generation(self, block_id: int) -> int:
         return self._gens[block_id]
-
-    @property
-    def live_generations(self) -> list[int]:
-        """Every block's generation: the pool's own list, read by the C extension (never change it)."""
-        return self._gens
 
     def generations(self, block_ids: Iterable[int]) -> list[int]:
         g = self._gens
