@@ -544,8 +544,8 @@ class KVReceiver:
         """Move the handle's blocks into ``dst_block_ids`` on this thread; the result.
 
         The usual fetch -- a whole unleased raw handle whose transport moves (and hashes) its
-        host blocks in one piece (:meth:`Transport.read_small`) -- runs here, in one frame,
-        without the pipeline's job, spans and stages; any other outcome than verified bytes on
+        host blocks in one piece (:meth:`Transport.read_small`) -- runs here, without the
+        pipeline's job, spans and stages; any other outcome than verified bytes on
         unchanged blocks goes on in :meth:`_pull` from where it stands."""
         h = handle
         pool = self.pool
@@ -560,7 +560,7 @@ class KVReceiver:
         dst, gens = got_dst
         url = h.urls[0]
         t0 = time.perf_counter()
-        tr = self._by_url.get(url) or self.transport(url)
+        tr = self.transport(url)
         try:
             got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
         except KVBridgeError as exc:

@@ -473,7 +473,7 @@ class ShmTransport(Transport):
         if stale:
             dst.digests = None
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
-        return nbytes if time.monotonic() < m.poll_after or self._alive(url, m) else None
+        return nbytes if self._alive(url, m) else None
 
     def _read_native(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans) -> Optional[int]:
         """:meth:`_read_one_sided` of a whole handle into whole blocks of the same geometry in one
@@ -507,8 +507,7 @@ class ShmTransport(Transport):
         given) once read; (False, None) where it cannot vouch for the read (nothing written, or
         the sender is gone: MAP/DONE then answers); StaleHandle where the blocks changed
         meanwhile; with ``dst_gens`` (the destination blocks' generations as the caller began),
-        PoolError where one is not as it began after the copy. (:meth:`read_small` makes the
-        same call itself, and ends the same way.)"""
+        PoolError where one is not as it began after the copy."""
         after = self.after_copy
         # the lane holds the pool's buffers across the C call, as the mapping's view is pinned there
         assert _shm_read is not None
@@ -517,38 +516,28 @@ class ShmTransport(Transport):
                                    lane[2], block_ids, want, expect, None if dst_gens is None else (lane[3], dst_gens),
                                    None if after is None else (lambda: after(handle)))
         except ValueError as exc:
-            raise self._outside(m, exc) from None
-        if code:
-            return self._not_read(code, handle)
-        return (True, sums) if time.monotonic() < m.poll_after or self._alive(url, m) else (False, None)
-
-    @staticmethod
-    def _outside(m: SenderMap, exc: ValueError) -> ProtocolError:
-        """The error of a one-call read the extension refused (ValueError): an address outside
-        the mapped pools, or the mapping closed by this reader meanwhile."""
-        try:
-            len(m.view), len(m.gens), len(m.tview)
-        except ValueError:            # released: this reader is closing the mapping
-            return ProtocolError("the sender's mapping was closed by this reader")
-        return ProtocolError(f"one-sided read outside the mapped pools: {exc}")
-
-    @staticmethod
-    def _not_read(code: int, handle: KVHandle) -> tuple[bool, None]:
-        """A one-call read's code other than 0: (False, None) where it could not vouch for the
-        read (1); StaleHandle (2) or PoolError (3) raised."""
+            try:
+                len(m.view), len(m.gens), len(m.tview)
+            except ValueError:            # released: this reader is closing the mapping
+                raise ProtocolError("the sender's mapping was closed by this reader") from None
+            raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
         if code == 2:
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
         if code == 3:
             raise retired_during(handle.request_id)
-        return False, None
+        if code == 1 or not self._alive(url, m):
+            return False, None
+        return True, sums
 
     def _alive(self, url: str, m: SenderMap) -> bool:
-        """Is the sender still there? The callers ask only once ``m.poll_after`` has passed, so at
-        most once per LIVENESS_EVERY: a poll releases the GIL, and bytes copied from a sender
-        that died an instant ago were still checked valid. False: the sender closed or died;
-        forgotten, so MAP/DONE says which."""
+        """Is the sender still there? Asked at most once per LIVENESS_EVERY: a poll releases the
+        GIL, and bytes copied from a sender that died an instant ago were still checked valid.
+        False: the sender closed or died; forgotten, so MAP/DONE says which."""
         alive = True
-        m.poll_after = time.monotonic() + LIVENESS_EVERY
+        now = time.monotonic()
+        if now < m.poll_after:
+            return True
+        m.poll_after = now + LIVENESS_EVERY
         try:
             quiet = not m.poll.poll(0)        # nothing arrived on the control socket: no EOF
         except RuntimeError:                  # another thread is polling it: ask the socket
@@ -589,24 +578,11 @@ class ShmTransport(Transport):
         m = self._senders.get(url)
         if m is None or not ONE_SIDED or handle.layerwise or handle.codec != "raw":
             return None
-        lane = m.lane
-        if lane is None or lane[0] is not pool or lane[1] is not pool.buffers:   # _lane's test, one frame shorter
-            lane = self._lane(m, pool)
+        lane = self._lane(m, pool)
         if lane[2] and len(block_ids) == len(handle.block_ids):
-            if self.after_copy is not None:      # tests: _shm_read calls it between the copy and the re-check
-                done, sums = self._shm_read(url, m, handle, lane, block_ids, verify,
-                                            handle.checksums if verify else None, gens)
-                return (len(block_ids) * lane[4], sums) if done else None
-            assert _shm_read is not None         # a lane has planes only with the extension
-            try:           # _shm_read's call and outcomes, one frame shorter: the usual fetch's read
-                code, sums = _shm_read(m.native, handle.to_bytes(), handle.block_ids, handle.generations, lane[2],
-                                       block_ids, verify, handle.checksums if verify else None, (lane[3], gens), None)
-            except ValueError as exc:
-                raise self._outside(m, exc) from None
-            if code:
-                self._not_read(code, handle)     # raises, or the read was not vouched for
-                return None
-            return (len(block_ids) * lane[4], sums) if time.monotonic() < m.poll_after or self._alive(url, m) else None
+            done, sums = self._shm_read(url, m, handle, lane, block_ids, verify, handle.checksums if verify else None,
+                                        gens)
+            return (len(block_ids) * lane[4], sums) if done else None
         if not pool.is_host:
             return None
         dst = Spans(pool, None, block_ids)
@@ -658,7 +634,7 @@ class ShmTransport(Transport):
         self._client(url).control(Kind.WABORT, ticket.to_bytes(), f"abort write to {url}")
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
-        (self._by_url.get(url) or self._client(url)).release(handle, wait, url)
+        self._client(url).release(handle, wait, url)
 
     def close(self) -> None:
         with self._lock:

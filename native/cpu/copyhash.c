@@ -27,9 +27,9 @@
 #define STRIPE 64
 #define STRIPES_PER_BLOCK 16                       /* (secret size 192 - 64) / 8 */
 #define SECRET_SCRAMBLE (XXH_SECRET_DEFAULT_SIZE - STRIPE)
-/* Blocks from this size take the 512-bit pass where there is one: below it, the first 512-bit
- * instructions after other work cost more than they save (4 KiB: ~0.3 us slower, measured with
- * bench/copyhash.py --evict; 16 KiB: even). */
+/* Blocks from this size take the 512-bit pass where there is one. Below it the two passes
+ * measured the same (bench/copyhash.py, 4 and 16 KiB, within its noise), so small blocks keep
+ * the 256-bit one; the 512-bit pass pays off from 64 KiB up, most at 1 MiB. */
 #define WIDE_FROM (16u << 10)
 
 #ifdef KVB_AVX2
