@@ -1,8 +1,9 @@
 """Where an shm fetch's time goes: ``python -m bench.shm_fetch``.
 
 One block of each size, in a sender process's shared pool (``shm://``), read by this
-process; every mode runs once per round, the order rotating, so each call starts with the
-caches the previous one left (as in an interleaved transfer benchmark):
+process; every mode runs once per round, the order rotating, each right after a ``memmove``
+(as in the interleaved transfer benchmark): every call starts from the caches a copy of other
+buffers left, never from the same blocks just read by another mode:
 
 - ``memmove``: ``ctypes.memmove`` of the same size between two private buffers (the ceiling);
 - ``shm_read``: the one-sided read's C call alone (the handle's key computed and looked up in
@@ -100,16 +101,18 @@ def main(argv: Any = None) -> dict[str, Any]:
                 "fetch (keep)": fetch(False), "fetch": fetch(True),
             }
             names = list(modes)
+            others = names[1:]
             samples: dict[str, list[float]] = {n: [] for n in names}
             for rep in range(args.reps):
                 per: dict[str, list[float]] = {n: [] for n in names}
                 for i in range(args.iters):
-                    k = (rep + i) % len(names)
-                    for name in names[k:] + names[:k]:
-                        f = modes[name]
-                        t0 = time.perf_counter()
-                        f()
-                        per[name].append(time.perf_counter() - t0)
+                    k = (rep + i) % len(others)
+                    for name in others[k:] + others[:k]:
+                        for step in ("memmove", name):
+                            f = modes[step]
+                            t0 = time.perf_counter()
+                            f()
+                            per[step].append(time.perf_counter() - t0)
                 for name in names:
                     samples[name].append(statistics.median(per[name]))
                 for hh in kept:                                     # untimed: the table stays far from full

@@ -7,8 +7,8 @@ the plain-socket receive. Handles travel from the sender to the receiver over a
 pipe, outside the timed region.
 
 Every figure is a ratio against a ceiling measured in the same repetition,
-interleaved with it (the order rotates each repetition), so machine noise hits
-both sides alike:
+interleaved with it (a ceiling transfer before every kvbridge transfer, the variants'
+order rotating each repetition), so machine noise and cache state hit both sides alike:
 
 * tcp   vs. plain socket: the receiver sends an 8-byte request, the sender
   ``sendall``s that many bytes from a preallocated buffer, the receiver
@@ -164,10 +164,15 @@ class Bench(LatencyRuns):
     def _compare(self, case: Case, transport: str, ceiling_name: str,
                  ceiling: Callable[[int], None], variants: dict[str, Callable[[int], Callable[[int], None]]],
                  targets: dict[str, float]) -> None:
-        """Time ``ceiling`` and each variant ``reps`` times, interleaved, rotating the order.
+        """Time ``ceiling`` and each variant ``reps`` times, interleaved: every variant's
+        transfer right after a ceiling transfer (C A C B ...), the variants' order rotating
+        each repetition.
 
         ``variants[name](iters)`` prepares (publishes handles) and returns ``run(i)``
-        doing one transfer; ``ceiling(i)`` does one ceiling transfer.
+        doing one transfer; ``ceiling(i)`` does one ceiling transfer. Each transfer then
+        starts from the caches a ceiling transfer left, the ceiling's from those a variant
+        left: a variant that followed another variant of the same blocks would find them
+        in cache (two variants of one shm fetch share source and destination blocks).
         """
         iters = _iters_for(case.nbytes, self.quick, self.max_iters)
         names = [ceiling_name, *variants]
@@ -177,14 +182,15 @@ class Bench(LatencyRuns):
         for name, prep in variants.items():
             run = prep(2)
             run(0), run(1)
+        vnames = list(variants)
         for rep in range(self.reps):
-            order = names[rep % len(names):] + names[:rep % len(names)]
+            order = vnames[rep % len(vnames):] + vnames[:rep % len(vnames)]
             runners: dict[str, Callable[[int], None]] = {ceiling_name: ceiling}
             for name in variants:
                 runners[name] = variants[name](iters)
-            # Interleave single transfers (A B C A B C ...) so background load hits all alike.
+            # Interleave single transfers (C A C B ...) so background load hits all alike.
             acc = dict.fromkeys(names, 0.0)
-            seq = [(name, runners[name]) for name in order]
+            seq = [step for name in order for step in ((ceiling_name, ceiling), (name, runners[name]))]
             perf = time.perf_counter
             gc.collect()
             for i in range(iters):
@@ -194,7 +200,7 @@ class Bench(LatencyRuns):
                     # a runner in another process times itself and returns its seconds
                     acc[name] += out if type(out) is float else perf() - t0
             for name in names:
-                samples[name].append(acc[name] / iters)
+                samples[name].append(acc[name] / (iters * len(vnames) if name == ceiling_name else iters))
             log(f"  {case.name:>28} {transport} rep {rep + 1}/{self.reps}: " + ", ".join(
                 f"{n} {case.nbytes / samples[n][-1] / 1e9:.2f} GB/s" for n in names))
         for name in variants:

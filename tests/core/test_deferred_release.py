@@ -222,3 +222,17 @@ def test_the_flusher_is_woken_only_from_waiting() -> None:
         while c.flushes == before and time.monotonic() < deadline:
             time.sleep(0.001)
         assert c.flushes == before + 1
+
+
+def test_the_released_set_keeps_the_latest_and_turns_over_whole():
+    """A receiver remembers at least the latest keep // 2 handles it released, at most keep;
+    the oldest go a generation at once."""
+    from kvbridge.receiver import _Recent
+    r = _Recent(8)
+    ids = [bytes([i]) * 16 for i in range(20)]
+    for n, i in enumerate(ids, 1):
+        r.add(i)
+        held = [j for j in ids[:n] if j in r]
+        assert ids[max(0, n - 4):n] == held[-min(n, 4):]       # the latest half always there
+        assert len(held) <= 8 and held == ids[n - len(held):n]  # never more than keep, newest only
+    assert ids[0] not in r and ids[-1] in r
