@@ -31,11 +31,6 @@
  * measured the same (bench/copyhash.py, 4 and 16 KiB, within its noise), so small blocks keep
  * the 256-bit one; the 512-bit pass pays off from 64 KiB up, most at 1 MiB. */
 #define WIDE_FROM (16u << 10)
-/* The 512-bit pass asks for the source line this far ahead, non-temporal: a 1 MiB copy+hash
- * from a cold source ran 1.07-1.15x faster with it on the AMD EPYC (Zen 5) these benchmarks
- * ran on, and no slower in its quiet spells (README, "The one-pass copy asks for its source
- * ahead"). A prefetch past the end of a part is a hint: it never faults. */
-#define PREFETCH_AHEAD 4096
 
 #ifdef KVB_AVX2
 /* `n` stripes from src to dst, accumulated as xxHash's AVX2 XXH3_accumulate_512 does, the
@@ -79,7 +74,6 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, char *ds
  * xxh3 blocks (16 stripes from a scramble) are unrolled, so their secret offsets are constants. */
 __attribute__((target("avx512f"))) static inline __m512i stripe_avx512(__m512i a, char *dst, const char *src,
                                                                       const unsigned char *key) {
-    _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_NTA);
     __m512i d = _mm512_loadu_si512((const void *)src);
     _mm512_storeu_si512((void *)dst, d);
     __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512((const void *)key));
