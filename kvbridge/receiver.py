@@ -146,7 +146,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         # handles without a lease this receiver released (the latest RELEASED_KEPT): their
         # releases may still be on their way, and until they land the sender would serve them
-        self._released = _Recent(RELEASED_KEPT)
+        self._released = _Recent(2 * RELEASED_KEPT)
         self._workers = Workers("kvb-fetch", workers)
         self._desk = ReservationDesk(self, secret if secret is not None else os.urandom(32))
         self.servers: list[Server] = []
@@ -600,7 +600,7 @@ class KVReceiver:
             except KVBridgeError:
                 self.release(h, wait=False)            # the other URLs, and the log line
             else:
-                self._forget(h)
+                self._released.add(h.handle_id)
         seconds = time.perf_counter() - t0
         self.stats.fetched(True, got[0], seconds)
         return FetchResult(h, dst, True, got[0], seconds, 1)
@@ -677,15 +677,11 @@ class KVReceiver:
             try:
                 self.transport(url).release(url, handle, wait)
                 if not handle.lease_id:
-                    self._forget(handle)
+                    self._released.add(handle.handle_id)
                 return True
             except KVBridgeError as exc:
                 log.warning("release of %s via %s failed: %s", handle.request_id, url, exc)
         return False
-
-    def _forget(self, handle: KVHandle) -> None:
-        """This receiver released ``handle`` (unleased): refuse it from now on."""
-        self._released.add(handle.handle_id)
 
     # -- push mode: reservations (this receiver is a BlockSink) ------------------------------
     def reserve(self, dst_block_ids: Sequence[int], request_id: str = "", *, num_tokens: Optional[int] = None,
