@@ -38,6 +38,7 @@ MAX_HANDLE_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
 _HEAD = struct.Struct("!3sBB")
 _FIXED = struct.Struct("!16s16s8sIIQQQ")  # handle id, token, layout hash, num_tokens, nblocks, epoch, fence, expiry
+_LEASE_FIXED = 24                           # its last three fields (epoch, fence, expiry) are the lease's
 _WIDTH_CODE = {1: "B", 2: "H", 4: "I"}
 FLAG_LAYERWISE = 1
 FLAG_RESERVATION = 2
@@ -122,6 +123,7 @@ class KVHandle:
     layerwise: bool = False          # layers become ready after publish; checksums travel per layer
     reservation: bool = False        # push mode: names destination blocks the holder may write
     _raw: Optional[bytes] = field(default=None, init=False, repr=False, compare=False)
+    _digest: Optional[str] = field(default=None, init=False, repr=False, compare=False)
 
     # -- identity ------------------------------------------------------------------------
     @property
@@ -138,6 +140,10 @@ class KVHandle:
 
     # -- binary form ---------------------------------------------------------------------
     def body(self) -> bytes:
+        return self._body(self.lease_id, self.lease_url, self.fence_epoch, self.fence, self.expires_at_ms)
+
+    def _body(self, lease_id: str, lease_url: str, fence_epoch: int, fence: int, expires_at_ms: int) -> bytes:
+        """The binary form without its MAC, with these lease fields in place of the handle's own."""
         n = len(self.block_ids)
         if not (len(self.generations) == n and len(self.checksums) in (0, n)):
             raise BadHandle("block_ids, generations and checksums must have equal lengths")
@@ -151,9 +157,8 @@ class KVHandle:
         flags_arrays = bytes([wb, wg, 1 if self.checksums else 0])
         parts = [
             _HEAD.pack(MAGIC, HANDLE_VERSION, self.flags),
-            _FIXED.pack(self.handle_id, self.token, lh, self.num_tokens, n,
-                        self.fence_epoch, self.fence, self.expires_at_ms),
-            _text(self.request_id), _text(self.codec), _text(self.lease_id), _text(self.lease_url),
+            _FIXED.pack(self.handle_id, self.token, lh, self.num_tokens, n, fence_epoch, fence, expires_at_ms),
+            _text(self.request_id), _text(self.codec), _text(lease_id), _text(lease_url),
             bytes([len(self.urls)]), *(_text(u) for u in self.urls),
             flags_arrays,
             _pack_ints(self.block_ids, wb), _pack_ints(self.generations, wg),
@@ -178,9 +183,30 @@ class KVHandle:
         (claim, abort) its lease, and any alteration of the handle -- even one that recomputes
         this digest -- names a lease that does not exist. Receivers check it before claiming.
         """
-        bare = replace(self, lease_id="", lease_url="", fence_epoch=0, fence=0, expires_at_ms=0,
-                       mac=b"")
-        return hashlib.sha256(b"kvbridge-lease\0" + bare.body()).hexdigest()[:32]
+        digest = self._digest
+        if digest is None:          # the handle is immutable: computed once (a receiver checks it per fetch)
+            digest = hashlib.sha256(b"kvbridge-lease\0" + self._bare()).hexdigest()[:32]
+            object.__setattr__(self, "_digest", digest)
+        return digest
+
+    def _bare(self) -> bytes:
+        """The body with its lease fields blank (lease id and URL empty, fence, epoch and expiry
+        0). From the handle's bytes where it has them -- slices around those fields, a fraction
+        of encoding it again -- or encoded. Both are the same bytes for any handle kvbridge
+        encoded; bytes encoded otherwise (wider integer arrays) give another digest, which
+        names no lease, as any other alteration does."""
+        raw = self._raw
+        if raw is None:
+            return self._body("", "", 0, 0, 0)
+        fixed_end = _HEAD.size + _FIXED.size
+        p = fixed_end
+        for _ in range(2):                                   # request id, codec
+            p += 2 + int.from_bytes(raw[p:p + 2], "big")
+        q = p
+        for _ in range(2):                                   # lease id, lease URL
+            q += 2 + int.from_bytes(raw[q:q + 2], "big")
+        return b"".join((raw[:fixed_end - _LEASE_FIXED], bytes(_LEASE_FIXED), raw[fixed_end:p], b"\0\0\0\0",
+                         raw[q:len(raw) - MAC_LEN]))
 
     def signed(self, key: bytes) -> "KVHandle":
         body = self.body()

@@ -162,7 +162,10 @@ class Releaser:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="kvb-release", daemon=True)
                 self._thread.start()
-            self._cv.notify_all()
+            if len(self._queue) == 1:
+                # only the thread's wait for a first release needs waking; while it lingers for
+                # more, a wake-up per release would cost each fetch a futex wake and a GIL handoff
+                self._cv.notify_all()
         return True
 
     def flush(self, timeout: float = CLOSE_FLUSH) -> bool:
