@@ -168,3 +168,28 @@ def test_a_handle_fetched_with_release_is_consumed_before_the_release_lands(
         late = rcv.fetch(h, [5, 6])                  # afterwards the store (or the owner, who freed it) says so
         assert not late.ok and late.error is not None and late.error.action is Action.REPREFILL
         assert rcv.stats.release_failures == 0
+
+
+def test_releases_submitted_while_the_thread_lingers_do_not_wake_it(store: RedisLeaseStore,
+                                                                    slow_release: None) -> None:
+    """The release thread waits for a first release, then lingers for more to share its round
+    trip: a release submitted while it lingers joins the batch without waking it (a wake-up per
+    release cost each fetch a futex wake and a GIL handoff). All of them still go, together."""
+    from kvbridge.policy import Retry
+    leases = []
+    for i in range(40):
+        lid = f"wake-{i}"
+        store.publish(lid, "owner", ttl_s=60)
+        leases.append((lid, store.claim(lid, "rcv", 60).fence))
+    r = releases.Releaser("rcv", Retry())
+    wakes = []
+    notify = r._cv.notify_all
+    r._cv.notify_all = lambda: (wakes.append(1), notify())[1]     # type: ignore[method-assign]
+    try:
+        for lid, fence in leases:
+            assert r.submit(store, lid, fence)
+        assert len(wakes) == 1                      # the first release only
+        assert r.flush(5.0) and not r.pending
+        assert all(_state(store, lid) == LeaseState.RELEASED for lid, _ in leases)
+    finally:
+        r.close()
