@@ -38,7 +38,7 @@ MAX_HANDLE_BYTES = 8 << 20
 MAX_BLOCKS = 1 << 20
 _HEAD = struct.Struct("!3sBB")
 _FIXED = struct.Struct("!16s16s8sIIQQQ")  # handle id, token, layout hash, num_tokens, nblocks, epoch, fence, expiry
-_LEASE_FIXED = 24                           # its last three fields (epoch, fence, expiry) are the lease's
+_LEASE_FIXED = struct.calcsize("!QQQ")      # its last three fields (epoch, fence, expiry) are the lease's
 _WIDTH_CODE = {1: "B", 2: "H", 4: "I"}
 FLAG_LAYERWISE = 1
 FLAG_RESERVATION = 2
@@ -199,14 +199,12 @@ class KVHandle:
         if raw is None:
             return self._body("", "", 0, 0, 0)
         fixed_end = _HEAD.size + _FIXED.size
-        p = fixed_end
-        for _ in range(2):                                   # request id, codec
-            p += 2 + int.from_bytes(raw[p:p + 2], "big")
-        q = p
-        for _ in range(2):                                   # lease id, lease URL
-            q += 2 + int.from_bytes(raw[q:q + 2], "big")
-        return b"".join((raw[:fixed_end - _LEASE_FIXED], bytes(_LEASE_FIXED), raw[fixed_end:p], b"\0\0\0\0",
-                         raw[q:len(raw) - MAC_LEN]))
+        r = _Reader(raw, fixed_end, len(raw) - MAC_LEN)
+        r.take(r.u16()), r.take(r.u16())                     # request id, codec
+        p = r.pos
+        r.take(r.u16()), r.take(r.u16())                     # lease id, lease URL
+        return b"".join((raw[:fixed_end - _LEASE_FIXED], bytes(_LEASE_FIXED), raw[fixed_end:p], _text(""), _text(""),
+                         raw[r.pos:r.end]))
 
     def signed(self, key: bytes) -> "KVHandle":
         body = self.body()
