@@ -236,3 +236,9 @@ def test_the_released_set_keeps_the_latest_and_turns_over_whole():
         assert ids[max(0, n - 4):n] == held[-min(n, 4):]       # the latest half always there
         assert len(held) <= 8 and held == ids[n - len(held):n]  # never more than keep, newest only
     assert ids[0] not in r and ids[-1] in r
+    from kvbridge.receiver import RELEASED_KEPT
+    rcv = KVReceiver(KVPool.allocate(LAYOUT, 2), leases=False)
+    try:                                                 # the README's "at least the latest 4,096"
+        assert RELEASED_KEPT == 4096 and rcv._released._half == RELEASED_KEPT
+    finally:
+        rcv.close()
