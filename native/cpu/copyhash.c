@@ -34,7 +34,7 @@
 /* The 512-bit pass asks for the source's line this far ahead of the stripe it copies, into L1
  * (one prefetch per line). On the AMD EPYC (Zen 5) VM measured, reading a 1 MiB block (two 512 KiB
  * parts) out of another process's /dev/shm mapping after a 1 MiB memmove elsewhere: 22.6 -> 19.6 us
- * in C alone, and the whole one-sided shm_read call 25.7-26.9 -> 23.0-23.8 us in six of eight
+ * in C alone, and the whole one-sided shm_read call 25.7-26.9 -> 23.0-23.8 us in five of eight
  * in-process runs alternated with the build without it (25.3, 28.4 and 30.0 us in busy spells). 1, 2 and 4 KiB ahead measured the same; into L2
  * (T1) was slower than none. bench/copyhash.py (private buffers) did not change, at any size. */
 #define PREFETCH_AHEAD 1024
