@@ -21,8 +21,8 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
-from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, ReleaseBatch,
-                   decode_error, decode_releases, decode_request, encode_error, encode_layers, encode_trailer,
+from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
+                   decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
                    map_os_error, pack, recv_exact, send_iter, set_os_timeouts, unpack_header, vouch_of)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
@@ -469,7 +469,7 @@ class SocketClient:
         self._lock = threading.Lock()
         self._req = 0
         self.opened = 0
-        self._pending = ReleaseBatch()    # handles released without a reply: RELEASES frames to send
+        self._pending: list[bytes] = []   # handles released without a reply: a RELEASES frame to send
         self._scheduled = False           # the flusher will visit this client
         self._waited = False              # ... and has already put its sending off once
 
@@ -509,7 +509,7 @@ class SocketClient:
         if not wait:
             raw = handle.to_bytes()
             with self._lock:
-                self._pending.add(raw)
+                self._pending.append(raw)
                 first = not self._scheduled      # one flusher visit per linger, not one per release
                 self._scheduled = True
             if first:
@@ -520,36 +520,35 @@ class SocketClient:
     def frames(self, frame: bytes) -> bytes:
         """``frame`` followed by the deferred releases once ``RELEASE_BATCH`` of them wait (served
         after it: they never delay it)."""
-        if self._pending.count < RELEASE_BATCH:
+        if len(self._pending) < RELEASE_BATCH:
             return frame
         with self._lock:
-            pending = self._pending.take()
+            pending, self._pending = self._pending, []
             self._waited = False   # carried; a visit already scheduled stays (it finds nothing, or the next ones)
-        return frame + pending
+        return frame + encode_releases(pending)
 
     def flush(self, idle_only: bool = False) -> bool:
         """Send the deferred releases now; False when ``idle_only``, no pooled connection is
         idle (perhaps a request in flight, which the releases will ride behind next) and the
         last visit did not wait already. A failure is logged: the sender frees at expiry."""
         with self._lock:
-            if idle_only and not self._idle and self._pending.count and not self._waited:
+            if idle_only and not self._idle and self._pending and not self._waited:
                 self._waited = True
                 return False
-            n = self._pending.count
-            pending = self._pending.take()
+            pending, self._pending = self._pending, []
             self._scheduled = self._waited = False
-        if not n:
+        if not pending:
             return True
         try:
             sock = self.acquire()
         except KVBridgeError as exc:
-            log.info("deferred release of %d handle(s) not sent: %s", n, exc)
+            log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
             return True
         try:
-            sock.sendall(pending)
+            sock.sendall(encode_releases(pending))
         except OSError as exc:
             sock.close()
-            log.info("deferred release of %d handle(s) not sent: %s", n, exc)
+            log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
             return True
         self.put_back(sock)
         return True
@@ -607,8 +606,7 @@ class _Flusher:
     within ``RELEASE_LINGER`` (twice that when every connection was busy at the first visit):
     a released handle's blocks are freed at most that much later. While releases keep coming
     it wakes every linger by itself; only once nothing is due does it wait to be woken, so a
-    release costs its caller a lock and an append to the frame being built, not a wake-up of this
-    thread every linger."""
+    release costs its caller a lock and an append, not a wake-up of this thread every linger."""
 
     def __init__(self, linger: float = RELEASE_LINGER) -> None:
         self.linger = linger

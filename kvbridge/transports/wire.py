@@ -52,7 +52,7 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS", "FENCE",
            "CLAIM_ME", "TRAILER", "Vouch", "encode_trailer", "check_trailer", "vouch_of", "settle_vouch",
            "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
-           "RateGuard", "MAX_RELEASES", "ReleaseBatch", "encode_releases", "decode_releases"]
+           "RateGuard", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
 VERSION = 4
@@ -84,48 +84,13 @@ class Kind(enum.IntEnum):
 MAX_RELEASES = 256   # handles in one RELEASES frame (a server ends them in one pass)
 
 
-class ReleaseBatch:
-    """Handles released without a reply, encoded as they are released: RELEASES frames built in
-    one buffer (``MAX_RELEASES`` handles per frame), so that sending them later is one write of
-    contiguous bytes rather than a walk over many handles no longer in cache."""
-
-    __slots__ = ("_frames", "_buf", "_n", "count")
-
-    def __init__(self) -> None:
-        self._frames: list[bytearray] = []
-        self._buf = bytearray(HEADER.size)   # the frame's header, written when it is sealed
-        self._n = 0                          # handles in _buf
-        self.count = 0                       # handles waiting in all
-
-    def add(self, raw: bytes) -> None:
-        if self._n == MAX_RELEASES:
-            self._seal()
-        self._buf += _U32.pack(len(raw))
-        self._buf += raw
-        self._n += 1
-        self.count += 1
-
-    def _seal(self) -> None:
-        HEADER.pack_into(self._buf, 0, MAGIC, VERSION, Kind.RELEASES, 0, len(self._buf) - HEADER.size)
-        self._frames.append(self._buf)
-        self._buf, self._n = bytearray(HEADER.size), 0
-
-    def take(self) -> bytes:
-        """Every waiting handle's RELEASES frame(s), and the batch emptied (b"" when none waits)."""
-        if self._n:
-            self._seal()
-        out = b"".join(self._frames)
-        self._frames.clear()
-        self.count = 0
-        return out
-
-
 def encode_releases(raws: Sequence[bytes]) -> bytes:
     """RELEASES frames for handles' bytes, ``MAX_RELEASES`` per frame."""
-    batch = ReleaseBatch()
-    for r in raws:
-        batch.add(r)
-    return batch.take()
+    out = []
+    for i in range(0, len(raws), MAX_RELEASES):
+        body = b"".join(_U32.pack(len(r)) + r for r in raws[i:i + MAX_RELEASES])
+        out.append(pack(Kind.RELEASES, 0, body))
+    return b"".join(out)
 
 
 def decode_releases(payload: bytes) -> list[bytes]:

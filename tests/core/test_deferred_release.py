@@ -145,15 +145,6 @@ def test_a_releases_frame_round_trips_and_a_malformed_one_is_refused():
         pos += HEADER.size + n
     assert [len(g) for g in got] == [MAX_RELEASES, 44] and sum(got, []) == raws
     assert encode_releases([]) == b"" and decode_releases(b"") == []
-    # a client's batch, encoded as handles are released: taken, emptied, and reused
-    from kvbridge.transports.wire import ReleaseBatch
-    batch = ReleaseBatch()
-    for r in raws[:300]:
-        batch.add(r)
-    assert batch.count == 300 and batch.take() == encode_releases(raws[:300])
-    assert batch.count == 0 and batch.take() == b""
-    batch.add(raws[5])
-    assert batch.count == 1 and batch.take() == encode_releases([raws[5]])
     one = encode_releases([b"abc"])[HEADER.size:]
     for bad in (one[:2], one[:-1], one + b"\x00", b"\x00\x00\x01\x00" + b"x" * 255,
                 b"\x00\x00\x00\x00" * (MAX_RELEASES + 1)):
