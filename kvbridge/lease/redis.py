@@ -43,7 +43,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry as _SyncRedisRetry
 from redis.asyncio.retry import Retry as _AsyncRedisRetry
 
-from ..errors import ConfigError, LeaseError
+from ..errors import ConfigError, LeaseError, ProtocolError
 from .credentials import with_password
 from ..policy import Backoff, Retry
 from . import _scripts
@@ -269,11 +269,25 @@ class RedisLeaseStore(LeaseStore):
             await r.script_load(self._src[op.script])
             return await r.evalsha(self._sha[op.script], len(op.keys), *self._argv(op))
 
+    def _parse(self, op: _Op, reply: Any) -> Any:
+        """``op``'s result from the server's reply. A reply that is not what kvbridge's script
+        returns (not a Redis/Valkey server running it, or a hostile one) is a ProtocolError,
+        never a raw JSON or indexing error."""
+        try:
+            return op.parse(reply)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            raise self._malformed(op.script, reply, exc) from exc
+
+    def _malformed(self, what: str, reply: Any, exc: Exception) -> ProtocolError:
+        return ProtocolError(f"lease server {redact(self.url)} sent a malformed reply to {what}: "
+                             f"{repr(reply)[:120]} ({type(exc).__name__}: {exc})",
+                             hint="the lease URL must name a Redis >= 6.2 or Valkey server")
+
     def _run(self, op: _Op) -> Any:
-        return op.parse(self._call(lambda: self._eval(op)))
+        return self._parse(op, self._call(lambda: self._eval(op)))
 
     async def _arun(self, op: _Op) -> Any:
-        return op.parse(await self._acall(lambda: self._aeval(op)))
+        return self._parse(op, await self._acall(lambda: self._aeval(op)))
 
     def _check_replies(self, replies: list[Any]) -> list[int]:
         """Indices that hit NoScriptError; other Redis errors are raised (mapped)."""
@@ -321,12 +335,11 @@ class RedisLeaseStore(LeaseStore):
                 replies[i] = rep
         return replies
 
-    @staticmethod
-    def _parse_many(ops: Sequence[_Op], replies: Sequence[Any]) -> list[Any]:
+    def _parse_many(self, ops: Sequence[_Op], replies: Sequence[Any]) -> list[Any]:
         out: list[Any] = []
         for op, rep in zip(ops, replies):
             try:
-                out.append(op.parse(rep))
+                out.append(self._parse(op, rep))
             except LeaseError as exc:
                 out.append(exc)
         return out
@@ -493,12 +506,15 @@ class RedisLeaseStore(LeaseStore):
 
     def _parse_events(self, owner: str, raw: Any) -> List[LeaseEvent]:
         out: list[LeaseEvent] = []
-        for _key, entries in raw or []:
-            for eid, fields in entries:
-                self._cursors[owner] = eid
-                kind, ref = fields.get("k", ""), fields.get("id", "")
-                if kind in EVENT_KINDS:
-                    out.append(LeaseEvent(kind, ref))
+        try:
+            for _key, entries in raw or []:
+                for eid, fields in entries:
+                    self._cursors[owner] = eid
+                    kind, ref = fields.get("k", ""), fields.get("id", "")
+                    if kind in EVENT_KINDS:
+                        out.append(LeaseEvent(kind, ref))
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise self._malformed("XREAD", raw, exc) from exc
         return out
 
 

@@ -49,7 +49,8 @@ from urllib.parse import urlsplit
 
 from ..blockcopy import copy_blocks, planes
 from ..blockcopy import shm_read as _shm_read
-from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle, TransferCancelled
+from ..errors import (ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle, TransferCancelled,
+                      TransferTimeout)
 from ..handle import KVHandle
 from ..integrity import block_checksums
 from ..lease.base import Claim
@@ -68,6 +69,7 @@ __all__ = ["ShmTransport"]
 
 _RUN = struct.Struct("!QQ")
 MAX_MAPPED = 16
+MAX_GRANTS = 16   # mappings (MAP/WMAP without their DONE/WDONE yet) one control connection may hold
 
 
 def _path_of(url: str, scheme: str = "shm") -> str:
@@ -99,7 +101,8 @@ def _mapped_body(grant: Any, layers: tuple[int, int], sums: bytes, what: str) ->
 
 class ShmServer(SocketServer):
     def __init__(self, *a: Any, **kw: Any) -> None:
-        self._open: dict[socket.socket, dict[int, Any]] = {}
+        # per connection: request id -> (its grant, the monotonic time by which its DONE is due)
+        self._open: dict[socket.socket, dict[int, tuple[Any, float]]] = {}
         self._glock = threading.Lock()
         self._watchers: set[socket.socket] = set()   # connections OPEN came on: their readers' liveness signal
         self.table: Optional[HandleTable] = None
@@ -123,11 +126,19 @@ class ShmServer(SocketServer):
             self.table.close()
 
     def idle_timeout(self, conn: socket.socket) -> float:
-        # A peer holding a mapping must finish its copy within the transfer timeout; a reader's
-        # OPEN connection stays (parked, no thread) as long as the reader keeps it.
-        if self._open.get(conn):
-            return self.timeout.transfer
+        # A peer holding a mapping must finish its copy within the transfer timeout of its MAP,
+        # whatever else it sends meanwhile; a reader's OPEN connection stays (parked, no thread)
+        # as long as the reader keeps it.
+        due = self._due(conn)
+        if due is not None:
+            return max(0.0, due - time.monotonic())
         return float("inf") if conn in self._watchers else super().idle_timeout(conn)
+
+    def _due(self, conn: socket.socket) -> Optional[float]:
+        """When the oldest mapping ``conn`` holds must be done; None when it holds none."""
+        with self._glock:
+            held = self._open.get(conn)
+            return min(d for _, d in held.values()) if held else None
 
     def can_park(self, conn: socket.socket) -> bool:
         return not self._open.get(conn)
@@ -136,22 +147,38 @@ class ShmServer(SocketServer):
         with self._glock:
             grants = self._open.pop(conn, {})
             self._watchers.discard(conn)
-        for g in grants.values():
+        for g, _ in grants.values():
             g.close()
 
     def _hold(self, conn: socket.socket, req_id: int, grant: Any) -> None:
         with self._glock:
-            self._open.setdefault(conn, {})[req_id] = grant
+            self._open.setdefault(conn, {})[req_id] = (grant, time.monotonic() + self.timeout.transfer)
 
     def _take(self, conn: socket.socket, req_id: int) -> Any:
         with self._glock:
-            return self._open.get(conn, {}).pop(req_id, None)
+            held = self._open.get(conn, {}).pop(req_id, None)
+        return None if held is None else held[0]
+
+    def _refuse_map(self, conn: socket.socket, req_id: int) -> Optional[KVBridgeError]:
+        """Why a MAP/WMAP with ``req_id`` may not open a mapping on ``conn`` (checked before any
+        work): its id already holds one, or the connection holds ``MAX_GRANTS``."""
+        with self._glock:
+            held = self._open.get(conn, {})
+            if req_id in held:
+                return ProtocolError(f"request {req_id} already holds a mapping on this connection")
+            if len(held) >= MAX_GRANTS:
+                return ProtocolError(f"this connection already holds {MAX_GRANTS} mappings")
+        return None
 
     def _body(self, grant: Any, layers: tuple[int, int], sums: bytes, what: str) -> bytes:
         """A MAPPED reply's body: where the granted blocks are (the segment and its runs)."""
         return _mapped_body(grant, layers, sums, what)
 
     def handle(self, conn: socket.socket, reader: FrameReader, kind: Kind, req_id: int, payload: bytes) -> bool:
+        due = self._due(conn)
+        if due is not None and time.monotonic() > due:     # a peer that keeps talking but never DONEs
+            self._reply_error(conn, req_id, TransferTimeout("a mapping was held past the transfer timeout"))
+            return False
         if kind is Kind.OPEN:
             if self.table is None:
                 conn.sendall(pack(Kind.OK, req_id))       # not offered: the reader uses MAP/DONE
@@ -167,6 +194,10 @@ class ShmServer(SocketServer):
             conn.sendall(pack(Kind.MAPPED, req_id, open_info(self.source.pool, self.table)))  # type: ignore[attr-defined]
             return True
         if kind in (Kind.MAP, Kind.WMAP):
+            refused = self._refuse_map(conn, req_id)
+            if refused is not None:
+                self._reply_error(conn, req_id, refused)
+                return True
             grant: Any = None
             try:
                 req = decode_request(payload)

@@ -29,7 +29,8 @@ __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
 log = logging.getLogger("kvbridge.sockets")
 IDLE_TIMEOUT = 300.0
-DISCARD_LIMIT = 64 << 20   # a refused write's bytes up to this are skipped; past it the connection closes
+DISCARD_LIMIT = 4 << 20    # a refused write's bytes up to this are skipped (at MIN_RATE at least, after
+                           # RATE_GRACE); past it the connection closes
 MAX_CONNECTIONS = 4096     # per server; one more is answered with an error and closed
 WORKERS = 64               # threads serving active connections, per server
 PARK_AFTER = 0.25          # seconds idle before a connection leaves its worker for the selector
@@ -84,6 +85,7 @@ class SocketServer(Server):
         self._ready: queue.SimpleQueue[tuple[socket.socket, FrameReader]] = queue.SimpleQueue()
         self._workers = 0
         self._waiting = 0                       # workers waiting for a connection to serve
+        self._queued = 0                        # connections put in _ready and not yet taken
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()     # close() wakes the selector at once
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
@@ -132,10 +134,13 @@ class SocketServer(Server):
             self._dispatch(conn, FrameReader(conn, frame_timeout=self.timeout.transfer, budget=self._budget))
 
     def _dispatch(self, conn: socket.socket, reader: FrameReader) -> None:
-        """Hand a connection with work (or a new one) to a worker, starting one if none waits."""
-        self._ready.put((conn, reader))
+        """Hand a connection with work (or a new one) to a worker, starting one unless a waiting
+        worker is left for it: each waiting worker takes one connection, so connections that
+        arrive together start as many workers (up to ``WORKERS``) rather than queue behind one."""
         with self._lock:
-            start = self._waiting == 0 and self._workers < WORKERS
+            self._ready.put((conn, reader))
+            self._queued += 1
+            start = self._queued > self._waiting and self._workers < WORKERS
             if start:
                 self._workers += 1
         if start:
@@ -151,6 +156,8 @@ class SocketServer(Server):
                 item = None
             with self._lock:
                 self._waiting -= 1
+                if item is not None:
+                    self._queued -= 1
                 if item is None and self._ready.empty():   # idle a while: give the thread back
                     self._workers -= 1
                     return
@@ -378,7 +385,7 @@ class SocketServer(Server):
             if req.nbytes > DISCARD_LIMIT:
                 self._reply_error(conn, req_id, exc)
                 return False
-            reader.skip(req.nbytes)           # refused: drop its bytes, keep the connection
+            reader.skip(req.nbytes, RateGuard(MIN_RATE, RATE_GRACE))   # refused: drop its bytes, keep the connection
             self._reply_error(conn, req_id, exc)
             return True
         try:

@@ -325,11 +325,13 @@ class TCPTransport(Transport):
             got_claim = _claim_of(pre, claim)
             head = pre[FENCE.size:]
             nsums = int.from_bytes(head[4:8], "big")
+            nb = len(indices) if indices is not None else handle.num_blocks
+            if nsums > (end - first) * nb:     # checked before anything is received for them
+                raise ProtocolError(f"{what}: {nsums} checksums for at most {end - first} layers of {nb} blocks")
             if FENCE.size + LAYERS.size + 8 * nsums > length:
                 raise ProtocolError(f"{what}: checksums overrun the frame")
             if nsums:
                 head += recv_exact(sock, 8 * nsums)
-            nb = len(indices) if indices is not None else handle.num_blocks
             lo, hi, sums, used = decode_layers(head, nb, (first, end))
             used += FENCE.size + TRAILER.size
             if length < used:

@@ -472,20 +472,27 @@ class FrameReader:
             got += recv_scatter(self.sock, rest, None if landed is None else (lambda k: landed(base + k)))
         return got
 
-    def skip(self, n: int) -> None:
-        """Discard ``n`` bytes that follow the last frame (a refused write's data)."""
-        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+    def skip(self, n: int, guard: Optional[Callable[[int], None]] = None) -> None:
+        """Discard ``n`` bytes that follow the last frame (a refused write's data). ``guard`` is
+        told the bytes discarded so far after every receive: a :class:`RateGuard` there drops a
+        peer that trickles them (the socket's timeout alone only bounds each receive)."""
+        scratch = memoryview(bytearray(min(n, 64 << 10) or 1))
+        gone = 0
         while n:
             k = min(n, self.end - self.start)
             if k:
                 self.start += k
                 n -= k
+                gone += k
                 continue
             self.start = self.end = 0
             got = self.sock.recv_into(scratch, min(n, len(scratch)))
             if got == 0:
                 raise ConnectionLost("peer closed the connection")
             n -= got
+            gone += got
+            if guard is not None:
+                guard(gone)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

@@ -12,8 +12,9 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -66,6 +67,15 @@ def _connect(url: str) -> socket.socket:
     return s
 
 
+def _trickle(socks: list[socket.socket]) -> None:
+    """One byte to each peer (one the server dropped ignores it)."""
+    for s in socks:
+        try:
+            s.send(b"x")
+        except OSError:
+            pass
+
+
 def _reply(s: socket.socket, timeout: float = 5.0) -> object:
     """(Kind, payload) of the next frame, or 'closed'."""
     s.settimeout(timeout)
@@ -97,11 +107,7 @@ def test_declared_huge_frames_and_trickling_peers_are_bounded(child: Child) -> N
         socks.append(s)
     t0 = time.monotonic()
     for _ in range(10):                                 # ... and trickles a byte now and then
-        for s in socks:
-            try:
-                s.send(b"x")
-            except OSError:
-                pass
+        _trickle(socks)
         time.sleep(0.1)
     growth = child.rss() - before
     assert growth <= 64 << 20, f"RSS grew {growth >> 20} MiB"
@@ -240,21 +246,10 @@ def test_idle_connections_cost_no_threads(child: Child) -> None:
         s.close()
 
 
-@pytest.mark.parametrize("reply", ["no_trailer", "bad_status", "nonzero_pad", "stale", "unsure"])
-def test_hostile_sender_data_reply_and_trailer(reply: str) -> None:
-    """A sender's DATA reply must declare exactly FENCE + the bytes asked for + TRAILER, and its
-    trailer must vouch for them: anything else is refused; the bytes are never reported ok."""
-    import dataclasses
-    import threading
-
-    from kvbridge import StaleHandle
-    from kvbridge.transports.wire import FENCE, HEADER, TRAILER, Vouch, recv_exact, unpack_header
-    L = KVLayout.vllm_flash(1, 1, 4, block_size=2, dtype="float16")
-    with KVSender(KVPool.allocate(L, 4), "inproc://", leases=False) as snd:
-        real = snd.publish("real", snd.pool.alloc(2), 4)
-    nbytes = 2 * L.block_nbytes
-    status, pad = {"bad_status": (9, 0), "nonzero_pad": (0, 1), "stale": (Vouch.STALE, 0),
-                   "unsure": (Vouch.UNSURE, 0)}.get(reply, (0, 0))
+def _fake_sender(reply: Callable[[int], bytes]) -> tuple[socket.socket, threading.Thread]:
+    """A lying sender on loopback: it takes one request on one connection, answers it with
+    ``reply(request id)`` and holds the connection until the receiver closes it."""
+    from kvbridge.transports.wire import recv_exact, unpack_header
     lst = socket.create_server(("127.0.0.1", 0))
 
     def serve() -> None:
@@ -262,16 +257,34 @@ def test_hostile_sender_data_reply_and_trailer(reply: str) -> None:
         with conn:
             _, rid, length = unpack_header(recv_exact(conn, HEADER.size))
             recv_exact(conn, length)
-            body = FENCE.pack(0, 0) + b"\x01" * nbytes
-            if reply != "no_trailer":
-                body += TRAILER.pack(status, pad, 0)
-            conn.sendall(pack(Kind.DATA, rid, body))
+            conn.sendall(reply(rid))
             try:
                 conn.recv(1)                           # until the receiver closes
             except OSError:
                 pass
     t = threading.Thread(target=serve, daemon=True)
     t.start()
+    return lst, t
+
+
+@pytest.mark.parametrize("reply", ["no_trailer", "bad_status", "nonzero_pad", "stale", "unsure"])
+def test_hostile_sender_data_reply_and_trailer(reply: str) -> None:
+    """A sender's DATA reply must declare exactly FENCE + the bytes asked for + TRAILER, and its
+    trailer must vouch for them: anything else is refused; the bytes are never reported ok."""
+    import dataclasses
+
+    from kvbridge import StaleHandle
+    from kvbridge.transports.wire import FENCE, TRAILER, Vouch
+    L = KVLayout.vllm_flash(1, 1, 4, block_size=2, dtype="float16")
+    with KVSender(KVPool.allocate(L, 4), "inproc://", leases=False) as snd:
+        real = snd.publish("real", snd.pool.alloc(2), 4)
+    nbytes = 2 * L.block_nbytes
+    status, pad = {"bad_status": (9, 0), "nonzero_pad": (0, 1), "stale": (Vouch.STALE, 0),
+                   "unsure": (Vouch.UNSURE, 0)}.get(reply, (0, 0))
+    body = FENCE.pack(0, 0) + b"\x01" * nbytes
+    if reply != "no_trailer":
+        body += TRAILER.pack(status, pad, 0)
+    lst, t = _fake_sender(lambda rid: pack(Kind.DATA, rid, body))
     h = dataclasses.replace(real, urls=(f"tcp://127.0.0.1:{lst.getsockname()[1]}",))
     dst = KVPool.allocate(L, 4)
     with KVReceiver(dst, leases=False, verify=False) as rcv:
@@ -285,3 +298,130 @@ def test_hostile_sender_data_reply_and_trailer(reply: str) -> None:
     # a small read lands in a private buffer first: bytes that were not vouched for never
     # reach the destination blocks
     assert not any(bool(b.view(-1).view(torch.uint8).any()) for b in dst.buffers)
+
+
+def test_refused_write_bytes_cannot_be_trickled(child: Child) -> None:
+    """A WRITE the server refuses (a sender takes none; any forged reservation) has its bytes
+    discarded only at the minimum rate: a real fetch runs while 64 peers trickle theirs, and
+    each trickler is dropped after the grace; one declaring more than the discard limit is
+    answered and dropped at once."""
+    from kvbridge.transports.sockets import DISCARD_LIMIT, RATE_GRACE
+    big = _connect(child.url)
+    big.sendall(pack(Kind.WRITE, 2, encode_request(b"junk", None, None, (0, 1), nbytes=DISCARD_LIMIT + 1)))
+    kind, _ = _reply(big)
+    assert kind is Kind.ERROR and _reply(big, timeout=2.0) == "closed"
+    big.close()
+    socks = []
+    for _ in range(64):                                 # as many as the server has workers
+        s = _connect(child.url)
+        s.sendall(pack(Kind.WRITE, 1, encode_request(b"junk", None, None, (0, 1), nbytes=DISCARD_LIMIT)))
+        socks.append(s)
+    stop = threading.Event()
+
+    def trickle() -> None:                              # ~10 bytes a second each
+        while not stop.is_set():
+            _trickle(socks)
+            time.sleep(0.1)
+    t = threading.Thread(target=trickle, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    try:
+        time.sleep(1.0)
+        L = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")
+        with KVReceiver(KVPool.allocate(L, 8), leases=False, timeout=Timeout(connect=2, transfer=8)) as rcv:
+            res = rcv.fetch(KVHandle.from_bytes(child.handle), list(range(8)), release=False)
+            assert res.ok, res.error                    # served once the tricklers' grace ran out
+        for s in socks:                                 # each dropped, not still discarding
+            try:
+                got = _reply(s, timeout=max(0.1, 2 * RATE_GRACE + 4 - (time.monotonic() - t0)))
+            except TimeoutError:
+                got = "still open"
+            assert got == "closed", got
+    finally:
+        stop.set()
+        t.join(5)
+        for s in socks:
+            s.close()
+
+
+def test_hostile_sender_layer_reply_checksum_count() -> None:
+    """A layer reply's checksum count is held to the layers and blocks asked for before a byte
+    of them is received: a count of 2**32 - 1 in a reply declaring a terabyte is a ProtocolError
+    in the fetch's result, not a 32 GiB allocation."""
+    import dataclasses
+
+    from kvbridge.transports.wire import FENCE, LAYERS
+    L = KVLayout.vllm_flash(2, 1, 4, block_size=2, dtype="float16")
+    with KVSender(KVPool.allocate(L, 4), "inproc://", leases=False) as snd:
+        real = snd.publish("real", snd.pool.alloc(2), 4, layers_ready=2)
+    lst, t = _fake_sender(lambda rid: pack(Kind.LDATA, rid, FENCE.pack(0, 0) + LAYERS.pack(0, 1, 0xFFFFFFFF),
+                                           length=1 << 40))
+    h = dataclasses.replace(real, urls=(f"tcp://127.0.0.1:{lst.getsockname()[1]}",))
+    with KVReceiver(KVPool.allocate(L, 4), leases=False, verify=False) as rcv:
+        res = rcv.fetch(h, [0, 1], release=False)
+    t.join(5)
+    lst.close()
+    assert not res.ok and isinstance(res.error, ProtocolError) and "checksums" in str(res.error), repr(res.error)
+
+
+def _shm_frame(s: socket.socket) -> Kind:
+    head = b""
+    while len(head) < HEADER.size:
+        chunk = s.recv(HEADER.size - len(head))
+        if not chunk:
+            raise ConnectionError("closed")
+        head += chunk
+    kind, length = Kind(head[3]), struct.unpack("!Q", head[8:])[0]
+    while length:
+        length -= len(s.recv(length))
+    return kind
+
+
+def _shm_mapped(path: str, h: KVHandle, req_id: int) -> socket.socket:
+    """A control connection to the shm sender at ``path`` holding a MAP of ``h`` under ``req_id``."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.settimeout(5)
+    s.sendall(pack(Kind.MAP, req_id, encode_request(h.to_bytes())))
+    assert _shm_frame(s) is Kind.MAPPED
+    return s
+
+
+def test_shm_mappings_are_bounded_per_request_and_in_time() -> None:
+    """shm://'s MAP holds the blocks until its DONE: a second MAP under the same request id is
+    refused (it would orphan the first, which then held the blocks for good), and a peer that
+    keeps talking but never sends DONE loses the connection -- and the mapping -- at the transfer
+    timeout of its MAP, so a revoke during it frees the blocks then."""
+    L = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")
+    pool = KVPool.allocate(L, 8, shared=True)
+    freed: list[str] = []
+    with KVSender(pool, "shm://", leases=False, timeout=Timeout(transfer=1.5),
+                  on_free=lambda h, r: freed.append(r)) as snd:
+        path = "\0" + snd.url.removeprefix("shm://@")
+        h = snd.publish("victim", pool.alloc(4), 64)
+        s = _shm_mapped(path, h, 5)
+        s.sendall(pack(Kind.MAP, 5, encode_request(h.to_bytes())))
+        assert _shm_frame(s) is Kind.ERROR                  # refused: the first still holds
+        s.sendall(pack(Kind.DONE, 5))
+        assert _shm_frame(s) is Kind.OK
+        s.close()
+        assert snd.revoke(h) and freed == ["revoked"]       # nothing left in flight: freed at once
+        h = snd.publish("held", pool.alloc(4), 64)
+        s = _shm_mapped(path, h, 1)
+        t0 = time.monotonic()
+        assert snd.revoke(h) and freed == ["revoked"]       # in flight: the blocks wait for the read
+        dropped = None
+        while time.monotonic() - t0 < 6:
+            try:
+                s.sendall(pack(Kind.PING, 2, b""))
+                assert _shm_frame(s) in (Kind.PONG, Kind.ERROR)
+            except (ConnectionError, OSError):
+                dropped = time.monotonic() - t0
+                break
+            time.sleep(0.2)
+        assert dropped is not None and dropped < 1.5 + 1.0, dropped
+        deadline = time.monotonic() + 2
+        while len(freed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert freed == ["revoked", "revoked"]
+        s.close()
