@@ -472,7 +472,7 @@ class FrameReader:
             got += recv_scatter(self.sock, rest, None if landed is None else (lambda k: landed(base + k)))
         return got
 
-    def skip(self, n: int, guard: Optional[Callable[[int], None]] = None) -> None:
+    def skip(self, n: int, guard: Callable[[int], None]) -> None:
         """Discard ``n`` bytes that follow the last frame (a refused write's data). ``guard`` is
         told the bytes discarded so far after every receive: a :class:`RateGuard` there drops a
         peer that trickles them (the socket's timeout alone only bounds each receive)."""
@@ -491,8 +491,7 @@ class FrameReader:
                 raise ConnectionLost("peer closed the connection")
             n -= got
             gone += got
-            if guard is not None:
-                guard(gone)
+            guard(gone)
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
