@@ -28,7 +28,11 @@ import ctypes
 import math
 import mmap
 import os
+import re
 import secrets
+import socket
+import stat
+import struct
 import threading
 import warnings
 import weakref
@@ -37,7 +41,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from .errors import ConfigError, LayoutMismatch, PoolError
+from .errors import ConfigError, LayoutMismatch, PoolError, ProtocolError
 from .layout import KVLayout, KVOrder
 
 __all__ = ["KVPool", "SharedSegment", "retired_during", "sweep_dead_segments"]
@@ -94,6 +98,26 @@ def sweep_dead_segments() -> list[str]:
     return removed
 
 
+_PEER_SEGMENT = re.compile(r"kvb-[0-9]{1,10}-[0-9a-f]{12}")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The user id of the process at the other end of a unix socket (``SO_PEERCRED``)."""
+    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(uid)
+
+
+def peer_segment(name: str, writable: bool, uid: int) -> "SharedSegment":
+    """A segment a peer named, mapped: only a kvbridge pool or table segment
+    (``kvb-<pid>-<12 hex>``, a plain file in ``/dev/shm``, no link) that the peer's user
+    ``uid`` owns -- never another file this process may open (a name with ``..``), nor a
+    segment of a user the peer is not (this process's own pool, named by another user).
+    ProtocolError otherwise."""
+    if not isinstance(name, str) or not _PEER_SEGMENT.fullmatch(name):
+        raise ProtocolError(f"peer named a shared-memory segment that is not kvbridge's: {name!r:.80}")
+    return SharedSegment(name, writable=writable, owner_uid=uid)
+
+
 class SharedSegment:
     """A named POSIX shared-memory segment (``/dev/shm``) mapped into this process.
 
@@ -102,19 +126,23 @@ class SharedSegment:
     """
 
     def __init__(self, name: str, size: int = 0, create: bool = False, populate: bool = False,
-                 writable: bool = True) -> None:
+                 writable: bool = True, owner_uid: Optional[int] = None) -> None:
         self.name = name
         self.writable = writable or create
         path = "/dev/shm/" + name
         flags = (os.O_RDWR if self.writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
-            fd = os.open(path, flags, 0o600)
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise ConfigError(f"cannot open shared memory {path}: {exc}") from None
         try:
             if create:
                 os.ftruncate(fd, size)
-            self.size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if owner_uid is not None and (not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid):
+                raise ProtocolError(f"shared memory {path} is not the peer's own (owner uid {st.st_uid}, "
+                                    f"the peer's {owner_uid})")
+            self.size = st.st_size
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
             self.mmap = mmap.mmap(fd, self.size, flags=flags, prot=prot) if self.size else None

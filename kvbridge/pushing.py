@@ -7,7 +7,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
-from .errors import KVBridgeError, StaleHandle, TransferCancelled, TransferTimeout
+from .errors import KVBridgeError, ProtocolError, StaleHandle, TransferCancelled, TransferTimeout
 from .handle import KVHandle
 from .integrity import pack_sums
 from .lease import Claim, LeaseStore
@@ -70,8 +70,10 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
             c = claim
             snd.retry.call(lambda: store.release(res.lease_id, c.claimer, c.fence))
         out.ok = True
-    except KVBridgeError as exc:
-        out.error = exc
+    except Exception as exc:    # whatever ends a push, its handle ends and the receiver hears of it
+        if not isinstance(exc, KVBridgeError):
+            log.exception("push of %r failed", res.request_id)
+        out.error = exc if isinstance(exc, KVBridgeError) else ProtocolError(f"push failed: {exc!r}")
         out.failed_block_ids = list(res.block_ids)
         if store is None or claim is not None:   # a writer that never won the claim ends nothing
             _abort_push(snd, res, store, claim, url)
@@ -85,7 +87,7 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
 def _abort_push(snd: "KVSender", res: KVHandle, store: Optional[LeaseStore], claim: Optional[Claim], url: str) -> None:
     """Tell the receiver this writer gives up (best effort: its reservation expires anyway)."""
     try:
-        snd._transport(url).abort_write(url, res)
+        snd._transport(url).abort_write(url, res, claim)
     except KVBridgeError as exc:
         log.info("abort of push %r: %s", res.request_id, exc)
     if store is not None and claim is not None:

@@ -698,8 +698,8 @@ class KVReceiver:
     def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> WriteGrant:
         return self._desk.open_write(ticket_bytes, layers, claim)
 
-    def abort_remote(self, ticket_bytes: bytes) -> None:
-        self._desk.abort_remote(ticket_bytes)
+    def abort_remote(self, ticket_bytes: bytes, claim: Optional[Claim]) -> None:
+        self._desk.abort_remote(ticket_bytes, claim)
 
     def close(self) -> None:
         """Stop serving; send the releases still pending (bounded), then close connections."""

@@ -1,7 +1,13 @@
 """Push mode, the receiving side: destination blocks offered to a writer under a signed
 reservation with its own lease. The writer claims the lease (one writer wins) and writes
 under its fence; each write is verified as it lands; a cancel or an expiry revokes the
-lease first and ends the reservation only once no write is in flight."""
+lease first and ends the reservation only once no write is in flight.
+
+Bytes land straight in the reserved blocks, before their checksums are checked, so a write
+may only ever touch layers no one has been told are ready: one write at a time per
+reservation, each starting at the first layer not yet verified (a layer reported by
+``wait_layer`` is never written again). A write that stops or fails part-way leaves that
+layer unverified; the writer writes it again or the reservation fails."""
 
 from __future__ import annotations
 
@@ -10,10 +16,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
-                     LeaseExpired, PoolError, ProtocolError, StaleHandle, TransferCancelled)
+                     LeaseExpired, PoolError, ProtocolError, RetryableError, StaleHandle, TransferCancelled)
 from .handle import KVHandle, lookup_ticket
 from .integrity import StreamVerifier, layer_checksums, unpack_sums
 from .lease import Claim, LeaseStore
@@ -26,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["ReservationDesk"]
 
 log = logging.getLogger("kvbridge.receiver")
+STOP_AFTER = 0.5   # seconds a cancelled write has to reach its next chunk before its connection is ended
 
 
 @dataclass
@@ -41,10 +48,10 @@ class _Reservation:
     store: Optional[LeaseStore]
     t0: float = field(default_factory=time.perf_counter)
     done_layers: int = 0
-    inflight: int = 0
     writes: int = 0
     nbytes: int = 0
     live: bool = True
+    writing: Optional["_WriteGrant"] = None   # the one write in flight
 
 
 @dataclass
@@ -54,6 +61,7 @@ class _WriteGrant:
     spans: Spans
     layers: tuple[int, int]
     closed: bool = False
+    stop: Optional[Callable[[], None]] = None   # set by the server: ends the write's connection
 
     def finish(self, sums: bytes, last: bool) -> None:
         self.desk._write_landed(self, sums, last)
@@ -61,7 +69,7 @@ class _WriteGrant:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.desk._write_done(self.rec)
+            self.desk._write_done(self)
 
 
 class ReservationDesk:
@@ -112,33 +120,43 @@ class ReservationDesk:
             self.r.stats.add(writes_refused=1)
             raise
 
-    def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> _WriteGrant:
+    def _authorized(self, ticket_bytes: bytes, claim: Optional[Claim], what: str) -> _Reservation:
+        """The reservation ``ticket_bytes`` names, once ``claim`` is shown to be its writer's
+        where it is leased (the ticket alone decides otherwise)."""
         rec = self._lookup_reservation(ticket_bytes)
         t = rec.ticket
         if rec.store is not None and t.lease_id:
             if claim is None:
                 self.r.stats.add(writes_refused=1)
-                raise AccessDenied("this reservation is leased: writes must carry the writer's claim and fence")
+                raise AccessDenied(f"this reservation is leased: {what} must carry the writer's claim and fence")
             try:
                 rec.store.validate(t.lease_id, claim.claimer, claim.fence)
             except StaleHandle:
                 self.r.stats.add(writes_refused=1)
                 raise
+        return rec
+
+    def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> _WriteGrant:
+        rec = self._authorized(ticket_bytes, claim, "writes")
         lo, hi = layers
         L = self.r.pool.layout.num_layers
-        if not (0 <= lo <= rec.done_layers and lo < hi <= L):
-            raise ProtocolError(f"write of layers [{lo}, {hi}) to a {L}-layer reservation that expects "
-                                f"layer {rec.done_layers} next")
         with self._lock:
             if not rec.live:
                 self.r.stats.add(writes_refused=1)
-                raise StaleHandle(f"reservation {t.id} has ended; nothing more may be written")
-            rec.inflight += 1
-        spans = Spans.of_blocks(self.r.pool, rec.dst, range(lo, hi))
+                raise StaleHandle(f"reservation {rec.ticket.id} has ended; nothing more may be written")
+            if rec.writing is not None:
+                self.r.stats.add(writes_refused=1)
+                raise RetryableError(f"reservation {rec.ticket.id} has a write in flight; one at a time")
+            if not (lo == rec.done_layers and lo < hi <= L):
+                self.r.stats.add(writes_refused=1)
+                raise ProtocolError(f"write of layers [{lo}, {hi}) to a {L}-layer reservation that expects "
+                                    f"layer {rec.done_layers} next")
+            spans = Spans.of_blocks(self.r.pool, rec.dst, range(lo, hi))
+            g = rec.writing = _WriteGrant(self, rec, spans, (lo, hi))
         if self.r.verify:
             spans.verifier = StreamVerifier(self.r.pool, rec.dst, range(lo, hi), per_layer=True)
         spans.cancel = rec.transfer.cancel_event
-        return _WriteGrant(self, rec, spans, (lo, hi))
+        return g
 
     def _write_landed(self, g: _WriteGrant, sums: bytes, last: bool) -> None:
         rec, (lo, hi) = g.rec, g.layers
@@ -165,13 +183,15 @@ class ReservationDesk:
         if complete:
             self._end_reservation(rec, None, wait=False)
 
-    def _write_done(self, rec: _Reservation) -> None:
+    def _write_done(self, g: _WriteGrant) -> None:
+        rec = g.rec
         with self._lock:
-            rec.inflight -= 1
+            if rec.writing is g:
+                rec.writing = None
             self._lock.notify_all()
 
-    def abort_remote(self, ticket_bytes: bytes) -> None:
-        rec = self._lookup_reservation(ticket_bytes)
+    def abort_remote(self, ticket_bytes: bytes, claim: Optional[Claim]) -> None:
+        rec = self._authorized(ticket_bytes, claim, "an abort")
         self._end_reservation(rec, StaleHandle(f"the writer of {rec.ticket.request_id!r} gave up the push"))
 
     def _cancel_reservation(self, t: Transfer) -> None:
@@ -197,10 +217,7 @@ class ReservationDesk:
                 except KVBridgeError as exc:
                     log.info("revoke of reservation %s: %s", rec.ticket.id, exc)
         if wait:
-            with self._lock:
-                if not self._lock.wait_for(lambda: rec.inflight == 0, self.r.timeout.transfer):
-                    log.error("reservation %s: a write is still in flight after %s s", rec.ticket.id,
-                              self.r.timeout.transfer)
+            self._stop_writing(rec)
         res = FetchResult(rec.ticket, list(rec.dst), nbytes=rec.nbytes, attempts=rec.writes, error=error)
         if error is None and self.r.pool.generations(rec.dst) != rec.gens:
             res.error = PoolError(f"reserved blocks of {rec.ticket.request_id!r} were freed or retired during "
@@ -214,6 +231,21 @@ class ReservationDesk:
         else:
             self.r.stats.add(failed=1, cancelled=int(isinstance(res.error, TransferCancelled)))
         rec.transfer._finish(res)
+
+    def _stop_writing(self, rec: _Reservation) -> None:
+        """Wait until the write in flight (if any) is over: a landing write stops at its next
+        chunk (the cancel flag); one whose writer sends nothing more has its connection ended
+        after ``STOP_AFTER``. Only then may the blocks be reported reusable."""
+        transfer = self.r.timeout.transfer
+        with self._lock:
+            if self._lock.wait_for(lambda: rec.writing is None, min(STOP_AFTER, transfer)):
+                return
+            g = rec.writing
+        if g is not None and g.stop is not None:
+            g.stop()
+        with self._lock:
+            if not self._lock.wait_for(lambda: rec.writing is None, transfer):
+                log.error("reservation %s: a write is still in flight after %s s", rec.ticket.id, transfer)
 
     def _sweep_loop(self) -> None:
         """Reservations whose push never completed end at their deadline."""

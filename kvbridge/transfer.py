@@ -300,7 +300,14 @@ class Workers:
                     self._threads -= 1
                     return
                 t = self._queue.popleft()
-            t._run()
+            try:
+                t._run()
+            except Exception:   # logged, and the transfer failed, by _run: this thread serves the next one
+                pass
+            except BaseException:
+                with self._cv:
+                    self._threads -= 1
+                raise
 
     def close(self) -> None:
         with self._cv:

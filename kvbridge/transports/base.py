@@ -243,11 +243,13 @@ class ReadGrant(Protocol):
 
 
 class WriteGrant(Protocol):
-    """Permission to write some layers of a reservation's blocks (push mode); holds an
-    in-flight count until closed, so a cancel never frees pages under a write."""
+    """Permission to write some layers of a reservation's blocks (push mode); the write is in
+    flight until closed, so a cancel never frees pages under it. A server that can end the
+    write's connection sets ``stop`` to do so (a cancel whose writer sends nothing more)."""
 
     spans: Spans               # destination memory in canonical order (verifier attached)
     layers: tuple[int, int]
+    stop: Optional[Callable[[], None]]
 
     def finish(self, sums: bytes, last: bool) -> None: ...   # verify what landed; raise to refuse
     def close(self) -> None: ...
@@ -275,7 +277,7 @@ class BlockSink(Protocol):
     """What a server accepts writes into (push mode): the receiver. It authorizes every write."""
 
     def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> WriteGrant: ...
-    def abort_remote(self, ticket_bytes: bytes) -> None: ...
+    def abort_remote(self, ticket_bytes: bytes, claim: Optional[Claim]) -> None: ...
 
 
 class Server(abc.ABC):
@@ -409,8 +411,9 @@ class Transport(abc.ABC):
         checksums; ``last`` completes the reservation. Returns bytes written."""
         raise ConfigError(f"{self.scheme}:// does not support push")
 
-    def abort_write(self, url: str, ticket: KVHandle) -> None:
-        """Push mode: tell the reservation's owner that this writer gives up."""
+    def abort_write(self, url: str, ticket: KVHandle, claim: Optional[Claim]) -> None:
+        """Push mode: tell the reservation's owner that this writer gives up (under its claim,
+        for a leased reservation: only the writer that holds it may end it)."""
         raise ConfigError(f"{self.scheme}:// does not support push")
 
     @abc.abstractmethod

@@ -98,8 +98,8 @@ class InprocTransport(Transport):
         finally:
             grant.close()
 
-    def abort_write(self, url: str, ticket: KVHandle) -> None:
-        self._endpoint(url, "abort_remote").abort_remote(ticket.to_bytes())
+    def abort_write(self, url: str, ticket: KVHandle, claim: Optional[Claim]) -> None:
+        self._endpoint(url, "abort_remote").abort_remote(ticket.to_bytes(), claim)
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         self._endpoint(url, "release_remote").release_remote(handle.to_bytes())

@@ -334,7 +334,7 @@ class NVLinkTransport(ShmTransport):
             check_pool(pool)
         return super().serve(url, source, timeout)
 
-    def _runs(self, body: bytes, pos: int, writable: bool) -> tuple[Any, list[tuple[int, int]]]:
+    def _runs(self, body: bytes, pos: int, writable: bool, uid: int) -> tuple[Any, list[tuple[int, int]]]:
         return _parse_mapped(body, pos)
 
     # -- mappings ------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ from ..handle import KVHandle
 from ..integrity import block_checksums
 from ..lease.base import Claim
 from ..policy import Timeout
-from ..pool import KVPool, SharedSegment, retired_during
+from ..pool import KVPool, SharedSegment, peer_segment, peer_uid, retired_during
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs, generations_held, unverified
 from .shmcopy import copy_into
 from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
@@ -280,7 +280,7 @@ class ShmTransport(Transport):
         super().__init__(timeout, secret)
         self._clients: dict[str, SocketClient] = {}
         self._by_url: dict[str, SocketClient] = {}          # the same clients by URL: no parse per release
-        self._maps: OrderedDict[tuple[str, bool], SharedSegment] = OrderedDict()
+        self._maps: OrderedDict[tuple[str, bool, int], SharedSegment] = OrderedDict()
         self._senders: dict[str, Optional[SenderMap]] = {}   # url -> mapped sender (None: MAP/DONE only)
         self._lock = threading.Lock()
         self._open_lock = threading.Lock()
@@ -323,16 +323,17 @@ class ShmTransport(Transport):
             self._by_url[url] = c
         return c
 
-    def _segment(self, name: str, writable: bool) -> SharedSegment:
-        """The peer's segment, mapped once (read-only to read from, writable to push into)."""
-        key = (name, writable)
+    def _segment(self, name: str, writable: bool, uid: int) -> SharedSegment:
+        """The peer's segment, mapped once (read-only to read from, writable to push into); only
+        a kvbridge segment that the peer's user owns (:func:`peer_segment`)."""
+        key = (name, writable, uid)
         with self._lock:
             seg = self._maps.get(key)
             if seg is not None:
                 self._maps.move_to_end(key)
                 return seg
         try:
-            seg = SharedSegment(name, writable=writable)   # lazy: a copy faults in only the pages it touches
+            seg = peer_segment(name, writable, uid)   # lazy: a copy faults in only the pages it touches
         except ConfigError as exc:
             raise StaleHandle(f"the peer's shared memory is gone: {exc}") from None
         with self._lock:
@@ -342,8 +343,8 @@ class ShmTransport(Transport):
         return seg
 
     def _exchange(self, url: str, kind: Kind, payload: bytes, move: Any, done: Kind, what: str) -> Any:
-        """MAP/WMAP -> copy -> DONE/WDONE on one connection. ``move(body)`` copies and returns
-        (result, DONE payload)."""
+        """MAP/WMAP -> copy -> DONE/WDONE on one connection. ``move(body, uid)`` copies (from or
+        into segments of the peer's user ``uid``) and returns (result, DONE payload)."""
         client = self._client(url)
         sock, k, rid, length = client.call(kind, payload, what)
         try:
@@ -353,9 +354,9 @@ class ShmTransport(Transport):
                 raise decode_error(body)
             if k is not Kind.MAPPED:
                 raise ProtocolError(f"{what}: unexpected {k.name} reply")
-            result, done_payload = move(body)
+            result, done_payload = move(body, peer_uid(sock))
             sock.sendall(pack(done, rid, done_payload))
-            k2, _, l2 = unpack_header(recv_exact(sock, HEADER.size))
+            k2, _, l2 = unpack_header(recv_exact(sock, HEADER.size), data_ok=False)
             reply = recv_exact(sock, l2) if l2 else b""
         except KVBridgeError as exc:
             if k is not Kind.ERROR:
@@ -372,9 +373,9 @@ class ShmTransport(Transport):
             raise decode_error(reply)   # validate-after-copy failed: the bytes must not be used
         return result
 
-    def _runs(self, body: bytes, pos: int, writable: bool) -> tuple[SharedSegment, list[tuple[int, int]]]:
+    def _runs(self, body: bytes, pos: int, writable: bool, uid: int) -> tuple[SharedSegment, list[tuple[int, int]]]:
         name, runs = _parse_mapped(body, pos)
-        seg = self._segment(name, writable)
+        seg = self._segment(name, writable, uid)
         if any(o + n > seg.size for o, n in runs):
             raise ProtocolError("peer named bytes outside its segment")
         return seg, runs
@@ -414,15 +415,19 @@ class ShmTransport(Transport):
         if k is Kind.MAPPED:
             try:
                 info = json.loads(body)
-                seg = SharedSegment(info["segment"], writable=False)
+                uid = peer_uid(sock)
+                seg = peer_segment(info["segment"], False, uid)
                 try:
-                    table = SharedSegment(info["table"], writable=False)
+                    table = peer_segment(info["table"], False, uid)
                 except BaseException:
                     seg.close()
                     raise
             except ConfigError as exc:
                 sock.close()
                 raise StaleHandle(f"the peer's shared memory is gone: {exc}") from None
+            except ProtocolError:
+                sock.close()
+                raise
             except (ValueError, KeyError, TypeError):
                 sock.close()
                 raise ProtocolError("OPEN reply is malformed") from None
@@ -595,9 +600,9 @@ class ShmTransport(Transport):
                     return n
                 dst.digests = None            # whatever a copy left is not what MAP/DONE will land
 
-        def move(body: bytes) -> tuple[int, bytes]:
+        def move(body: bytes, uid: int) -> tuple[int, bytes]:
             dst.claimed = _claim_of(body, claim)
-            seg, runs = self._runs(body, FENCE.size + LAYERS.size, False)
+            seg, runs = self._runs(body, FENCE.size + LAYERS.size, False, uid)
             return self._copy_in(dst, seg, runs), b""
         return int(self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim), move,
                                   Kind.DONE, f"map {url}"))
@@ -631,10 +636,10 @@ class ShmTransport(Transport):
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
         nb = len(indices) if indices is not None else handle.num_blocks
 
-        def move(body: bytes) -> tuple[Chunk, bytes]:
+        def move(body: bytes, uid: int) -> tuple[Chunk, bytes]:
             got = _claim_of(body, claim)
             lo, hi, sums, used = decode_layers(body[FENCE.size:], nb, (first, end))
-            seg, runs = self._runs(body, FENCE.size + used, False)
+            seg, runs = self._runs(body, FENCE.size + used, False, uid)
             dst = spans_for(lo, hi, sum(n for _, n in runs))
             return Chunk(lo, hi, sums, self._copy_in(dst, seg, runs), got), b""
         chunk: Chunk = self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
@@ -650,19 +655,19 @@ class ShmTransport(Transport):
 
     def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
               sums: bytes, last: bool) -> int:
-        def move(body: bytes) -> tuple[int, bytes]:
+        def move(body: bytes, uid: int) -> tuple[int, bytes]:
             lo, hi, _, used = decode_layers(body[FENCE.size:], ticket.num_blocks, layers)
             if (lo, hi) != layers:
                 raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
-            mapped, runs = self._runs(body, FENCE.size + used, True)
+            mapped, runs = self._runs(body, FENCE.size + used, True, uid)
             if sum(n for _, n in runs) != src.nbytes:
                 raise ProtocolError(f"receiver mapped {sum(n for _, n in runs)} bytes for {src.nbytes}")
             return self._copy_out(src, mapped, runs), encode_request(b"", last=last, nbytes=0, sums=sums)
         return int(self._exchange(url, Kind.WMAP, encode_request(ticket.to_bytes(), None, claim, layers), move,
                                   Kind.WDONE, f"write to {url}"))
 
-    def abort_write(self, url: str, ticket: KVHandle) -> None:
-        self._client(url).control(Kind.WABORT, ticket.to_bytes(), f"abort write to {url}")
+    def abort_write(self, url: str, ticket: KVHandle, claim: Optional[Claim]) -> None:
+        self._client(url).control(Kind.WABORT, encode_request(ticket.to_bytes(), None, claim), f"abort write to {url}")
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         self._client(url).release(handle, wait, url)

@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import blockcopy
-from ..errors import ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
+from ..errors import ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError, TransferCancelled
 from ..handle import KVHandle
 from ..policy import Timeout
-from .base import BlockSink, BlockSource, Server
+from .base import BlockSink, BlockSource, Server, Spans
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
                    decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
@@ -53,6 +53,20 @@ _NO_FENCE = FENCE.pack(0, 0)    # the reply to a read that was not leased
 def tune(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+
+def _shut(conn: socket.socket) -> None:
+    """End a connection from another thread: its reads and writes fail at once."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _cancelled(spans: Spans) -> None:
+    if spans.cancel is not None and spans.cancel.is_set():
+        raise TransferCancelled("transfer cancelled")
 
 
 class SocketServer(Server):
@@ -294,7 +308,8 @@ class SocketServer(Server):
         if kind in (Kind.RELEASE, Kind.WABORT):
             try:
                 if kind is Kind.WABORT:
-                    self.sink.abort_remote(payload)
+                    req = decode_request(payload)
+                    self.sink.abort_remote(req.ticket, req.claim)
                 else:
                     self.source.release_remote(payload)
             except KVBridgeError as exc:
@@ -388,6 +403,7 @@ class SocketServer(Server):
             reader.skip(req.nbytes, RateGuard(MIN_RATE, RATE_GRACE))   # refused: drop its bytes, keep the connection
             self._reply_error(conn, req_id, exc)
             return True
+        grant.stop = lambda: _shut(conn)
         try:
             spans = grant.spans
             if req.nbytes != spans.nbytes:
@@ -405,8 +421,12 @@ class SocketServer(Server):
                 if spans.pool.is_host:
                     reader.read_into(spans.views(), progress)
                 else:                          # a device pool: land in host memory, then copy up
+                    def guarded(n: int) -> None:   # the rate guard and the cancel flag, hashing aside
+                        guard(n)
+                        _cancelled(spans)
                     bounce = torch.empty(spans.nbytes, dtype=torch.uint8)
-                    reader.read_into([bounce.numpy().data])
+                    reader.read_into([bounce.numpy().data], guarded)
+                    _cancelled(spans)          # not cancelled meanwhile: the blocks are still the write's
                     copy_slices(device_slices(spans), [bounce])
             except KVBridgeError as exc:      # cancelled mid-write: the rest of the frame is unread
                 self._reply_error(conn, req_id, exc)
@@ -597,7 +617,7 @@ class SocketClient:
         """Send one control frame and read the reply header (the caller reads the body)."""
         sock, rid = self.send(kind, payload, what)
         try:
-            k, got_id, length = unpack_header(recv_exact(sock, HEADER.size))
+            k, got_id, length = unpack_header(recv_exact(sock, HEADER.size), data_ok=kind is Kind.READ)
             if got_id != rid and k is not Kind.ERROR:
                 raise ProtocolError(f"{what}: reply for request {got_id}, expected {rid}")
             return sock, k, got_id, length

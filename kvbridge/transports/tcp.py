@@ -409,7 +409,7 @@ class TCPTransport(Transport):
                         _RINGS.give(ring)
             except OSError:
                 pass   # a refusal may have closed the connection mid-send: its reply says why
-            kind, _, length = unpack_header(recv_exact(sock, HEADER.size))
+            kind, _, length = unpack_header(recv_exact(sock, HEADER.size), data_ok=False)
             body = recv_exact(sock, length) if length else b""
         except BaseException as exc:
             sock.close()
@@ -423,8 +423,8 @@ class TCPTransport(Transport):
         client.put_back(sock)
         return src.nbytes
 
-    def abort_write(self, url: str, ticket: KVHandle) -> None:
-        self._client(url).control(Kind.WABORT, ticket.to_bytes(), f"abort write to {url}")
+    def abort_write(self, url: str, ticket: KVHandle, claim: Optional[Claim]) -> None:
+        self._client(url).control(Kind.WABORT, encode_request(ticket.to_bytes(), None, claim), f"abort write to {url}")
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         self._client(url).release(handle, wait, url)

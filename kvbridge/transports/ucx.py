@@ -186,7 +186,7 @@ class UCXTransport(Transport):
         try:
             tune(sock)
             sock.sendall(pack(Kind.MAP, 1, HELLO + worker.address))
-            kind, _, length = unpack_header(recv_exact(sock, HEADER.size))
+            kind, _, length = unpack_header(recv_exact(sock, HEADER.size), data_ok=False)
             body = recv_exact(sock, length) if length else b""
             if kind is Kind.ERROR:
                 raise decode_error(body)
@@ -342,8 +342,9 @@ class UCXTransport(Transport):
         return int(self._exchange(url, OP_WREQ, encode_request(ticket.to_bytes(), None, claim, layers,
                                                                nbytes=src.nbytes), what, body))
 
-    def abort_write(self, url: str, ticket: KVHandle) -> None:
-        self._exchange(url, OP_WABORT, ticket.to_bytes(), f"abort write to {url}", lambda p, r, b: None)
+    def abort_write(self, url: str, ticket: KVHandle, claim: Optional[Claim]) -> None:
+        self._exchange(url, OP_WABORT, encode_request(ticket.to_bytes(), None, claim), f"abort write to {url}",
+                       lambda p, r, b: None)
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         what = f"release {url}"

@@ -214,7 +214,8 @@ class UCXServer(SocketServer):
             elif op in (OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT):
                 try:
                     if op == OP_WABORT:
-                        self.sink.abort_remote(payload)
+                        req = decode_request(payload)
+                        self.sink.abort_remote(req.ticket, req.claim)
                     else:
                         self.source.release_remote(payload)
                 except KVBridgeError as exc:

@@ -119,7 +119,10 @@ def pack(kind: Kind, req_id: int, payload: bytes = b"", length: Optional[int] = 
 _KINDS = {k.value: k for k in Kind}
 
 
-def unpack_header(buf: bytes | bytearray, offset: int = 0) -> tuple[Kind, int, int]:
+def unpack_header(buf: bytes | bytearray, offset: int = 0, data_ok: bool = True) -> tuple[Kind, int, int]:
+    """(kind, request id, length) of a frame header. ``data_ok=False`` where the request
+    asked for no data (a control reply): a DATA/LDATA reply is refused before its body, and
+    every length is held to ``MAX_CONTROL``."""
     magic, version, kind, req_id, length = HEADER.unpack_from(buf, offset)
     if magic != MAGIC:
         raise ProtocolError("bad frame magic: not a kvbridge peer")
@@ -128,7 +131,10 @@ def unpack_header(buf: bytes | bytearray, offset: int = 0) -> tuple[Kind, int, i
     k = _KINDS.get(kind)
     if k is None:
         raise ProtocolError(f"unknown frame type {kind}")
-    if k not in (Kind.DATA, Kind.LDATA) and length > MAX_CONTROL:   # data replies are sized by the request
+    if k in (Kind.DATA, Kind.LDATA):
+        if not data_ok:
+            raise ProtocolError(f"unexpected {k.name} reply to a request for no data")
+    elif length > MAX_CONTROL:   # data replies are sized by the request
         raise FrameTooLarge(f"{k.name} frame of {length} bytes exceeds {MAX_CONTROL}")
     return k, req_id, length
 
