@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
                      LeaseExpired, PoolError, ProtocolError, RetryableError, StaleHandle, TransferCancelled)
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["ReservationDesk"]
 
 log = logging.getLogger("kvbridge.receiver")
-STOP_AFTER = 0.5   # seconds a cancelled write has to reach its next chunk before its connection is ended
 
 
 @dataclass
@@ -61,7 +60,6 @@ class _WriteGrant:
     spans: Spans
     layers: tuple[int, int]
     closed: bool = False
-    stop: Optional[Callable[[], None]] = None   # set by the server: ends the write's connection
 
     def finish(self, sums: bytes, last: bool) -> None:
         self.desk._write_landed(self, sums, last)
@@ -216,8 +214,11 @@ class ReservationDesk:
                     rec.store.revoke(rec.ticket.lease_id, self.r.claimer)
                 except KVBridgeError as exc:
                     log.info("revoke of reservation %s: %s", rec.ticket.id, exc)
-        if wait:
-            self._stop_writing(rec)
+        if wait:    # a landing write stops at its next bytes (the cancel flag); a silent writer is dropped
+            with self._lock:
+                if not self._lock.wait_for(lambda: rec.writing is None, self.r.timeout.transfer):
+                    log.error("reservation %s: a write is still in flight after %s s", rec.ticket.id,
+                              self.r.timeout.transfer)
         res = FetchResult(rec.ticket, list(rec.dst), nbytes=rec.nbytes, attempts=rec.writes, error=error)
         if error is None and self.r.pool.generations(rec.dst) != rec.gens:
             res.error = PoolError(f"reserved blocks of {rec.ticket.request_id!r} were freed or retired during "
@@ -231,21 +232,6 @@ class ReservationDesk:
         else:
             self.r.stats.add(failed=1, cancelled=int(isinstance(res.error, TransferCancelled)))
         rec.transfer._finish(res)
-
-    def _stop_writing(self, rec: _Reservation) -> None:
-        """Wait until the write in flight (if any) is over: a landing write stops at its next
-        chunk (the cancel flag); one whose writer sends nothing more has its connection ended
-        after ``STOP_AFTER``. Only then may the blocks be reported reusable."""
-        transfer = self.r.timeout.transfer
-        with self._lock:
-            if self._lock.wait_for(lambda: rec.writing is None, min(STOP_AFTER, transfer)):
-                return
-            g = rec.writing
-        if g is not None and g.stop is not None:
-            g.stop()
-        with self._lock:
-            if not self._lock.wait_for(lambda: rec.writing is None, transfer):
-                log.error("reservation %s: a write is still in flight after %s s", rec.ticket.id, transfer)
 
     def _sweep_loop(self) -> None:
         """Reservations whose push never completed end at their deadline."""

@@ -244,12 +244,10 @@ class ReadGrant(Protocol):
 
 class WriteGrant(Protocol):
     """Permission to write some layers of a reservation's blocks (push mode); the write is in
-    flight until closed, so a cancel never frees pages under it. A server that can end the
-    write's connection sets ``stop`` to do so (a cancel whose writer sends nothing more)."""
+    flight until closed, so a cancel never frees pages under it."""
 
     spans: Spans               # destination memory in canonical order (verifier attached)
     layers: tuple[int, int]
-    stop: Optional[Callable[[], None]]
 
     def finish(self, sums: bytes, last: bool) -> None: ...   # verify what landed; raise to refuse
     def close(self) -> None: ...

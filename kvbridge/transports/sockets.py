@@ -56,14 +56,6 @@ def tune(sock: socket.socket) -> None:
 
 
 
-def _shut(conn: socket.socket) -> None:
-    """End a connection from another thread: its reads and writes fail at once."""
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
 def _cancelled(spans: Spans) -> None:
     if spans.cancel is not None and spans.cancel.is_set():
         raise TransferCancelled("transfer cancelled")
@@ -403,7 +395,6 @@ class SocketServer(Server):
             reader.skip(req.nbytes, RateGuard(MIN_RATE, RATE_GRACE))   # refused: drop its bytes, keep the connection
             self._reply_error(conn, req_id, exc)
             return True
-        grant.stop = lambda: _shut(conn)
         try:
             spans = grant.spans
             if req.nbytes != spans.nbytes:

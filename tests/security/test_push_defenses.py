@@ -1,0 +1,351 @@
+"""Push mode against hostile peers: a writer holding (or only having seen) a reservation,
+and a receiver that lies to the sender pushing into it. Loopback only, bounded in time."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+from typing import Callable, Iterator, Optional
+
+import pytest
+import torch
+
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
+from kvbridge.integrity import layer_checksums, pack_sums
+from kvbridge.transfer import FetchResult, Transfer, Workers
+from kvbridge.transports import sockets
+from kvbridge.transports.base import Spans
+from kvbridge.transports.wire import (FENCE, HEADER, Kind, decode_error, decode_request, encode_layers,
+                                      encode_request, pack, recv_exact, unpack_header)
+
+pytestmark = pytest.mark.timeout(60)
+L = KVLayout.vllm_flash(2, 1, 4, block_size=2, dtype="float16")
+
+
+def _pool(fill: int, shared: bool = False) -> KVPool:
+    p = KVPool.allocate(L, 4, shared=shared)
+    for b in p.buffers:
+        b.view(-1).view(torch.uint8).fill_(fill)
+    return p
+
+
+def _bytes(pool: KVPool, ids: list[int], lo: int, hi: int) -> bytes:
+    staged, pool._staged = pool._staged, False     # read a staged pool's host memory directly
+    try:
+        return b"".join(bytes(v) for v in Spans.of_blocks(pool, ids, range(lo, hi)).views())
+    finally:
+        pool._staged = staged
+
+
+def _sums(pool: KVPool, ids: list[int], lo: int, hi: int) -> bytes:
+    return pack_sums(layer_checksums(pool, ids, range(lo, hi)))
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+def _reply(s: socket.socket) -> object:
+    """('OK',) / ('ERROR', the error) / 'closed'."""
+    try:
+        kind, _, n = unpack_header(recv_exact(s, HEADER.size))
+        body = recv_exact(s, n) if n else b""
+    except (OSError, Exception):
+        return "closed"
+    return ("ERROR", decode_error(body)) if kind is Kind.ERROR else (kind.name,)
+
+
+def _write_head(ticket: bytes, lo: int, hi: int, nbytes: int, sums: bytes, last: bool, rid: int = 1,
+                claim: object = None) -> bytes:
+    return pack(Kind.WRITE, rid, encode_request(ticket, None, claim, (lo, hi), last=last, nbytes=nbytes,  # type: ignore[arg-type]
+                                                sums=sums))
+
+
+def _write(s: socket.socket, ticket: bytes, src: KVPool, lo: int, hi: int, last: bool) -> object:
+    data = _bytes(src, [0, 1], lo, hi)
+    s.sendall(_write_head(ticket, lo, hi, len(data), _sums(src, [0, 1], lo, hi), last) + data)
+    return _reply(s)
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[KVReceiver, KVPool]]:
+    dst = KVPool.allocate(L, 4)
+    with KVReceiver(dst, listen="tcp://127.0.0.1:0", leases=False, timeout=Timeout(transfer=3.0)) as r:
+        yield r, dst
+
+
+def test_a_layer_reported_ready_is_never_written_again(receiver: tuple[KVReceiver, KVPool]) -> None:
+    """Bytes land before their checksums are checked: a rewrite of a verified layer (with bad
+    checksums, none, or cut short) would change what wait_layer already vouched for."""
+    rcv, dst = receiver
+    good, junk = _pool(0x11), _pool(0xEE)
+    t = rcv.reserve([0, 1], "r")
+    tk = t.reservation.to_bytes()
+    s = _connect(rcv.urls[0])
+    assert _write(s, tk, good, 0, 1, False) == ("OK",)
+    t.wait_layer(0, 5)
+    data = _bytes(junk, [0, 1], 0, 1)
+    for sums in (_sums(good, [0, 1], 0, 1), b""):
+        s.sendall(_write_head(tk, 0, 1, len(data), sums, False) + data)
+        got = _reply(s)
+        assert isinstance(got, tuple) and isinstance(got[1], ProtocolError) and "expects layer 1 next" in str(got[1])
+    assert _bytes(dst, [0, 1], 0, 1) == _bytes(good, [0, 1], 0, 1)
+    assert _write(s, tk, good, 1, 2, True) == ("OK",)
+    r = t.result(5)
+    assert r.ok and _bytes(dst, [0, 1], 0, 2) == _bytes(good, [0, 1], 0, 2)
+
+
+def test_one_write_at_a_time_per_reservation(receiver: tuple[KVReceiver, KVPool]) -> None:
+    """A second connection cannot write while a write is landing (it could go on landing after
+    the first completed the reservation); it is told to retry, and can once the first is over."""
+    rcv, dst = receiver
+    good, junk = _pool(0x11), _pool(0xEE)
+    t = rcv.reserve([0, 1], "r")
+    tk = t.reservation.to_bytes()
+    b = _connect(rcv.urls[0])
+    data = _bytes(junk, [0, 1], 0, 1)
+    b.sendall(_write_head(tk, 0, 1, len(data), _sums(junk, [0, 1], 0, 1), False, rid=7) + data[:8])
+    time.sleep(0.2)
+    a = _connect(rcv.urls[0])
+    got = _write(a, tk, good, 0, 2, True)
+    assert isinstance(got, tuple) and got[0] == "ERROR" and got[1].retryable and "in flight" in str(got[1])
+    assert not t.done()
+    b.close()                                     # the first write ends unfinished: layer 0 stays unverified
+    deadline = time.monotonic() + 5
+    while True:
+        got = _write(_connect(rcv.urls[0]), tk, good, 0, 2, True)
+        if got == ("OK",) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert got == ("OK",)
+    r = t.result(5)
+    assert r.ok and _bytes(dst, [0, 1], 0, 2) == _bytes(good, [0, 1], 0, 2)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host pool", "device-like pool"])
+def test_a_trickled_write_is_dropped(staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pool's writes are held to the minimum rate after the grace (a device pool's land in
+    a bounce buffer first: they were not)."""
+    monkeypatch.setattr(sockets, "RATE_GRACE", 0.3)
+    dst = KVPool.allocate(L, 4)
+    dst._staged = staged
+    junk = _pool(0xEE)
+    with KVReceiver(dst, listen="tcp://127.0.0.1:0", leases=False, timeout=Timeout(transfer=10.0)) as rcv:
+        t = rcv.reserve([0, 1], "r")
+        data = _bytes(junk, [0, 1], 0, 2)
+        s = _connect(rcv.urls[0])
+        s.sendall(_write_head(t.reservation.to_bytes(), 0, 2, len(data), _sums(junk, [0, 1], 0, 2), True))
+        t0 = time.monotonic()
+        dropped = False
+        for i in range(len(data) - 1):
+            try:
+                s.send(data[i:i + 1])
+            except OSError:
+                dropped = True
+                break
+            if _peer_closed(s):
+                dropped = True
+                break
+            time.sleep(0.05)
+        assert dropped and time.monotonic() - t0 < 3.0
+        assert not t.done() and t.layers_done == 0   # nothing vouched for; an honest writer may still come
+        t.cancel()
+
+
+def _peer_closed(s: socket.socket) -> bool:
+    s.setblocking(False)
+    try:
+        got = s.recv(1 << 16, socket.MSG_PEEK)
+        return got == b"" or len(got) >= HEADER.size      # closed, or the refusal came
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    finally:
+        s.setblocking(True)
+
+
+def test_cancel_stops_a_landing_write_before_reporting_the_blocks_free() -> None:
+    """A device pool's write lands in a bounce buffer and is copied up at its end: cancel()
+    stops it at its next bytes (it used to wait out Timeout.transfer and then report the blocks
+    free while the write went on, its bytes copied into them afterwards)."""
+    dst = KVPool.allocate(L, 4)
+    dst._staged = True
+    junk = _pool(0xEE)
+    with KVReceiver(dst, listen="tcp://127.0.0.1:0", leases=False, timeout=Timeout(transfer=10.0)) as rcv:
+        t = rcv.reserve([0, 1], "r")
+        data = _bytes(junk, [0, 1], 0, 2)
+        s = _connect(rcv.urls[0])
+        s.sendall(_write_head(t.reservation.to_bytes(), 0, 2, len(data), _sums(junk, [0, 1], 0, 2), True))
+        stop = threading.Event()
+
+        def trickle() -> None:
+            for i in range(len(data) - 1):
+                if stop.is_set():
+                    return
+                try:
+                    s.send(data[i:i + 1])
+                except OSError:
+                    return
+                time.sleep(0.05)
+        th = threading.Thread(target=trickle)
+        th.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        t.cancel()
+        took = time.monotonic() - t0
+        stop.set()
+        th.join()
+        try:
+            s.sendall(data[-1:])
+        except OSError:
+            pass
+        time.sleep(0.3)
+        assert took < 2.0 and not t.result(1).ok
+        assert _bytes(dst, [0, 1], 0, 2).count(0xEE) == 0
+
+
+def test_wabort_needs_the_writers_claim() -> None:
+    """Of a leased reservation, only the writer that won its claim may give it up."""
+    dst = KVPool.allocate(L, 4)
+    with KVReceiver(dst, listen="tcp://127.0.0.1:0") as rcv, KVSender(_pool(0x11), "inproc://") as snd:
+        t = rcv.reserve([0, 1], "r")
+        assert t.reservation.lease_id
+        pt = snd.push(t.reservation, snd.pool.alloc(2), layers_ready=0)
+        snd.mark_ready(pt, 1)
+        t.wait_layer(0, 10)
+        s = _connect(rcv.urls[0])
+        s.sendall(pack(Kind.WABORT, 3, encode_request(t.reservation.to_bytes(), None, None)))
+        got = _reply(s)
+        assert isinstance(got, tuple) and got[0] == "ERROR" and "claim" in str(got[1])
+        assert not t.done()
+        snd.mark_ready(pt, 2)
+        assert pt.result(10).ok
+        assert t.result(10).ok
+
+
+class _LyingServer:
+    """A listener answering every request with ``answer(kind, req_id, payload)``; any number of
+    connections (the sender's abort comes on a new one)."""
+
+    def __init__(self, family: int, address: object, answer: Callable[[Kind, int, bytes], bytes]) -> None:
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind(address)
+        self.sock.listen(16)
+        self.answer = answer
+        self.seen: list[Kind] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while True:
+                try:
+                    kind, rid, n = unpack_header(recv_exact(conn, HEADER.size))
+                    payload = recv_exact(conn, n) if n else b""
+                    self.seen.append(kind)
+                    if kind is Kind.WRITE:
+                        conn.recv(1 << 16)      # the data (small here)
+                    conn.sendall(self.answer(kind, rid, payload))
+                except Exception:
+                    return
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _push_to(url: str, reservation_of: Callable[[], object]) -> tuple[object, list[str]]:
+    freed: list[str] = []
+    with KVSender(_pool(0x42), "inproc://", leases=False, timeout=Timeout(transfer=3.0)) as snd:
+        snd.on_free = lambda _h, reason: freed.append(reason)
+        res = dataclasses.replace(reservation_of(), urls=(url,))   # type: ignore[type-var]
+        r = snd.push(res, snd.pool.alloc(1)).result(20)
+    return r, freed
+
+
+def test_a_receivers_reply_is_a_bounded_control_reply() -> None:
+    """A receiver answering a WRITE (and the abort after it) with a DATA header of 2^40 bytes:
+    the push fails with ProtocolError before any allocation; its handle ends, its worker lives."""
+    srv = _LyingServer(socket.AF_INET, ("127.0.0.1", 0),
+                       lambda k, rid, p: pack(Kind.DATA, rid, b"", length=1 << 40))
+    try:
+        url = f"tcp://127.0.0.1:{srv.sock.getsockname()[1]}"
+        with KVReceiver(KVPool.allocate(L, 4), listen="tcp://127.0.0.1:0", leases=False) as rcv:
+            r, freed = _push_to(url, lambda: rcv.reserve([0], "r").reservation)
+        assert not r.ok and isinstance(r.error, ProtocolError) and "no data" in str(r.error)
+        assert freed == ["aborted"]
+    finally:
+        srv.close()
+
+
+def _mapped(segment: bytes) -> Callable[[Kind, int, bytes], bytes]:
+    def answer(kind: Kind, rid: int, payload: bytes) -> bytes:
+        if kind is not Kind.WMAP:
+            return pack(Kind.OK, rid)
+        lo, hi = decode_request(payload).layers or (0, 0)
+        return pack(Kind.MAPPED, rid, FENCE.pack(0, 0) + encode_layers(lo, hi, b"") + struct.pack("!H", len(segment))
+                    + segment + struct.pack("!I", 1) + struct.pack("!QQ", 100, L.block_nbytes // L.num_layers))
+    return answer
+
+
+@pytest.mark.parametrize("how", ["path", "link"])
+def test_an_shm_receiver_cannot_name_a_file_for_the_sender_to_write(how: str) -> None:
+    """WMAP's reply names the segment the sender maps writable: only kvbridge's own segment
+    names, no link, and only a segment the peer's own user owns."""
+    fd, victim = tempfile.mkstemp(prefix="kvb-victim-")
+    os.write(fd, b"A" * 4096)
+    os.close(fd)
+    link: Optional[str] = None
+    if how == "path":
+        name = os.path.relpath(victim, "/dev/shm").encode()
+    else:
+        link = f"/dev/shm/kvb-{os.getpid()}-{os.urandom(6).hex()}"
+        os.symlink(victim, link)
+        name = os.path.basename(link).encode()
+    abstract = f"kvb-test-liar-{os.getpid()}-{how}"
+    srv = _LyingServer(socket.AF_UNIX, "\0" + abstract, _mapped(name))
+    try:
+        dst = KVPool.allocate(L, 4, shared=True)
+        with KVReceiver(dst, listen="shm://", leases=False) as rcv:
+            r, freed = _push_to(f"shm://@{abstract}", lambda: rcv.reserve([0], "r").reservation)
+        assert not r.ok and freed == ["aborted"]
+        assert ("not kvbridge's" in str(r.error)) if how == "path" else ("gone" in str(r.error))
+        with open(victim, "rb") as f:
+            assert f.read() == b"A" * 4096
+    finally:
+        srv.close()
+        os.unlink(victim)
+        if link:
+            os.unlink(link)
+
+
+def test_a_crashed_job_does_not_cost_its_worker() -> None:
+    """A job that raises (a bug) fails its transfer; the worker thread goes on serving."""
+    w = Workers("kvb-test", max_workers=1, idle=5.0)
+
+    def crash(t: Transfer) -> object:
+        raise RuntimeError("bug")
+    bad = w.submit(Transfer("bad", 1, crash))        # type: ignore[arg-type]
+    deadline = time.monotonic() + 5
+    while not bad.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert bad.done()
+    good = w.submit(Transfer("good", 1, lambda t: FetchResult(None, [], ok=True)))   # type: ignore[arg-type]
+    deadline = time.monotonic() + 5
+    while not good.done() and time.monotonic() < deadline:   # polled, never run by a waiter
+        time.sleep(0.01)
+    assert good.done()
+    w.close()
