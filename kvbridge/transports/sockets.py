@@ -410,13 +410,13 @@ class SocketServer(Server):
                     landed(n)
             try:
                 if spans.pool.is_host:
-                    reader.read_into(spans.views(), progress)
+                    reader.read_into(spans.views(), progress, self.timeout.transfer)
                 else:                          # a device pool: land in host memory, then copy up
                     def guarded(n: int) -> None:   # the rate guard and the cancel flag, hashing aside
                         guard(n)
                         _cancelled(spans)
                     bounce = torch.empty(spans.nbytes, dtype=torch.uint8)
-                    reader.read_into([bounce.numpy().data], guarded)
+                    reader.read_into([bounce.numpy().data], guarded, self.timeout.transfer)
                     _cancelled(spans)          # not cancelled meanwhile: the blocks are still the write's
                     copy_slices(device_slices(spans), [bounce])
             except KVBridgeError as exc:      # cancelled mid-write: the rest of the frame is unread

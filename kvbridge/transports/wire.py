@@ -453,9 +453,11 @@ class FrameReader:
                 self.buf = bytearray(self.base)
         return kind, req_id, payload
 
-    def read_into(self, views: Sequence[memoryview], landed: Optional[Callable[[int], None]] = None) -> int:
+    def read_into(self, views: Sequence[memoryview], landed: Optional[Callable[[int], None]] = None,
+                  stall: Optional[float] = None) -> int:
         """Fill ``views`` with the bytes that follow the last frame: those already buffered
-        first, then straight from the socket (scatter-gather)."""
+        first, then straight from the socket (scatter-gather; ``stall`` as for
+        :func:`recv_scatter`)."""
         views = [v for v in views if len(v)]
         got = 0
         i = 0
@@ -475,7 +477,7 @@ class FrameReader:
         rest = views[i:]
         if rest:
             base = got
-            got += recv_scatter(self.sock, rest, None if landed is None else (lambda k: landed(base + k)))
+            got += recv_scatter(self.sock, rest, None if landed is None else (lambda k: landed(base + k)), stall)
         return got
 
     def skip(self, n: int, guard: Callable[[int], None]) -> None:
@@ -548,12 +550,15 @@ def _window(vs: Sequence[memoryview], i: int, max_bytes: int) -> int:
 
 
 def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
-                 landed: Optional[Callable[[int], None]] = None) -> int:
+                 landed: Optional[Callable[[int], None]] = None, stall: Optional[float] = None) -> int:
     """Fill every view completely from the socket, scatter-gather (recvmsg_into).
 
     ``landed(total)`` is called as bytes arrive, so a verifier can hash them while they
-    are still in cache."""
-    if len(views) == 1 and landed is None:           # one run: the plain loop
+    are still in cache. ``stall``: on a socket whose receive timeout is short (a server's
+    tick), a pause is waited out -- ``landed`` is told at every timeout, so a rate guard there
+    still drops a peer that is too slow -- until no byte has come for ``stall`` seconds
+    (TransferTimeout); without it the timeout is raised at once."""
+    if len(views) == 1 and landed is None and stall is None:   # one run: the plain loop
         v = views[0]
         n = len(v)
         got = 0
@@ -566,12 +571,24 @@ def recv_scatter(sock: socket.socket, views: Sequence[memoryview],
     vs = [v for v in views if len(v)]
     i = 0
     got = 0
+    quiet_since = time.monotonic() if stall is not None else 0.0
     while i < len(vs):
         j = _window(vs, i, RECV_WINDOW)
-        if j - i == 1:
-            k = sock.recv_into(vs[i], len(vs[i]))
-        else:
-            k = sock.recvmsg_into(vs[i:j])[0]
+        try:
+            if j - i == 1:
+                k = sock.recv_into(vs[i], len(vs[i]))
+            else:
+                k = sock.recvmsg_into(vs[i:j])[0]
+        except BlockingIOError:
+            if stall is None:
+                raise
+            if time.monotonic() - quiet_since > stall:
+                raise TransferTimeout(f"no byte for {stall} s mid-transfer") from None
+            if landed is not None:
+                landed(got)
+            continue
+        if stall is not None:
+            quiet_since = time.monotonic()
         if k == 0:
             raise ConnectionLost("peer closed the connection mid-transfer")
         got += k

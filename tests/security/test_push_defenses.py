@@ -129,6 +129,24 @@ def test_one_write_at_a_time_per_reservation(receiver: tuple[KVReceiver, KVPool]
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["host pool", "device-like pool"])
+def test_a_write_that_pauses_is_not_dropped(staged: bool) -> None:
+    """A pause mid-write (a retransmission on a real network, a busy writer) is waited out
+    within the rate guard's grace; it used to drop the connection after one 0.25 s tick."""
+    dst = KVPool.allocate(L, 4)
+    dst._staged = staged
+    good = _pool(0x11)
+    with KVReceiver(dst, listen="tcp://127.0.0.1:0", leases=False) as rcv:
+        t = rcv.reserve([0, 1], "r")
+        data = _bytes(good, [0, 1], 0, 2)
+        s = _connect(rcv.urls[0])
+        s.sendall(_write_head(t.reservation.to_bytes(), 0, 2, len(data), _sums(good, [0, 1], 0, 2), True) + data[:100])
+        time.sleep(0.6)
+        s.sendall(data[100:])
+        assert _reply(s) == ("OK",)
+        assert t.result(5).ok and _bytes(dst, [0, 1], 0, 2) == data
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host pool", "device-like pool"])
 def test_a_trickled_write_is_dropped(staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pool's writes are held to the minimum rate after the grace (a device pool's land in
     a bounce buffer first: they were not)."""
