@@ -49,7 +49,10 @@ def _positive(kind: type) -> Any:
 
 def _engine_args(p: argparse.ArgumentParser, threads: int) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP, and the KV of a prefill worker)")
+    g.add_argument("--advertise-host", default=None,
+                   help="address other hosts reach this worker at, for its ready line and the KV handles of a "
+                        "prefill worker (None: --host; needed when --host is 0.0.0.0)")
     g.add_argument("--port", type=_port, default=0, help="HTTP port (0: any free port)")
     g.add_argument("--model", default="small", help=_MODEL_HELP)
     g.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
@@ -164,14 +167,16 @@ def _run_worker(a: argparse.Namespace) -> int:
     cfg = _worker_cfg(a)
     if a.cmd == "prefill":
         from .workers.prefill import PrefillWorker
-        worker: object = PrefillWorker(cfg, a.transport, leases=a.leases, ttl=a.ttl)
+        # the KV listener binds the address decode workers reach, which the handles carry
+        worker: object = PrefillWorker(cfg, a.transport, leases=a.leases, ttl=a.ttl,
+                                       host=a.advertise_host or a.host)
     elif a.cmd == "decode":
         from .workers.decode import DecodeWorker
         worker = DecodeWorker(cfg, leases=a.leases)
     else:
         from .workers.colocated import ColocatedWorker
         worker = ColocatedWorker(cfg)
-    return run_until_signal(worker, a.host, a.port, a.parent_pid)
+    return run_until_signal(worker, a.host, a.port, a.parent_pid, advertise=a.advertise_host)
 
 
 def _run_proxy(a: argparse.Namespace) -> int:

@@ -60,12 +60,14 @@ class ColocatedWorker(EngineWorker):
 
     async def _http_generate(self, request: HTTPRequest) -> Response:
         body = await self.body(request)
-        prompt = body.get("prompt_ids")
-        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
-            raise ConfigError("prompt_ids must be a non-empty list of token ids")
+        prompt = self.check_ids(body.get("prompt_ids"), "prompt_ids")
         params = SamplingParams.from_dict(body.get("sampling") or {})
-        req = Request(list(prompt), params, request_id=body.get("request_id") or uuid.uuid4().hex)
+        self.check_length(len(prompt) + params.max_tokens - 1, "prompt_ids plus max_tokens")
+        rid = body.get("request_id")
+        if rid is not None and not isinstance(rid, str):
+            raise ConfigError("request_id must be a string")
+        req = Request(list(prompt), params, request_id=rid or uuid.uuid4().hex)
         watch = AsyncWatch()
         self.loop.submit(req, watch)
         return await self.respond(req, watch, 0, bool(body.get("stream", True)), lambda: self._timings(req, watch),
-                                  request.scope.get(RECEIVED))
+                                  request.scope.get(RECEIVED), request=request)

@@ -48,11 +48,14 @@ class DecodeWorker(EngineWorker):
 
     def _check(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int], output_ids: Sequence[int],
                sampling: SamplingParams) -> tuple[KVHandle, list[int], int]:
+        """Everything about the request that can be wrong, checked before a block is allocated."""
         h = handle if isinstance(handle, KVHandle) else KVHandle.from_dict(handle)
-        outs = [int(t) for t in output_ids]
-        if not outs:
+        self.check_ids(list(prompt_ids), "prompt_ids")
+        if not output_ids:
             raise ConfigError("output_ids must hold at least the first token")
+        outs = self.check_ids(list(output_ids), "output_ids")
         num_cached = len(prompt_ids) + len(outs) - 1
+        self.check_length(len(prompt_ids) + sampling.max_tokens - 1, "prompt_ids plus max_tokens")
         if h.num_tokens != num_cached:
             raise ConfigError(f"handle holds {h.num_tokens} tokens of KV but prompt + outputs need {num_cached}")
         if len(outs) >= sampling.max_tokens:
@@ -61,6 +64,9 @@ class DecodeWorker(EngineWorker):
         if need > self.pool.num_blocks:
             raise PoolError(f"request needs {need} blocks, the decode pool has {self.pool.num_blocks}",
                             hint="lower max_tokens or start decode workers with more --num-blocks")
+        if not self.engine.blocks_needed(num_cached) <= h.num_blocks <= need:
+            raise ConfigError(f"handle has {h.num_blocks} blocks; {num_cached} cached tokens need "
+                              f"{self.engine.blocks_needed(num_cached)}, the whole request {need}")
         return h, outs, num_cached
 
     def _try_alloc(self, n: int, deadline: float, timeout: float) -> Optional[list[int]]:
@@ -83,8 +89,13 @@ class DecodeWorker(EngineWorker):
 
     def _queue(self, prompt_ids: Sequence[int], outs: list[int], num_cached: int, blocks: list[int],
                sampling: SamplingParams, request_id: Optional[str], watch: Any) -> Request:
-        req = Request(list(prompt_ids) + outs[:-1], sampling, request_id=request_id or uuid.uuid4().hex)
-        self.loop.submit_prefilled(req, blocks, num_cached, outs, watch)
+        """Hand the fetched blocks to the scheduler; on any failure before it took them, free them."""
+        try:
+            req = Request(list(prompt_ids) + outs[:-1], sampling, request_id=request_id or uuid.uuid4().hex)
+            self.loop.submit_prefilled(req, blocks, num_cached, outs, watch)
+        except BaseException:
+            self.pool.free(blocks)
+            raise
         return req
 
     def start(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int], output_ids: Sequence[int],
@@ -143,16 +154,19 @@ class DecodeWorker(EngineWorker):
         body = await self.body(request)
         if not isinstance(body.get("handle"), dict):
             raise ConfigError("handle (the prefill worker's handle dict) is required")
-        prompt = body.get("prompt_ids")
-        if not isinstance(prompt, list) or not prompt:
-            raise ConfigError("prompt_ids must be a non-empty list of token ids")
+        prompt = self.check_ids(body.get("prompt_ids"), "prompt_ids")
         outs = body.get("output_ids")
         if outs is None and "first_token" in body:
             outs = [body["first_token"]]
+        if not isinstance(outs, list) or not outs:
+            raise ConfigError("output_ids must be a non-empty list of token ids (the first token at least)")
+        rid = body.get("request_id")
+        if rid is not None and not isinstance(rid, str):
+            raise ConfigError("request_id must be a string")
         params = SamplingParams.from_dict(body.get("sampling") or {})
-        req, watch, res = await self.astart(body["handle"], prompt, outs or [], params, body.get("request_id"))
-        return await self.respond(req, watch, len(outs or []), bool(body.get("stream", True)),
-                                  lambda: self._timings(req, res))
+        req, watch, res = await self.astart(body["handle"], prompt, outs, params, rid)
+        return await self.respond(req, watch, len(outs), bool(body.get("stream", True)),
+                                  lambda: self._timings(req, res), request=request)
 
     def health(self) -> dict[str, Any]:
         h = super().health()

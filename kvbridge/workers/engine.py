@@ -18,6 +18,7 @@ The engine never sets torch's thread count; callers do.
 from __future__ import annotations
 
 import enum
+import logging
 import threading
 import time
 import uuid
@@ -33,6 +34,8 @@ from .model import CausalLM, SeqPiece
 from .sampling import SamplingParams, sample_batch, sample_token
 
 __all__ = ["Engine", "Request", "RequestState", "FinishReason", "Scheduler", "DecodeItem"]
+
+log = logging.getLogger("kvbridge.workers")
 
 # (block_table, seq_len = tokens already cached, last_token = the token to feed)
 DecodeItem = tuple[Sequence[int], int, int]
@@ -144,6 +147,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)  # one per output token
     finish_time: Optional[float] = None
     finish_reason: Optional[FinishReason] = None
+    error: Optional[BaseException] = None  # why the scheduler aborted it (its own forward or sampling failed)
     _gen: Optional[torch.Generator] = field(default=None, init=False, repr=False)
     _budget: int = field(default=0, init=False, repr=False)  # blocks reserved for the whole request
 
@@ -191,6 +195,9 @@ class Scheduler:
     A request is admitted only when the pool can hold its prompt plus ``max_tokens``,
     so running requests never run out of blocks and nothing is preempted.
     Finished requests free their blocks unless ``keep_blocks`` is set.
+    A request whose own forward or sampling raises (a token id the model cannot embed) is
+    aborted alone, with ``error`` set; a failed batched decode step is rerun request by
+    request to find it, and the others go on.
     ``add_request``/``add_prefilled``/``abort`` may be called from other threads.
     """
 
@@ -349,11 +356,16 @@ class Scheduler:
         dec = [r for r in running if r.state is RequestState.DECODE
                and self._ensure_blocks(r, r.num_computed + 1)]
         if dec:
-            logits = self.engine.decode_step([(r.block_ids, r.num_computed, r.output_ids[-1]) for r in dec])
-            toks = sample_batch(logits, [r.params for r in dec], [len(r.output_ids) for r in dec],
-                                [r._gen for r in dec])
+            try:
+                logits = self.engine.decode_step([(r.block_ids, r.num_computed, r.output_ids[-1]) for r in dec])
+                toks: list[Optional[int]] = list(sample_batch(
+                    logits, [r.params for r in dec], [len(r.output_ids) for r in dec], [r._gen for r in dec]))
+            except Exception:  # one request's input breaks the batch: find it, keep the others
+                toks = [self._decode_alone(r, touched) for r in dec]
             now = self.clock()
             for r, t in zip(dec, toks):
+                if t is None:
+                    continue
                 r.num_computed += 1
                 self._emit(r, t, now)
                 touched.append(r)
@@ -370,15 +382,39 @@ class Scheduler:
             if not self._ensure_blocks(r, r.num_computed + n):
                 continue
             s = r.num_computed
-            logits = self.engine.forward([SeqPiece(r.block_ids, s, r.prompt_ids[s:s + n])])[0]
-            r.num_computed += n
             ran = True
             if budget is not None:
                 budget -= n
-            if r.num_computed == len(r.prompt_ids):
+            try:
+                logits = self.engine.forward([SeqPiece(r.block_ids, s, r.prompt_ids[s:s + n])])[0]
+                first = sample_token(logits, r.params, 0, r._gen) if s + n == len(r.prompt_ids) else None
+            except Exception as exc:
+                self._fail(r, exc, touched)
+                continue
+            r.num_computed += n
+            if first is not None:
                 r.state = RequestState.DECODE
-                self._emit(r, sample_token(logits, r.params, 0, r._gen), self.clock())
+                self._emit(r, first, self.clock())
                 touched.append(r)
+
+    def _decode_alone(self, r: Request, touched: list[Request]) -> Optional[int]:
+        """One request's decode step and sample on its own; None (and the request aborted) if it fails.
+        Rewriting the KV at ``r.num_computed`` that the failed batch may have written is harmless."""
+        try:
+            logits = self.engine.decode_step([(r.block_ids, r.num_computed, r.output_ids[-1])])[0]
+            return sample_token(logits, r.params, len(r.output_ids), r._gen)
+        except Exception as exc:
+            self._fail(r, exc, touched)
+            return None
+
+    def _fail(self, r: Request, exc: Exception, touched: list[Request]) -> None:
+        """Abort one running request whose own forward or sampling raised; the step goes on."""
+        log.warning("request %s aborted: its step failed: %s: %s", r.request_id, type(exc).__name__, exc)
+        r.error = exc
+        with self._lock:
+            if r in self.running:
+                self._drop(r, FinishReason.ABORTED)
+        touched.append(r)
 
     def _done_after(self, r: Request, tok: int) -> bool:
         if _stops(tok, r.params, self.eos_id):

@@ -14,6 +14,7 @@ OpenAI's error shape instead (see :mod:`kvbridge.workers.openai`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
@@ -31,7 +32,7 @@ from ..errors import Action, ConfigError, ConnectionLost, KVBridgeError, PeerUna
     error_from_code
 
 __all__ = ["HTTPServer", "bind_socket", "error_body", "BodyError", "read_json", "WorkerClient", "get_json",
-           "MAX_WORKER_BODY"]
+           "MAX_WORKER_BODY", "wait_or_disconnect"]
 
 log = logging.getLogger("kvbridge.workers")
 MAX_WORKER_BODY = 64 << 20   # bodies between proxy and workers (token ids, handles)
@@ -127,8 +128,9 @@ def error_body(exc: BaseException, status: int = 500) -> dict[str, Any]:
     if isinstance(exc, KVBridgeError):
         return {"error": {"message": str(exc), "type": type(exc).__name__, "code": exc.code,
                           "action": exc.action.value, "status": status}}
-    return {"error": {"message": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__, "code": 1,
-                      "action": Action.FIX.value, "status": status}}
+    # anything else is a bug: its text (paths, internals) stays in the log of whoever caught it
+    return {"error": {"message": f"internal error ({type(exc).__name__}); the server's log has the details",
+                      "type": type(exc).__name__, "code": 1, "action": Action.FIX.value, "status": status}}
 
 
 class BodyError(Exception):
@@ -174,6 +176,32 @@ async def read_json(request: HTTPRequest, limit: int) -> Any:
         return json.loads(raw)
     except ValueError as exc:
         raise BodyError(400, f"the request body is not valid JSON: {exc}", "invalid_json") from None
+    except RecursionError:
+        raise BodyError(400, "the request body is not valid JSON: nested too deeply", "invalid_json") from None
+
+
+async def wait_or_disconnect(request: HTTPRequest, task: "asyncio.Future[Any]") -> bool:
+    """Wait for ``task``; True when it is done, False (and ``task`` cancelled) when the client
+    disconnected first. For handlers that answer once at the end: uvicorn does not cancel them
+    when their client leaves, so without this the work goes on for nobody. The body must have
+    been read (``read_json``): what ``receive`` gives after it is the disconnect."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return True
+    task.cancel()
+    with contextlib.suppress(BaseException):  # its own error, if any, is of no use to a client that left
+        await task
+    return False
 
 
 # -- client ----------------------------------------------------------------------------------

@@ -202,8 +202,10 @@ class Cluster:
             if c.colocated:
                 self._spawn("colocated", self._engine_args("colocated"), 0)
             else:
+                # all on this machine: with a wildcard --host, the KV is read over loopback
+                local = ["--advertise-host", "127.0.0.1"] if c.host in ("0.0.0.0", "::", "") else []
                 for i in range(c.prefill_workers):
-                    self._spawn("prefill", self._engine_args("prefill") + [
+                    self._spawn("prefill", self._engine_args("prefill") + local + [
                         "--leases", self.lease_url, "--transport", c.transport, "--ttl", str(c.ttl)], i)
                 for i in range(c.decode_workers):
                     self._spawn("decode", self._engine_args("decode") + ["--leases", self.lease_url], i)

@@ -11,6 +11,7 @@ output-length bucket) for ``/metrics.json``, the progress line and the benchmark
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 from collections import deque
@@ -35,6 +36,7 @@ class RequestMetrics:
     output_tokens: int = 0
     arrival: float = 0.0
     first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None  # the proxy keeps first and last, not a time per token
     finished_at: Optional[float] = None
     queue_s: Optional[float] = None      # waiting for an engine slot (prefill side, or colocated engine)
     prefill_s: Optional[float] = None    # prompt compute on the prefill side (chunked)
@@ -45,6 +47,7 @@ class RequestMetrics:
     ok: bool = True
     error: Optional[str] = None
     finish_reason: Optional[str] = None
+    # a client's trace (bench/) may keep a time per token; the proxy leaves this empty
     token_times: list[float] = field(default_factory=list, repr=False)
     # the first token's path: seconds after ``arrival`` at which the proxy and the worker passed
     # each stage ("parsed", "prefill_sent", "w_received", "w_submitted", "w_first_token",
@@ -64,7 +67,7 @@ class RequestMetrics:
         """Mean seconds per output token after the first."""
         if self.output_tokens < 2 or self.first_token_at is None or self.finished_at is None:
             return None
-        last = self.token_times[-1] if self.token_times else self.finished_at
+        last = self.last_token_at or (self.token_times[-1] if self.token_times else self.finished_at)
         return (last - self.first_token_at) / (self.output_tokens - 1)
 
     def to_dict(self, with_token_times: bool = False) -> dict[str, Any]:
@@ -82,18 +85,22 @@ class RequestMetrics:
 
 def percentile(values: Sequence[float], q: float) -> Optional[float]:
     """Linear-interpolated percentile (``q`` in 0..100) of ``values``; None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return _sorted_pct(sorted(values), q)
 
 
 def _stats(values: Sequence[float]) -> dict[str, Optional[float]]:
-    return {"p50": percentile(values, 50), "p95": percentile(values, 95), "p99": percentile(values, 99),
-            "mean": (sum(values) / len(values)) if values else None, "max": max(values) if values else None,
-            "count": float(len(values))}
+    xs = sorted(values)  # once, not once per percentile
+    return {"p50": _sorted_pct(xs, 50), "p95": _sorted_pct(xs, 95), "p99": _sorted_pct(xs, 99),
+            "mean": (sum(xs) / len(xs)) if xs else None, "max": xs[-1] if xs else None,
+            "count": float(len(xs))}
+
+
+def _sorted_pct(xs: Sequence[float], q: float) -> Optional[float]:
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _value(r: RequestMetrics, name: str) -> Optional[float]:
@@ -138,9 +145,13 @@ def _aggregate(records: Sequence[RequestMetrics], ttft_slo: Optional[float],
         "kv_bytes": sum(r.kv_bytes for r in ok),
         "retries": sum(r.retries for r in records), "reprefills": sum(r.reprefills for r in records),
     }
+    cols: dict[str, list[float]] = {name: [] for name in _TIMED}
+    for r in ok:
+        for name, v in zip(_TIMED, (r.ttft, r.tpot, r.e2e, r.queue_s, r.prefill_s, r.kv_transfer_s)):
+            if v is not None:
+                cols[name].append(v)
     for name in _TIMED:
-        vals = [v for v in (_value(r, name) for r in ok) if v is not None]
-        d[name] = _stats(vals)
+        d[name] = _stats(cols[name])
     return d
 
 
@@ -263,7 +274,7 @@ class PromMetrics:
 class MetricsLog:
     """Thread-safe, bounded store of finished requests plus live gauges for a proxy."""
 
-    def __init__(self, maxlen: int = 100_000) -> None:
+    def __init__(self, maxlen: int = 20_000) -> None:
         self._lock = threading.Lock()
         self._records: deque[RequestMetrics] = deque(maxlen=maxlen)
         self.in_flight = 0
@@ -272,9 +283,12 @@ class MetricsLog:
         with self._lock:
             self._records.append(r)
 
-    def records(self) -> list[RequestMetrics]:
+    def records(self, last: Optional[int] = None) -> list[RequestMetrics]:
+        """The records kept (the most recent ``last`` of them)."""
         with self._lock:
-            return list(self._records)
+            if last is None or last >= len(self._records):
+                return list(self._records)
+            return list(itertools.islice(self._records, len(self._records) - max(0, last), None))
 
     def clear(self) -> None:
         with self._lock:

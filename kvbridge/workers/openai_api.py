@@ -242,7 +242,9 @@ def render_chat(req: ChatRequest, tok: Tokenizer) -> list[int]:
 def sampling_params(req: Req, prompt_len: int, max_model_len: int, default_max: Optional[int]) -> SamplingParams:
     """Sampling parameters, with ``max_tokens`` checked against the context length before any work.
 
-    ``default_max`` None: the rest of the context (chat); else that many (completions: 16).
+    ``default_max`` None: the rest of the context; else that many, capped by the context (completions:
+    16; chat: the proxy's ``chat_max_tokens``, 512 by default, since a request reserves its whole
+    ``max_tokens`` of KV up front).
     """
     param = "max_tokens"
     mt = req.max_tokens

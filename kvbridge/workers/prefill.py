@@ -5,8 +5,12 @@ the prompt through the engine (``max_tokens=1``, ``keep_blocks=True``), samples 
 first token, publishes the blocks with :class:`KVSender` and answers
 ``{"handle": {...} | null, "first_token", "num_tokens", "finish_reason", "timings"}``.
 No handle is published when the first token already ends the request (stop token, or
-``max_tokens == 1``). Unfetched handles are freed by the sender's TTL / lease expiry.
-``GET /health`` also reports the sender's URLs and counters.
+``max_tokens == 1``). Unfetched handles are freed by the sender's TTL / lease expiry, or at
+once by ``POST /release`` ``{"handle": {...}}`` (the proxy's, when its client left).
+``"stream": true`` answers as SSE instead: an SSE comment every ``keepalive`` seconds while
+the prompt waits for its slot, then one ``data:`` event with the answer (or its error).
+A client that disconnects before the answer aborts the prefill (and ends a handle already
+published for it). ``GET /health`` also reports the sender's URLs and counters.
 """
 
 from __future__ import annotations
@@ -16,24 +20,37 @@ import os
 import time
 import uuid
 from dataclasses import replace
-from typing import Any, Optional, Sequence, Union
+from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 from starlette.requests import Request as HTTPRequest
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import ConfigError
+from ..handle import KVHandle
 from ..lease import LeaseStore
 from ..sender import KVSender
 from .engine import FinishReason, Request
 from .model import CausalLM
 from .sampling import SamplingParams
-from .server import RECEIVED, AsyncWatch, EngineWorker, RequestWatch, WorkerConfig, wall_stamps
+from .http import error_body, wait_or_disconnect
+from .server import RECEIVED, AsyncWatch, EngineWorker, RequestWatch, WorkerConfig, sse, status_for, wall_stamps
 
-__all__ = ["PrefillWorker", "listen_urls"]
+__all__ = ["PrefillWorker", "listen_urls", "WILDCARD_HOSTS"]
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def listen_urls(transport: str, host: str = "127.0.0.1") -> list[str]:
-    """KVSender listen URLs for ``--transport``: shm also listens on tcp as a fallback."""
+    """KVSender listen URLs for ``--transport``: shm also listens on tcp as a fallback.
+
+    ``host`` is where the KV listener binds and what the handles carry, so it must be an
+    address decode workers can reach, not a wildcard (``0.0.0.0``): give the address to
+    advertise (``kvbridge prefill --host 0.0.0.0 --advertise-host 10.0.0.2``)."""
+    if host in WILDCARD_HOSTS:
+        raise ConfigError(f"the KV listener cannot advertise the wildcard address {host!r}: decode workers "
+                          f"could not reach it; give the address they reach (--advertise-host)")
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     if transport == "tcp":
         return [f"tcp://{host}:0"]
     if transport == "shm":
@@ -50,12 +67,14 @@ class PrefillWorker(EngineWorker):
 
     def __init__(self, cfg: WorkerConfig, transport: Union[str, Sequence[str]] = "tcp",
                  leases: Union[str, LeaseStore, None] = None, ttl: float = 30.0,
-                 model: Optional[CausalLM] = None, secret: Optional[bytes] = None) -> None:
-        urls = listen_urls(transport) if isinstance(transport, str) else list(transport)
+                 model: Optional[CausalLM] = None, secret: Optional[bytes] = None, host: str = "127.0.0.1") -> None:
+        """``host``: the address the KV listener binds and advertises in handles (see :func:`listen_urls`)."""
+        urls = listen_urls(transport, host) if isinstance(transport, str) else list(transport)
         super().__init__(cfg, model, shared_pool=any(u.startswith("shm://") for u in urls))
         self.transport = transport if isinstance(transport, str) else ",".join(urls)
         self.sender = KVSender(self.pool, urls, ttl=ttl, leases=leases, secret=secret)
         self.routes[("POST", "/prefill")] = self._http_prefill
+        self.routes[("POST", "/release")] = self._http_release
 
     def _submit(self, prompt_ids: Sequence[int], sampling: SamplingParams, request_id: Optional[str],
                 watch: Any) -> Request:
@@ -141,16 +160,68 @@ class PrefillWorker(EngineWorker):
 
     async def _http_prefill(self, request: HTTPRequest) -> Response:
         body = await self.body(request)
-        ids = body.get("prompt_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise ConfigError("prompt_ids must be a non-empty list of token ids")
+        ids = self.check_ids(body.get("prompt_ids"), "prompt_ids")
+        self.check_length(len(ids), "the prompt")
         params = SamplingParams.from_dict(body.get("sampling") or {})
-        out = await self.aprefill(ids, params, request_id=body.get("request_id"),
-                                  publish=bool(body.get("publish", True)), force=bool(body.get("force", False)),
-                                  timeout=body.get("timeout"))
-        t = out["timings"]
-        t["stamps"].update(wall_stamps(w_received=request.scope.get(RECEIVED), w_answered=time.perf_counter()))
+        rid, timeout = body.get("request_id"), body.get("timeout")
+        if rid is not None and not isinstance(rid, str):
+            raise ConfigError("request_id must be a string")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 < timeout < float("inf")):
+            raise ConfigError("timeout must be a positive number of seconds")
+        task = asyncio.ensure_future(self.aprefill(ids, params, request_id=rid, publish=bool(body.get("publish", True)),
+                                                   force=bool(body.get("force", False)), timeout=timeout))
+        received = request.scope.get(RECEIVED)
+        if body.get("stream"):
+            return StreamingResponse(self._answer_events(task, received), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        if not await wait_or_disconnect(request, task):
+            return JSONResponse(error_body(ConfigError("the client disconnected"), 499), status_code=499)
+        out = self._answer(task.result(), received)
+        if await request.is_disconnected():  # it left while the answer was made: nobody fetches the KV
+            self._revoke(out)
         return JSONResponse(out)
+
+    @staticmethod
+    def _answer(out: dict[str, Any], received: Optional[float]) -> dict[str, Any]:
+        out["timings"]["stamps"].update(wall_stamps(w_received=received, w_answered=time.perf_counter()))
+        return out
+
+    def _revoke(self, out: dict[str, Any]) -> None:
+        if out.get("handle"):
+            self.sender.revoke(KVHandle.from_dict(out["handle"]))
+
+    async def _answer_events(self, task: "asyncio.Future[dict[str, Any]]",
+                             received: Optional[float]) -> AsyncIterator[bytes]:
+        """``/prefill`` as SSE: comments while the prompt waits (the proxy then knows this worker
+        lives), one event with the answer or the error, ``[DONE]``. A client that leaves (the
+        stream is cancelled) aborts the prefill or ends the handle it got."""
+        delivered = False
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=self.cfg.keepalive)
+                if not task.done():
+                    yield b": queued\n\n"
+            exc = task.exception()
+            if exc is not None:
+                yield sse(error_body(exc, status_for(exc))) + sse(b"[DONE]")
+                return
+            data = sse(self._answer(task.result(), received)) + sse(b"[DONE]")
+            delivered = True
+            yield data
+        finally:
+            if not task.done():
+                task.cancel()  # await_done aborts the request; its blocks are reclaimed
+            elif not delivered and not task.cancelled() and task.exception() is None:
+                self._revoke(task.result())
+
+    async def _http_release(self, request: HTTPRequest) -> Response:
+        """End a handle this worker published (its blocks are freed once reads drain)."""
+        body = await self.body(request)
+        if not isinstance(body.get("handle"), dict):
+            raise ConfigError("handle (a handle dict this worker published) is required")
+        ended = self.sender.revoke(KVHandle.from_dict(body["handle"]))
+        return JSONResponse({"released": bool(ended)})
 
     def health(self) -> dict[str, Any]:
         h = super().health()

@@ -1,11 +1,13 @@
 """The HTTP front door: an OpenAI-compatible API routed prefill -> decode (or to a colocated engine).
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` (streaming with
-``stream_options.include_usage`` too), ``GET /v1/models``; ``GET /health``, ``GET /metrics``
-(Prometheus histograms) and ``GET /metrics.json`` (``?records=1`` adds per-request
-records). Request validation and the error shape are in :mod:`kvbridge.workers.openai_api`;
-every refusal (bad JSON, body over ``max_body_bytes``, unknown argument, prompt past the
-context length) is answered before any worker is asked.
+``stream_options.include_usage`` too), ``GET /v1/models``; ``GET /health`` (workers by role
+and index, without their internal URLs unless ``health_internal``), ``GET /metrics``
+(Prometheus histograms) and ``GET /metrics.json`` (computed on a thread; ``?records=N`` adds
+the latest N per-request records, ``1`` the latest 1000, at most ``MAX_RECORDS``). Request
+validation and the error shape are in :mod:`kvbridge.workers.openai_api`; every refusal (bad
+JSON, body over ``max_body_bytes``, unknown argument, prompt past the context length) is
+answered before any worker is asked.
 
 Disaggregated, the proxy asks a prefill worker (least-loaded, or round-robin) for the
 prompt's KV handle and first token, picks a decode worker the same way and passes it the
@@ -14,7 +16,10 @@ A decode worker that dies or times out is retried on another one with the same h
 (``on_decode_failure="retry"``) while the handle may still be live, else the request is
 re-prefilled (prompt plus the tokens already delivered) and continues where it stopped;
 ``"reprefill"`` always re-prefills. A dead prefill worker is retried once (on the next
-one), then the client gets HTTP 503 with ``action: "retry"``. On shutdown, requests in
+one), then the client gets HTTP 503 with ``action: "retry"``. Workers send SSE comments while
+a request waits in their queue, so only a worker silent for ``worker_timeout`` counts as
+failed. A client that disconnects (streaming or not) aborts its request, and a KV handle no
+decode worker took is released on its prefill worker at once (``POST /release``). On shutdown, requests in
 flight get a JSON error (503, or a last ``error`` event on a stream), never an empty reply.
 """
 
@@ -37,9 +42,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import Action, ConfigError, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code
-from .http import BodyError, HTTPServer, WorkerClient, bind_socket, read_json
+from .http import BodyError, HTTPServer, WorkerClient, bind_socket, read_json, wait_or_disconnect
 from .metrics import MetricsLog, PromMetrics, RequestMetrics, summarize
-from .openai_api import (APIError, ChatRequest, CompletionRequest, Job, chunk_response, error_from_kvbridge,
+from .openai_api import (_ADDRESS, APIError, ChatRequest, CompletionRequest, Job, chunk_response, error_from_kvbridge,
                          error_json, parse_request, prompt_ids, render_chat, sampling_params, usage,
                          whole_response)
 from .sampling import SamplingParams
@@ -49,6 +54,13 @@ from .tokenizer import ByteTokenizer, Tokenizer
 __all__ = ["Proxy", "ProxyConfig"]
 
 log = logging.getLogger("kvbridge.proxy")
+
+# A request body may take this many bytes per token of the model's context (plus the slack),
+# enough for any prompt that fits (a JSON-escaped character is at most 12 bytes; a token id 7);
+# larger bodies get 413 before they are read.
+BODY_BYTES_PER_TOKEN = 128
+BODY_SLACK = 64 << 10
+MAX_RECORDS = 10_000   # most records /metrics.json?records=N returns (the latest)
 
 
 @dataclass
@@ -68,6 +80,8 @@ class ProxyConfig:
     model_name: str = "kvbridge"
     max_body_bytes: int = 8 << 20          # larger request bodies get 413 before they are read
     max_model_len: Optional[int] = None    # None: ask the workers (their model's context, capped by the pool)
+    health_internal: bool = False          # /health shows worker and KV listener URLs (trusted networks only)
+    chat_max_tokens: int = 512             # a chat request's max_tokens when it names none (capped by the context)
     shutdown_grace: float = 5.0            # seconds for in-flight requests to get their error on close
 
     def __post_init__(self) -> None:
@@ -85,6 +99,8 @@ class ProxyConfig:
             raise ConfigError(f"on_decode_failure must be retry or reprefill, not {self.on_decode_failure!r}")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
+        if self.chat_max_tokens < 1:
+            raise ConfigError("chat_max_tokens must be at least 1")
 
     @property
     def mode(self) -> str:
@@ -111,6 +127,9 @@ def _stamp(m: RequestMetrics, stamps: Optional[dict[str, float]]) -> None:
     m.hops.update({k: float(v) - m.arrival for k, v in (stamps or {}).items()}, answered=now - m.arrival)
 
 
+_INTERNAL_HEALTH_KEYS = frozenset({"url", "sender_urls", "transport"})
+
+
 class _Done(Exception):
     """Internal: the generator finished with this finish reason."""
 
@@ -135,6 +154,7 @@ class Proxy:
         self._stopping: Optional[asyncio.Event] = None
         self._waiting: set[asyncio.Task[Any]] = set()
         self._stop_cancelled: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Task[Any]] = set()
         self.http: Optional[HTTPServer] = None
         self.started = time.time()
 
@@ -215,6 +235,16 @@ class Proxy:
         finally:
             self._inflight[url] -= 1
 
+    async def _body_limit(self) -> int:
+        """``max_body_bytes``, lowered to what a prompt of the whole context can take (see
+        :data:`BODY_BYTES_PER_TOKEN`): a larger body cannot be a request this model serves, and
+        parsing it would stall the event loop for every request in flight."""
+        try:
+            max_len = await self._limits()
+        except KVBridgeError:
+            return self.cfg.max_body_bytes
+        return min(self.cfg.max_body_bytes, BODY_SLACK + BODY_BYTES_PER_TOKEN * max_len)
+
     async def _limits(self) -> int:
         """The context length: from the config, or the first worker that answers ``/health``."""
         if self._max_len is None:
@@ -232,6 +262,8 @@ class Proxy:
     # -- prefill ---------------------------------------------------------------------------
     async def _prefill(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
                        force: bool) -> dict[str, Any]:
+        """The prefill worker's answer (``"_url"``: which worker). Asked as a stream: a worker sends
+        SSE comments while the prompt waits for its slot, so only a silent worker counts as failed."""
         assert self.client is not None
         last: Optional[KVBridgeError] = None
         tried: set[str] = set()
@@ -241,9 +273,10 @@ class Proxy:
             try:
                 with self._busy(url):
                     m.hops.setdefault("prefill_sent", time.time() - m.arrival)
-                    pr = dict(await self.client.post_json(url + "/prefill", {
-                        "prompt_ids": ids, "sampling": params.to_dict(), "force": force,
-                        "request_id": f"{rid}-p{m.retries + m.reprefills}-{attempt}"}))
+                    pr = await self._first_event(url + "/prefill", {
+                        "prompt_ids": ids, "sampling": params.to_dict(), "force": force, "stream": True,
+                        "request_id": f"{rid}-p{m.retries + m.reprefills}-{attempt}"})
+                    pr["_url"] = url
                     if "answered" not in m.hops:
                         _stamp(m, pr["timings"].get("stamps"))
                     return pr
@@ -258,6 +291,28 @@ class Proxy:
         assert last is not None
         raise _with_context(last, "prefill failed")
 
+    async def _first_event(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self.client is not None
+        async with contextlib.aclosing(self.client.stream(url, body)) as events:
+            async for ev in events:
+                if "error" in ev:
+                    raise _rebuild(ev)
+                return dict(ev)
+        raise PeerUnavailable(f"{url} ended its answer without an event")
+
+    def _release(self, url: str, handle: dict[str, Any]) -> None:
+        """End a handle nobody will fetch (the client left, or the request ended without it), in
+        the background: its prefill blocks come back now rather than at its TTL."""
+        async def release() -> None:
+            assert self.client is not None
+            try:
+                await self.client.post_json(url + "/release", {"handle": handle}, timeout=5.0)
+            except KVBridgeError as exc:
+                log.info("releasing a handle on %s failed: %s (it ends at its TTL)", url, exc)
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # -- generation ------------------------------------------------------------------------
     async def _generate(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
                         deadline: float) -> AsyncGenerator[list[int], None]:
@@ -269,70 +324,80 @@ class Proxy:
         assert self.client is not None
         out: list[int] = []
         handle: Optional[dict[str, Any]] = None
+        holder = ""              # the prefill worker that published ``handle``
+        unclaimed = False        # ``handle`` is ours: no decode worker has fetched it yet
         failed: set[str] = set()
         attempts = 0
-        while True:
-            if time.monotonic() > deadline:
-                raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
-            if handle is None:
-                ctx_ids = ids + out[:-1] if out else ids
-                pr = await self._prefill(ctx_ids, params, rid, m, force=bool(out))
-                if m.queue_s is None:
-                    m.queue_s = pr["timings"]["queue_s"]
-                    m.prefill_s = pr["timings"]["prefill_s"]
-                if not out:
-                    out.append(int(pr["first_token"]))
-                    yield out[-1:]
-                    if pr["handle"] is None:
-                        raise _Done(pr.get("finish_reason") or "stop")
-                handle = pr["handle"]
-            if len(out) >= params.max_tokens:
-                raise _Done("length")
-            url = self._pick("decode", failed)
-            if url is None:
-                raise PeerUnavailable(f"no decode worker left to try ({len(failed)} failed for this request)")
-            attempts += 1
-            got = 0
-            try:
-                with self._busy(url):
-                    body = {"handle": handle, "prompt_ids": ids, "output_ids": out, "sampling": params.to_dict(),
-                            "request_id": f"{rid}-d{attempts}", "stream": True}
-                    async with contextlib.aclosing(self.client.stream(url + "/generate", body)) as events:
-                        async for ev in events:
-                            if "error" in ev:
-                                raise _rebuild(ev)
-                            new = [int(t) for t in ev.get("token_ids", ())]
-                            if new:
-                                got += len(new)
-                                out.extend(new)
-                                yield new
-                            if ev.get("done"):
-                                t = ev.get("timings") or {}
-                                m.kv_transfer_s = (m.kv_transfer_s or 0.0) + float(t.get("kv_transfer_s") or 0.0)
-                                m.kv_bytes += int(t.get("kv_bytes") or 0)
-                                raise _Done(ev.get("finish_reason") or "length")
-                            if time.monotonic() > deadline:
-                                raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
-            except KVBridgeError as exc:
-                if attempts >= self.cfg.max_attempts or exc.action is Action.FIX:
-                    raise _with_context(exc, f"decode on {url} failed (attempt {attempts})")
-                if exc.action is Action.RETRY:  # the worker died, hung or is unreachable
-                    failed.add(url)
-                    self._mark_down(url)
-                    m.retries += 1
-                    keep = self.cfg.on_decode_failure == "retry" and got == 0
-                    log.warning("decode on %s failed: %s; %s", url, exc,
-                                "retrying with the same handle" if keep else "re-prefilling")
-                    if not keep:
-                        handle = None
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
+                if handle is None:
+                    ctx_ids = ids + out[:-1] if out else ids
+                    pr = await self._prefill(ctx_ids, params, rid, m, force=bool(out))
+                    handle, holder, unclaimed = pr["handle"], str(pr["_url"]), pr["handle"] is not None
+                    if m.queue_s is None:
+                        m.queue_s = pr["timings"]["queue_s"]
+                        m.prefill_s = pr["timings"]["prefill_s"]
+                    if not out:
+                        out.append(int(pr["first_token"]))
+                        yield out[-1:]
+                        if handle is None:
+                            raise _Done(pr.get("finish_reason") or "stop")
+                if len(out) >= params.max_tokens:
+                    raise _Done("length")
+                url = self._pick("decode", failed)
+                if url is None:
+                    raise PeerUnavailable(f"no decode worker left to try ({len(failed)} failed for this request)")
+                attempts += 1
+                got = 0
+                try:
+                    with self._busy(url):
+                        body = {"handle": handle, "prompt_ids": ids, "output_ids": out,
+                                "sampling": params.to_dict(), "request_id": f"{rid}-d{attempts}", "stream": True}
+                        async with contextlib.aclosing(self.client.stream(url + "/generate", body)) as events:
+                            async for ev in events:
+                                unclaimed = False  # the stream started: the decode worker fetched the KV
+                                if "error" in ev:
+                                    raise _rebuild(ev)
+                                new = [int(t) for t in ev.get("token_ids", ())]
+                                if new:
+                                    got += len(new)
+                                    out.extend(new)
+                                    yield new
+                                if ev.get("done"):
+                                    t = ev.get("timings") or {}
+                                    m.kv_transfer_s = (m.kv_transfer_s or 0.0) + float(t.get("kv_transfer_s") or 0.0)
+                                    m.kv_bytes += int(t.get("kv_bytes") or 0)
+                                    raise _Done(ev.get("finish_reason") or "length")
+                                if time.monotonic() > deadline:
+                                    raise TransferTimeout(
+                                        f"request did not finish within {self.cfg.request_timeout:.0f}s")
+                except KVBridgeError as exc:
+                    if attempts >= self.cfg.max_attempts or exc.action is Action.FIX:
+                        raise _with_context(exc, f"decode on {url} failed (attempt {attempts})")
+                    if exc.action is Action.RETRY:  # the worker died, hung or is unreachable
+                        failed.add(url)
+                        self._mark_down(url)
+                        m.retries += 1
+                        keep = self.cfg.on_decode_failure == "retry" and got == 0
+                        log.warning("decode on %s failed: %s; %s", url, exc,
+                                    "retrying with the same handle" if keep else "re-prefilling")
+                        if not keep:
+                            if unclaimed:
+                                self._release(holder, handle)
+                            handle, unclaimed = None, False
+                            m.reprefills += 1
+                    elif exc.action is Action.REFETCH:  # integrity failure twice: the KV cannot be trusted
+                        handle, unclaimed = None, False
                         m.reprefills += 1
-                elif exc.action is Action.REFETCH:  # integrity failure twice: the KV cannot be trusted
-                    handle = None
-                    m.reprefills += 1
-                else:  # REPREFILL: the handle was consumed or expired
-                    log.info("decode on %s: %s; re-prefilling", url, exc)
-                    handle = None
-                    m.reprefills += 1
+                    else:  # REPREFILL: the handle was consumed or expired
+                        log.info("decode on %s: %s; re-prefilling", url, exc)
+                        handle, unclaimed = None, False
+                        m.reprefills += 1
+        finally:  # the client left, the request failed, or it ended before a decode worker took the KV
+            if handle is not None and unclaimed:
+                self._release(holder, handle)
 
     async def _generate_colocated(self, ids: list[int], params: SamplingParams, rid: str, m: RequestMetrics,
                                   deadline: float) -> AsyncIterator[list[int]]:
@@ -402,7 +467,7 @@ class Proxy:
                 job.out.extend(new)
                 if job.m.first_token_at is None:
                     job.m.first_token_at = now
-                job.m.token_times.extend([now] * len(new))
+                job.m.last_token_at = now
                 yield new
         finally:
             with contextlib.suppress(BaseException):
@@ -431,7 +496,7 @@ class Proxy:
         arrival = time.time()
         try:
             try:
-                body = await read_json(request, self.cfg.max_body_bytes)
+                body = await read_json(request, await self._body_limit())
             except BodyError as exc:
                 raise APIError(exc.status, exc.message, None, exc.code) from None
             req: Union[CompletionRequest, ChatRequest] = parse_request(
@@ -441,7 +506,7 @@ class Proxy:
                                     f"`{self.cfg.model_name}` (GET /v1/models)", "model", "model_not_found")
             ids = prompt_ids(req, self.tok) if isinstance(req, CompletionRequest) else render_chat(req, self.tok)
             max_len = await self._limits()
-            params = sampling_params(req, len(ids), max_len, 16 if kind == "completion" else None)
+            params = sampling_params(req, len(ids), max_len, 16 if kind == "completion" else self.cfg.chat_max_tokens)
             parsed = time.time() - arrival
         except APIError as exc:
             return self._refuse(exc)
@@ -458,18 +523,29 @@ class Proxy:
         if job.stream:
             return StreamingResponse(self._stream(job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        task = asyncio.ensure_future(self._drain(job))
         try:
-            async for _ in self._tokens(job):
-                pass
+            if not await wait_or_disconnect(request, task):  # the client left: its request is aborted
+                self._finish(job, asyncio.CancelledError())
+                return Response(status_code=499)
+            task.result()
             self._finish(job, None)
         except KVBridgeError as exc:
             err = self._finish(job, exc)
             return JSONResponse(err.body(), status_code=err.status)
+        except Exception as exc:  # a bug: logged, and a JSON error without its text
+            err = self._finish(job, exc)
+            return JSONResponse(err.body(), status_code=err.status)
         except BaseException as exc:
-            self._finish(job, exc)
+            if job.m.finished_at is None:
+                self._finish(job, exc)
             raise
         return JSONResponse(whole_response(job, self.tok.decode(job.out), self.cfg.model_name),
                             headers={"X-Request-Id": rid})
+
+    async def _drain(self, job: Job) -> None:
+        async for _ in self._tokens(job):
+            pass
 
     def _finish(self, job: Job, exc: Optional[BaseException]) -> APIError:
         """Record the request's outcome once; the error answer for ``exc``."""
@@ -481,9 +557,13 @@ class Proxy:
             err = error_from_kvbridge(exc)
             m.ok, m.error = False, f"{type(exc).__name__}: {exc}"
             log.warning("request %s failed: %s", job.rid, exc)
+        elif isinstance(exc, asyncio.CancelledError):
+            m.ok, m.error = False, "ClientGone: the client disconnected"
         elif exc is not None:
-            m.ok, m.error = False, ("ClientGone: the client disconnected" if isinstance(exc, asyncio.CancelledError)
-                                    else f"{type(exc).__name__}: {exc}")
+            m.ok, m.error = False, f"{type(exc).__name__}: {exc}"
+            log.error("request %s failed", job.rid, exc_info=exc)
+            err = APIError(500, f"internal error; the server's log has the details (request {job.rid})", None,
+                           "internal_error")
         self.metrics.in_flight -= 1
         self.prom.in_flight.labels(self.cfg.mode).dec()
         self.metrics.add(m)
@@ -514,6 +594,9 @@ class Proxy:
         except KVBridgeError as exc:  # mid-stream: the error is the last event
             err = self._finish(job, exc)
             yield sse(err.body()) + sse(b"[DONE]")
+        except Exception as exc:  # a bug: logged, and an error event without its text
+            err = self._finish(job, exc)
+            yield sse(err.body()) + sse(b"[DONE]")
         except BaseException as exc:  # the client went away (cancelled) or a bug
             if job.m.finished_at is None:
                 self._finish(job, exc)
@@ -536,8 +619,26 @@ class Proxy:
             return h
         return list(await asyncio.gather(*(one(r, u) for r, u in roles if u)))
 
+    @staticmethod
+    def _public(ws: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Workers as ``/health`` shows them: no internal address (worker and KV listener URLs,
+        transport details); each is named by role and index instead."""
+        seen: dict[str, int] = {}
+        out = []
+        for w in ws:
+            role = str(w.get("role", "worker"))
+            n = seen[role] = seen.get(role, -1) + 1
+            p = {k: v for k, v in w.items() if k not in _INTERNAL_HEALTH_KEYS}
+            if "error" in p:
+                p["error"] = _ADDRESS.sub("<internal>", str(p["error"]))
+            p["name"] = f"{role}-{n}"
+            out.append(p)
+        return out
+
     async def _health(self, request: HTTPRequest) -> Response:
         ws = await self.workers()
+        if not self.cfg.health_internal:
+            ws = self._public(ws)
         ok = all(w["ok"] for w in ws)
         return JSONResponse({"status": "ok" if ok else "degraded", "mode": self.cfg.mode, "model": self.cfg.model_name,
                              "in_flight": self.metrics.in_flight, "workers": ws}, status_code=200 if ok else 503)
@@ -558,6 +659,7 @@ class Proxy:
         return JSONResponse(self._model_card())
 
     def summary(self) -> dict[str, Any]:
+        """``summarize`` over the records kept (the latest ``MetricsLog.maxlen``)."""
         s = summarize(self.metrics.records(), self.cfg.ttft_slo, self.cfg.tpot_slo)
         s.update(mode=self.cfg.mode, in_flight=self.metrics.in_flight, uptime_s=time.time() - self.started)
         return s
@@ -568,7 +670,20 @@ class Proxy:
         return Response(self.prom.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def _metrics_json(self, request: HTTPRequest) -> Response:
-        s = self.summary()
-        if request.query_params.get("records") == "1":
-            s["records"] = [r.to_dict() for r in self.metrics.records()]
-        return Response(json.dumps(s), media_type="application/json")
+        """The summary, computed on a thread (not on the event loop every request waits on);
+        ``?records=N`` adds the latest N records (``1``: the latest 1000), at most ``MAX_RECORDS``."""
+        raw = request.query_params.get("records")
+        n = 0
+        if raw is not None:
+            try:
+                n = int(raw)
+            except ValueError:
+                return self._refuse(APIError(400, "records must be a number of records", "records"))
+            n = 1000 if n == 1 else min(max(0, n), MAX_RECORDS)
+
+        def build() -> bytes:
+            s = self.summary()
+            if n:
+                s["records"] = [r.to_dict() for r in self.metrics.records(last=n)]
+            return json.dumps(s).encode()
+        return Response(await asyncio.to_thread(build), media_type="application/json")

@@ -7,6 +7,7 @@ which token (the prefill side samples token 0, the decode side the rest).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional, Sequence
 
@@ -17,6 +18,9 @@ from ..errors import ConfigError
 __all__ = ["SamplingParams", "sample_token", "sample_batch", "token_generator"]
 
 _MASK64 = (1 << 63) - 1
+# Below this temperature sampling is greedy: logits / 1e-40 overflow float32 (inf - inf = NaN), and
+# at any temperature this small the softmax puts all mass on the arg max anyway.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -32,16 +36,30 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        for name in ("max_tokens", "top_k"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{name} must be an integer, not {v!r}")
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{name} must be a finite number, not {v!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ConfigError(f"seed must be an integer or null, not {self.seed!r}")
         if self.max_tokens < 1:
             raise ConfigError("max_tokens must be >= 1")
         if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"bad sampling params: temperature={self.temperature}, "
                               f"top_k={self.top_k}, top_p={self.top_p}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
+            raise ConfigError("stop_token_ids must be a list of token ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Arg max sampling: ``temperature`` 0, or below :data:`MIN_TEMPERATURE`."""
+        return self.temperature < MIN_TEMPERATURE
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -50,6 +68,8 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
+        if not isinstance(d, dict):
+            raise ConfigError("sampling must be a JSON object")
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
@@ -70,10 +90,19 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, index: int = 0,
 
     Seeded requests reseed ``generator`` (a per-request ``torch.Generator``) for
     ``(params.seed, index)``; unseeded ones draw from torch's default generator.
+    Probabilities are computed in float64 from the logits less their maximum, so no
+    temperature at or above :data:`MIN_TEMPERATURE` overflows; logits that are not finite
+    (a broken model) fall back to the arg max of the finite ones rather than NaN probabilities.
     """
     if params.greedy:
         return int(torch.argmax(logits))
-    x = logits.detach().float().cpu() / params.temperature
+    x = logits.detach().cpu().double()
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        if not bool(finite.any()):
+            return 0
+        return int(torch.argmax(x.masked_fill(~finite, float("-inf"))))
+    x = (x - x.max()) / params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -84,6 +113,8 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, index: int = 0,
         drop[0] = False
         x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = torch.softmax(x, dim=-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:  # not reached with finite logits
+        return int(torch.argmax(x))
     g = token_generator(params.seed, index, generator) if params.seed is not None else None
     return int(torch.multinomial(probs, 1, generator=g))
 

@@ -31,7 +31,7 @@ from starlette.routing import Route
 from ..errors import Action, ConfigError, KVBridgeError, TransferTimeout
 from ..pool import KVPool
 from .engine import Engine, Request, RequestState, Scheduler
-from .http import MAX_WORKER_BODY, BodyError, HTTPServer, bind_socket, error_body, read_json
+from .http import MAX_WORKER_BODY, BodyError, HTTPServer, bind_socket, error_body, read_json, wait_or_disconnect
 from .model import PRESETS, CausalLM, load_hf_checkpoint
 from .signals import StopSignals
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -244,7 +244,7 @@ class EngineLoop:
                     continue
                 if r.finished:
                     self._forget(r.request_id)
-                tw.listener(r, None)
+                tw.listener(r, r.error)  # error: the scheduler aborted this request alone
             if not touched and not s.running:
                 time.sleep(0.002)  # queued work waits for blocks held outside the scheduler
             if self.step_delay:
@@ -287,6 +287,7 @@ class WorkerConfig:
     max_num_seqs: int = 64
     request_timeout: float = 300.0   # a request that has not finished by then is aborted
     step_delay: float = 0.0          # seconds slept after each engine step (fault drills)
+    keepalive: float = 5.0           # a stream silent this long (request queued) gets an SSE comment
 
 
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
@@ -329,6 +330,23 @@ class EngineWorker:
     async def _http_health(self, request: HTTPRequest) -> Response:
         return JSONResponse(self.health())
 
+    # -- input checks (before anything is allocated) ----------------------------------------
+    def check_ids(self, ids: Any, name: str) -> list[int]:
+        """``ids`` as a non-empty list of token ids in ``[0, vocab_size)``, or a ``ConfigError`` (400)."""
+        if not isinstance(ids, list) or not ids:
+            raise ConfigError(f"{name} must be a non-empty list of token ids")
+        vocab = int(self.model.config.vocab_size)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ConfigError(f"{name}: {t!r} is not a token id in the vocabulary [0, {vocab})")
+        return ids
+
+    def check_length(self, num_tokens: int, what: str) -> None:
+        """Refuse (400) a request that needs more than ``max_model_len`` tokens of context."""
+        if num_tokens > self.max_model_len:
+            raise ConfigError(f"{what} needs {num_tokens} tokens of context; this worker's max_model_len is "
+                              f"{self.max_model_len}")
+
     # -- HTTP ------------------------------------------------------------------------------
     def app(self) -> Starlette:
         """The worker's ASGI app: every route answers JSON, errors included."""
@@ -357,6 +375,9 @@ class EngineWorker:
                 return _error_response(exc, status_for(exc))
             except (ValueError, TypeError, KeyError) as exc:
                 return _error_response(ConfigError(f"bad request: {exc}"), 400)
+            except Exception as exc:  # a bug: logged here, a JSON error (without its text) for the caller
+                log.exception("%s %s failed", request.method, request.url.path)
+                return _error_response(exc, 500)
         return endpoint
 
     @staticmethod
@@ -397,16 +418,23 @@ class EngineWorker:
             raise watch.error
 
     async def respond(self, req: Request, watch: AsyncWatch, sent: int, stream: bool,
-                      timings: Callable[[], dict[str, Any]], received: Optional[float] = None) -> Response:
+                      timings: Callable[[], dict[str, Any]], received: Optional[float] = None,
+                      request: Optional[HTTPRequest] = None) -> Response:
         """Answer with ``req``'s tokens after the first ``sent`` ones: SSE events, or one JSON at the end.
 
-        A stream's event with the request's first token carries ``stamps`` (see :func:`wall_stamps`).
+        A stream's event with the request's first token carries ``stamps`` (see :func:`wall_stamps`);
+        a stream with nothing to say for ``keepalive`` seconds (the request waits for a slot) sends
+        an SSE comment, so the proxy does not take a queued request for a dead worker. Without a
+        stream, a client that disconnects (``request`` given) aborts the request.
         """
         if stream:
             return StreamingResponse(self._events(req, watch, sent, timings, received),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        await self.await_done(req, watch, self.cfg.request_timeout)
+        task = asyncio.ensure_future(self.await_done(req, watch, self.cfg.request_timeout))
+        if request is not None and not await wait_or_disconnect(request, task):
+            return JSONResponse(error_body(ConfigError("the client disconnected"), 499), status_code=499)
+        await task
         out = req.output_ids[:]
         return JSONResponse({"request_id": req.request_id, "token_ids": out[sent:],
                              "finish_reason": req.finish_reason.value if req.finish_reason else None,
@@ -415,16 +443,21 @@ class EngineWorker:
     async def _events(self, req: Request, watch: AsyncWatch, sent: int,
                       timings: Callable[[], dict[str, Any]], received: Optional[float]) -> AsyncIterator[bytes]:
         deadline = time.monotonic() + self.cfg.request_timeout
+        quiet_since = time.monotonic()
         try:
             while True:
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                if now - quiet_since >= self.cfg.keepalive:
+                    quiet_since = now
+                    yield b": queued\n\n"
+                left = deadline - now
                 if left <= 0:
                     self.loop.abort(req.request_id)
                     err = TransferTimeout(f"request {req.request_id} did not finish within "
                                           f"{self.cfg.request_timeout:.0f}s")
                     yield sse(error_body(err, 504)) + sse(b"[DONE]")
                     return
-                await watch.wait(req, sent, min(left, 1.0))
+                await watch.wait(req, sent, min(left, 1.0, self.cfg.keepalive))
                 out = req.output_ids[:]
                 chunk = b""
                 if len(out) > sent:
@@ -444,6 +477,7 @@ class EngineWorker:
                                        "num_output": len(out), "timings": timings()}) + sse(b"[DONE]")
                     return
                 if chunk:
+                    quiet_since = time.monotonic()
                     yield chunk
         finally:
             if not req.finished:  # the client went away (or the server stops): free the slot
@@ -466,9 +500,10 @@ def freeze_heap() -> int:
     return gc.get_freeze_count()
 
 
-def run_until_signal(worker: Any, host: str, port: int, parent_pid: Optional[int] = None) -> int:
+def run_until_signal(worker: Any, host: str, port: int, parent_pid: Optional[int] = None,
+                     advertise: Optional[str] = None) -> int:
     """Serve ``worker`` until SIGINT/SIGTERM (or the parent process dies); print one ready line
-    (after :func:`freeze_heap`)."""
+    (after :func:`freeze_heap`) whose URL names ``advertise`` when given, else the bound address."""
     stop = StopSignals()
     try:
         server = worker.serve(host, port)
@@ -476,7 +511,10 @@ def run_until_signal(worker: Any, host: str, port: int, parent_pid: Optional[int
         worker.close()
         raise
     freeze_heap()
-    print(json.dumps({"event": "ready", "role": worker.role, "url": server.url, "pid": os.getpid()}), flush=True)
+    url = server.url
+    if advertise:
+        url = f"http://{f'[{advertise}]' if ':' in advertise else advertise}:{server.port}"
+    print(json.dumps({"event": "ready", "role": worker.role, "url": url, "pid": os.getpid()}), flush=True)
     while not stop.wait(0.5):
         if parent_pid is not None and os.getppid() != parent_pid:
             log.warning("parent %d is gone; exiting", parent_pid)

@@ -81,7 +81,7 @@ def test_up_random_prompts_match_reference(pd: UpProcess, colo: UpProcess) -> No
     want = _reference(CausalLM.from_seed("small", seed=0), prompts, mt)
     assert _complete_all(pd.url, prompts, mt) == want
     assert _complete_all(colo.url, prompts, mt) == want
-    served = {w["url"]: w["requests"] for w in pd.workers()}
+    served = {w["name"]: w["requests"] for w in pd.workers()}
     assert all(n > 0 for n in served.values()), f"a worker got no work: {served}"  # routing spreads the load
 
 
