@@ -53,6 +53,7 @@ from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
 from .releases import AfterRead, Releaser, claim_batch, release_batch
 from .reservations import ReservationDesk
+from .sender import LAYER_WAIT
 from .transports.base import Chunk, ReadOp, Server, Spans, Transport, WriteGrant
 from .transports.registry import get_transport_class, scheme_of
 from .transports.wire import CLAIM_ME
@@ -409,16 +410,26 @@ class KVReceiver:
             return self.retry.call(attempt, self._on_retry)
 
         done = 0
+        # layer-wise: the sender may take Timeout.transfer for each next layer (the prefill is
+        # computing it); a handle published whole (coded: one frame, one reply) has one deadline
         idle_until = time.monotonic() + self.timeout.transfer
         while done < L:
             if t is not None and t.cancel_event.is_set():
                 raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled at layer {done}")
             made.clear()
+            asked = time.monotonic()
             chunk = read(done, L)
             if chunk.end == chunk.first:               # nothing ready yet: the sender waited, ask again
-                if time.monotonic() > idle_until:
+                now = time.monotonic()
+                if now > idle_until:
                     raise TransferTimeout(f"layer {done} of {j.h.request_id!r} not ready within "
                                           f"{self.timeout.transfer} s")
+                # an honest sender waits LAYER_WAIT before it answers "nothing yet"; one that
+                # answers sooner is not asked again before then (no busy loop of READs)
+                until = min(asked + LAYER_WAIT, idle_until)
+                while now < until and not (t is not None and t.cancel_event.is_set()):
+                    time.sleep(min(0.05, until - now))     # a cancel is seen within 50 ms
+                    now = time.monotonic()
                 continue
             bad = self._bad_layer_blocks(j, made[-1], chunk, coded)
             if bad:
@@ -430,14 +441,16 @@ class KVReceiver:
                 if bad:
                     self.stats.add(integrity_failures=1)
                     j.res.failed_block_ids = [j.dst[k] for k in bad]
+                    why = f": {coded.last_error.message}" if coded is not None and coded.last_error is not None else ""
                     raise IntegrityError(f"{len(bad)} block(s) of request {j.h.request_id!r} failed the "
-                                         f"checksum of layers [{chunk.first}, {chunk.end}) twice")
+                                         f"checksum of layers [{chunk.first}, {chunk.end}) twice{why}")
             self._learn_claim(j, chunk.claim)
             j.res.nbytes += chunk.nbytes
             done = chunk.end
             if t is not None:
                 t._layer_ready(done)
-            idle_until = time.monotonic() + self.timeout.transfer
+            if j.h.layerwise:
+                idle_until = time.monotonic() + self.timeout.transfer
 
     def _learn_claim(self, j: _Job, claim: Optional[Claim]) -> None:
         """The sender claimed on our behalf: from now on reads carry that fence."""
@@ -453,7 +466,8 @@ class KVReceiver:
         if coded is not None:
             try:
                 coded.decode(spans, chunk.first, chunk.end)
-            except IntegrityError:
+            except IntegrityError as exc:
+                coded.last_error = exc            # named if the refetch fails too
                 return list(range(len(j.dst)))
             return []
         if not self.verify or not chunk.sums:

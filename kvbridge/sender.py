@@ -211,7 +211,7 @@ class KVSender:
                 frames = FrameStore(codec, self.pool, ids, layerwise,
                                     shared=any(u.startswith("shm:") for u in self.urls))
                 if not layerwise:
-                    frames.encode(range(L.num_layers))
+                    frames.encode_upto(L.num_layers)
             bare = KVHandle(
                 handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash,
                 urls=self.urls, block_ids=tuple(ids), generations=tuple(self.pool.generations(ids)),
@@ -280,15 +280,15 @@ class KVSender:
         if layers <= start:
             return rec.live
         if rec.frames is not None:         # a coded handle: its frames carry their own hashes
-            rec.frames.encode(range(start, layers))
+            rec.frames.encode_upto(layers)   # under the store's lock: each layer encoded once, in its slot
             new: list[list[int]] = [[] for _ in range(start, layers)]
         else:
             new = ([layer_checksums(self.pool, rec.block_ids, range(i, i + 1)) for i in range(start, layers)]
                    if self.checksums else [[] for _ in range(start, layers)])
         with self._ready_cv:
-            if rec.ready != start:           # a concurrent call got there first
+            if rec.ready >= layers:          # a concurrent call got as far first
                 return rec.live
-            rec.sums.extend(new)
+            rec.sums.extend(new[rec.ready - start:])   # the layers a concurrent call did not add
             rec.ready = layers
             if layers == L and rec.frames is None and rec.live:
                 self._index_small(rec)

@@ -10,7 +10,8 @@ Two codes per byte (low nibble first) in canonical order. An MLA latent part is 
 keys. Body: key parameters (scale, min pairs per (layer, block, head, channel)), value
 parameters (per (layer, block, row)), then the packed codes; each section 16-byte aligned.
 This torch code is the definition; there is no CUDA kernel for it yet (on a device pool it
-runs these torch operations on the device).
+runs these torch operations on the device). Decode refuses parameters no encoder writes (NaN,
+infinite, a negative scale) with :class:`IntegrityError` before a value lands.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError, IntegrityError, ProtocolError
 from ..layout import KVLayout, TokenOrder
 from ..pool import KVPool
 from .base import Codec, FrameHeader, layer_parts, layer_shape
@@ -144,6 +145,13 @@ class Int4Codec(Codec):
         kpar = body[:kp].view(torch.float16)
         vpar = body[kp:kp + vp].view(torch.float16)
         codes = body[kp + vp:kp + vp + nc]
+        # an encoder writes finite (scale >= 0, min) pairs and zero padding: refuse anything else
+        # before a value is written (one fused reduction per parameter section)
+        for par in (kpar, vpar):
+            pairs = par[:par.numel() // 2 * 2].view(-1, 2)
+            if not bool((torch.isfinite(pairs).all(-1) & (pairs[:, 0] >= 0)).all()):
+                raise IntegrityError("int4 frame holds NaN, infinite or negative parameters: refused before "
+                                     "decoding")
         pe = hdr.rows_per_part * hdr.head_dim
         parts = [layer_parts(pool, layer) for layer in hdr.layers]
         for i, p, j0, j1, coff, poff in self._plan(hdr, n, nl, pool.device.type == "cuda"):

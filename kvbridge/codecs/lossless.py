@@ -142,6 +142,8 @@ class _Compressor(Codec):
             if mode == 1:
                 try:
                     piece = np.frombuffer(self._decompress(chunk.data, want), dtype=np.uint8)
+                except IntegrityError:
+                    raise
                 except Exception as exc:  # the compressors' own error types
                     raise IntegrityError(f"{self.name} frame does not decompress ({type(exc).__name__}: {exc}):"
                                          " corrupted in flight") from None
@@ -209,5 +211,13 @@ class ZstdCodec(_Compressor):
         return out
 
     def _decompress(self, src: memoryview, size: int) -> bytes:
+        # python-zstandard ignores max_output_size when the frame declares its content size and
+        # allocates what the frame declares: a few KB could claim gigabytes. kvbridge's encoder
+        # always declares the chunk's size; a frame that declares another is refused unread, one
+        # that declares none is bounded by max_output_size.
+        declared = self._zstd.frame_content_size(src)
+        if declared not in (-1, size):
+            raise IntegrityError(f"{self.name} frame chunk declares {declared} bytes, the header makes {size}: "
+                                 "refused before decompressing")
         out: bytes = self._pair()[1].decompress(src, max_output_size=size)
         return out

@@ -14,7 +14,9 @@ values; or, for ``fp8-block``, one whole part of one block)::
 
 Body of a frame: float32 scales (canonical order, padded to 16 bytes), then the quantized
 values (canonical order). Non-finite KV cannot be scaled and is refused at encode
-(:class:`ConfigError`); a lossless codec carries it.
+(:class:`ConfigError`); a lossless codec carries it. Decode refuses what no encoder writes --
+NaN, infinite or negative scales, the int8 code -128, e4m3 NaN codes -- with
+:class:`IntegrityError` before a value lands.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from ..errors import ConfigError, ProtocolError
+from ..errors import ConfigError, IntegrityError, ProtocolError
 from ..layout import KVLayout
 from ..pool import KVPool
 from .base import Codec, FrameHeader, layer_parts, layer_shape
@@ -98,6 +100,24 @@ Dequantize = Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 def _align(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_body(scales: torch.Tensor, q: torch.Tensor, name: str) -> None:
+    """Refuse what an encoder never writes, before anything is written: NaN, infinite or negative
+    scales (amax * 1/QMAX is finite and >= 0), the int8 code -128 and the e4m3 NaN codes (values
+    are clamped to +-127 and +-448). One reduction over each section (a few % of a decode)."""
+    if not bool(((scales >= 0) & (scales <= _FLOAT32_MAX)).all()):
+        raise IntegrityError(f"{name} frame holds NaN, infinite or negative scales: refused before decoding")
+    if q.dtype == torch.int8:
+        bad = bool(q.amin() < -INT8_MAX)
+    else:                                   # e4m3fn: NaN is S.1111.111, whatever the sign
+        bad = bool((q.view(torch.uint8) & 0x7F).amax() == 0x7F)
+    if bad:
+        raise IntegrityError(f"{name} frame holds codes no encoder writes (int8 -128 or fp8 NaN): refused "
+                             "before decoding")
 
 
 class AbsmaxCodec(Codec):
@@ -188,6 +208,7 @@ class AbsmaxCodec(Codec):
         if body.data_ptr() % 4:
             body = body.clone()
         scales, q = self._sections(body, hdr, hdr.num_blocks, hdr.num_layers)
+        _check_body(scales, q, self.name)
         k = self._kernels(pool)
         if k is not None:
             k.decode(self.kind, pool, idx, hdr.layers, self.group(hdr), scales, q)
