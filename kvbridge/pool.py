@@ -101,10 +101,11 @@ def sweep_dead_segments() -> list[str]:
 _PEER_SEGMENT = re.compile(r"kvb-[0-9]{1,10}-[0-9a-f]{12}")
 
 
-def peer_uid(sock: socket.socket) -> int:
-    """The user id of the process at the other end of a unix socket (``SO_PEERCRED``)."""
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return int(uid)
+def peer_cred(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end of a unix socket (``SO_PEERCRED``): who the
+    peer is, from the kernel, never from what it says."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(pid), int(uid)
 
 
 def peer_segment(name: str, writable: bool, uid: int) -> "SharedSegment":

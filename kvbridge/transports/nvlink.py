@@ -51,11 +51,10 @@ from .wire import FENCE, encode_layers
 
 __all__ = ["NVLinkTransport", "cupy_or_error"]
 
-_PROC = struct.Struct("!16sI")        # process token, pid
+_PROC = struct.Struct("!16sI")        # unused (zeros): who the peer is comes from its socket
 _EVENT = struct.Struct("!16s64s")     # event id, CUDA IPC event handle
 _BUF = struct.Struct("!16s64sQQ")     # export id, CUDA IPC memory handle, offset in the allocation, nbytes
 _RUN = struct.Struct("!QQ")           # offset in the concatenation of the buffers, nbytes
-_TOKEN = os.urandom(16)               # with the pid: "this process" (a forked child has another pid)
 _NO_EVENT = bytes(16)
 MAX_OPEN = 64                         # IPC mappings a client keeps open (least recently used closed first)
 _EVENT_FLAGS = 0x02 | 0x04            # cudaEventDisableTiming | cudaEventInterprocess
@@ -93,8 +92,8 @@ _get_range: Any = None
 _STREAM_LEGACY = 1                    # cudaStreamLegacy: what torch's default stream (handle 0) is
 
 
-def _allocation_base(ptr: int) -> int:
-    """Base address of the CUDA allocation holding ``ptr`` (``cuMemGetAddressRange``): an IPC
+def _allocation_range(ptr: int) -> tuple[int, int]:
+    """(base, size) of the CUDA allocation holding ``ptr`` (``cuMemGetAddressRange``): an IPC
     handle names the whole allocation, and PyTorch's caching allocator carves tensors out of
     larger ones. A driver call: the caller makes the device's primary context current first
     (a server thread has none until a runtime call or ``cudaSetDevice`` binds it)."""
@@ -113,7 +112,7 @@ def _allocation_base(ptr: int) -> int:
         raise OSError(f"cuMemGetAddressRange({ptr:#x}) failed with CUresult {rc}")
     if not base.value <= ptr < base.value + size.value:
         raise OSError(f"cuMemGetAddressRange({ptr:#x}) answered [{base.value:#x}, +{size.value})")
-    return int(base.value)
+    return int(base.value), int(size.value)
 
 
 def _stream(device: int) -> int:
@@ -168,7 +167,7 @@ class _Exports:
             try:
                 with cp.cuda.Device(idx):
                     cp.cuda.runtime.setDevice(idx)        # this thread: the primary context current
-                    base = _allocation_base(flat.data_ptr())
+                    base = _allocation_range(flat.data_ptr())[0]
                     ipc = bytes(cp.cuda.runtime.ipcGetMemHandle(base))   # of the allocation's base
                     offset = flat.data_ptr() - base
             except _cuda_errors(cp) as exc:
@@ -247,7 +246,7 @@ class NVLinkServer(ShmServer):
         eid, ehandle = self.exports.record(pool.device)
         c = getattr(grant, "claim", None)
         body = [FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0),
-                encode_layers(*layers, sums), _PROC.pack(_TOKEN, os.getpid()), _EVENT.pack(eid, ehandle),
+                encode_layers(*layers, sums), _PROC.pack(bytes(16), 0), _EVENT.pack(eid, ehandle),
                 struct.pack("!H", len(exports))]
         body += [_BUF.pack(e.eid, e.ipc.ljust(64, b"\0"), e.offset, e.flat.numel()) for e in exports]
         body.append(struct.pack("!I", len(spans.segments)))
@@ -276,9 +275,10 @@ class _Mapped:
         return out
 
 
-def _parse_mapped(body: bytes, pos: int) -> tuple[_Mapped, list[tuple[int, int]]]:
+def _parse_mapped(body: bytes, pos: int, local: bool) -> tuple[_Mapped, list[tuple[int, int]]]:
+    """``local``: the peer is this process (from the kernel, ``SO_PEERCRED``: a peer that only
+    says so would have this process copy into and out of its own exports where it chose)."""
     try:
-        token, pid = _PROC.unpack_from(body, pos)
         eid, ehandle = _EVENT.unpack_from(body, pos + _PROC.size)
         p = pos + _PROC.size + _EVENT.size
         (nbuf,) = struct.unpack_from("!H", body, p)
@@ -300,7 +300,6 @@ def _parse_mapped(body: bytes, pos: int) -> tuple[_Mapped, list[tuple[int, int]]
         k = bisect.bisect_right(bases, off) - 1
         if k < 0 or off + n > bases[k] + bufs[k][3]:
             raise ProtocolError("peer named bytes outside the buffers it exported")
-    local = token == _TOKEN and pid == os.getpid()
     return _Mapped(local, (eid, ehandle), [(e, h, o, n) for e, h, o, n in bufs], bases), runs
 
 
@@ -322,7 +321,8 @@ class NVLinkTransport(ShmTransport):
 
     def __init__(self, timeout: Timeout = Timeout(), secret: Optional[bytes] = None) -> None:
         super().__init__(timeout, secret)
-        self._ipc: OrderedDict[bytes, tuple[int, int]] = OrderedDict()   # export id -> (device, opened base)
+        # export id -> (device, opened base, the opened allocation's size)
+        self._ipc: OrderedDict[bytes, tuple[int, int, int]] = OrderedDict()
         self._ipc_events: dict[bytes, tuple[int, int]] = {}              # event id -> (device, opened event)
         self._busy: dict[bytes, int] = {}
         self.opened = 0          # cudaIpcOpenMemHandle calls made (the cache's misses)
@@ -334,8 +334,8 @@ class NVLinkTransport(ShmTransport):
             check_pool(pool)
         return super().serve(url, source, timeout)
 
-    def _runs(self, body: bytes, pos: int, writable: bool, uid: int) -> tuple[Any, list[tuple[int, int]]]:
-        return _parse_mapped(body, pos)
+    def _runs(self, body: bytes, pos: int, writable: bool, peer: tuple[int, int]) -> tuple[Any, list[tuple[int, int]]]:
+        return _parse_mapped(body, pos, peer[0] == os.getpid())
 
     # -- mappings ------------------------------------------------------------------------------
     def _device_of(self, pool: Any) -> int:
@@ -364,8 +364,10 @@ class NVLinkTransport(ShmTransport):
                 if not nbytes:
                     out.append(torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}"))
                     continue
-                base = self._open(cp, eid, handle, device)
+                base, size = self._open(cp, eid, handle, device)
                 held.append(eid)
+                if offset > size or nbytes > size - offset:    # the peer's numbers, held to the mapping
+                    raise ProtocolError(f"peer named {nbytes} bytes at {offset} of a {size}-byte CUDA allocation")
                 t = torch.as_tensor(_DeviceMemory(base + offset, nbytes), device=torch.device("cuda", device))
                 if t.data_ptr() != base + offset or t.numel() != nbytes or t.dtype != torch.uint8:
                     raise ConfigError("torch did not wrap the mapped CUDA memory in place "
@@ -376,27 +378,34 @@ class NVLinkTransport(ShmTransport):
             raise
         return out, held
 
-    def _open(self, cp: Any, eid: bytes, handle: bytes, device: int) -> int:
+    def _open(self, cp: Any, eid: bytes, handle: bytes, device: int) -> tuple[int, int]:
+        """(base, size) of the peer's allocation ``handle``, opened on ``device`` once (cached)."""
         with self._lock:
             got = self._ipc.get(eid)
             if got is not None:
                 self._ipc.move_to_end(eid)
                 self._busy[eid] = self._busy.get(eid, 0) + 1
-                return got[1]
+                return got[1], got[2]
         try:
             with cp.cuda.Device(device):
                 base = int(cp.cuda.runtime.ipcOpenMemHandle(handle))
         except _cuda_errors(cp) as exc:
             raise StaleHandle(f"cannot open the sender's CUDA memory: {exc}",
                               hint="the sender process may have exited") from None
-        evict: list[tuple[bytes, tuple[int, int]]] = []
+        try:
+            with cp.cuda.Device(device):
+                size = _allocation_range(base)[1]     # how far the mapping reaches, from the driver
+        except _cuda_errors(cp) as exc:
+            self._close_ipc(cp, device, base)
+            raise StaleHandle(f"cannot size the sender's CUDA memory: {exc}") from None
+        evict: list[tuple[bytes, tuple[int, int, int]]] = []
         with self._lock:
             old = self._ipc.get(eid)
             if old is not None:               # another thread opened it meanwhile: keep one
-                evict.append((eid, (device, base)))
-                base = old[1]
+                evict.append((eid, (device, base, size)))
+                base, size = old[1], old[2]
             else:
-                self._ipc[eid] = (device, base)
+                self._ipc[eid] = (device, base, size)
                 self.opened += 1
             self._busy[eid] = self._busy.get(eid, 0) + 1
             for k in list(self._ipc):
@@ -404,9 +413,9 @@ class NVLinkTransport(ShmTransport):
                     break
                 if not self._busy.get(k):
                     evict.append((k, self._ipc.pop(k)))
-        for _, (dev, ptr) in evict:
+        for _, (dev, ptr, _) in evict:
             self._close_ipc(cp, dev, ptr)
-        return base
+        return base, size
 
     def _release(self, eids: list[bytes]) -> None:
         with self._lock:
@@ -456,6 +465,8 @@ class NVLinkTransport(ShmTransport):
               theirs: list[Piece]) -> int:
         """Copy between this side's pool and the peer's mapped buffers; complete on return."""
         cuda = device_pool.device.type == "cuda" or not m.local
+        if cuda:
+            cupy_or_error()                     # a peer in another process needs CUDA IPC: say so, plainly
         dev = self._device_of(device_pool) if cuda else -1
         peer, held = self._flats(m, dev)
         try:
@@ -497,7 +508,7 @@ class NVLinkTransport(ShmTransport):
             self._busy.clear()
         if maps or events:
             cp = cupy_or_error()
-            for dev, ptr in maps:
+            for dev, ptr, _ in maps:
                 self._close_ipc(cp, dev, ptr)
             for dev, ptr in events:
                 try:

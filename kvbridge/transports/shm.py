@@ -55,7 +55,7 @@ from ..handle import KVHandle
 from ..integrity import block_checksums
 from ..lease.base import Claim
 from ..policy import Timeout
-from ..pool import KVPool, SharedSegment, peer_segment, peer_uid, retired_during
+from ..pool import KVPool, SharedSegment, peer_cred, peer_segment, retired_during
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs, generations_held, unverified
 from .shmcopy import copy_into
 from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
@@ -343,8 +343,8 @@ class ShmTransport(Transport):
         return seg
 
     def _exchange(self, url: str, kind: Kind, payload: bytes, move: Any, done: Kind, what: str) -> Any:
-        """MAP/WMAP -> copy -> DONE/WDONE on one connection. ``move(body, uid)`` copies (from or
-        into segments of the peer's user ``uid``) and returns (result, DONE payload)."""
+        """MAP/WMAP -> copy -> DONE/WDONE on one connection. ``move(body, peer)`` copies (from or
+        into segments of the peer, ``peer`` its (pid, uid)) and returns (result, DONE payload)."""
         client = self._client(url)
         sock, k, rid, length = client.call(kind, payload, what)
         try:
@@ -354,7 +354,7 @@ class ShmTransport(Transport):
                 raise decode_error(body)
             if k is not Kind.MAPPED:
                 raise ProtocolError(f"{what}: unexpected {k.name} reply")
-            result, done_payload = move(body, peer_uid(sock))
+            result, done_payload = move(body, peer_cred(sock))
             sock.sendall(pack(done, rid, done_payload))
             k2, _, l2 = unpack_header(recv_exact(sock, HEADER.size), data_ok=False)
             reply = recv_exact(sock, l2) if l2 else b""
@@ -373,9 +373,10 @@ class ShmTransport(Transport):
             raise decode_error(reply)   # validate-after-copy failed: the bytes must not be used
         return result
 
-    def _runs(self, body: bytes, pos: int, writable: bool, uid: int) -> tuple[SharedSegment, list[tuple[int, int]]]:
+    def _runs(self, body: bytes, pos: int, writable: bool,
+              peer: tuple[int, int]) -> tuple[SharedSegment, list[tuple[int, int]]]:
         name, runs = _parse_mapped(body, pos)
-        seg = self._segment(name, writable, uid)
+        seg = self._segment(name, writable, peer[1])
         if any(o + n > seg.size for o, n in runs):
             raise ProtocolError("peer named bytes outside its segment")
         return seg, runs
@@ -415,7 +416,7 @@ class ShmTransport(Transport):
         if k is Kind.MAPPED:
             try:
                 info = json.loads(body)
-                uid = peer_uid(sock)
+                uid = peer_cred(sock)[1]
                 seg = peer_segment(info["segment"], False, uid)
                 try:
                     table = peer_segment(info["table"], False, uid)
@@ -600,9 +601,9 @@ class ShmTransport(Transport):
                     return n
                 dst.digests = None            # whatever a copy left is not what MAP/DONE will land
 
-        def move(body: bytes, uid: int) -> tuple[int, bytes]:
+        def move(body: bytes, peer: tuple[int, int]) -> tuple[int, bytes]:
             dst.claimed = _claim_of(body, claim)
-            seg, runs = self._runs(body, FENCE.size + LAYERS.size, False, uid)
+            seg, runs = self._runs(body, FENCE.size + LAYERS.size, False, peer)
             return self._copy_in(dst, seg, runs), b""
         return int(self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim), move,
                                   Kind.DONE, f"map {url}"))
@@ -636,10 +637,10 @@ class ShmTransport(Transport):
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
         nb = len(indices) if indices is not None else handle.num_blocks
 
-        def move(body: bytes, uid: int) -> tuple[Chunk, bytes]:
+        def move(body: bytes, peer: tuple[int, int]) -> tuple[Chunk, bytes]:
             got = _claim_of(body, claim)
             lo, hi, sums, used = decode_layers(body[FENCE.size:], nb, (first, end))
-            seg, runs = self._runs(body, FENCE.size + used, False, uid)
+            seg, runs = self._runs(body, FENCE.size + used, False, peer)
             dst = spans_for(lo, hi, sum(n for _, n in runs))
             return Chunk(lo, hi, sums, self._copy_in(dst, seg, runs), got), b""
         chunk: Chunk = self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
@@ -655,11 +656,11 @@ class ShmTransport(Transport):
 
     def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
               sums: bytes, last: bool) -> int:
-        def move(body: bytes, uid: int) -> tuple[int, bytes]:
+        def move(body: bytes, peer: tuple[int, int]) -> tuple[int, bytes]:
             lo, hi, _, used = decode_layers(body[FENCE.size:], ticket.num_blocks, layers)
             if (lo, hi) != layers:
                 raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
-            mapped, runs = self._runs(body, FENCE.size + used, True, uid)
+            mapped, runs = self._runs(body, FENCE.size + used, True, peer)
             if sum(n for _, n in runs) != src.nbytes:
                 raise ProtocolError(f"receiver mapped {sum(n for _, n in runs)} bytes for {src.nbytes}")
             return self._copy_out(src, mapped, runs), encode_request(b"", last=last, nbytes=0, sums=sums)

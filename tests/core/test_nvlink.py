@@ -125,24 +125,85 @@ def test_missing_cupy_names_the_extra(monkeypatch):
 
 
 def _mapped(pid: int, bufs: list[tuple[bytes, int]], runs: list[tuple[int, int]]) -> bytes:
-    body = nvlink._PROC.pack(nvlink._TOKEN, pid) + nvlink._EVENT.pack(bytes(16), bytes(64))
+    body = nvlink._PROC.pack(bytes(16), pid) + nvlink._EVENT.pack(bytes(16), bytes(64))
     body += struct.pack("!H", len(bufs)) + b"".join(nvlink._BUF.pack(b"e" * 16, h.ljust(64, b"\0"), 0, n)
                                                      for h, n in bufs)
     return body + struct.pack("!I", len(runs)) + b"".join(nvlink._RUN.pack(o, n) for o, n in runs)
 
 
 def test_mapped_frames_are_parsed_defensively():
-    m, runs = nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(120, 30), (0, 10)]), 0)
+    m, runs = nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(120, 30), (0, 10)]), 0, False)
     assert m.pieces(runs) == [(1, 20, 30), (0, 0, 10)]
     with pytest.raises(ProtocolError):
-        nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(90, 20)]), 0)     # crosses a buffer end
+        nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(90, 20)]), 0, False)     # crosses a buffer end
     with pytest.raises(ProtocolError):
-        nvlink._parse_mapped(_mapped(1, [(b"h", 100)], [(0, 10)])[:-1], 0)
+        nvlink._parse_mapped(_mapped(1, [(b"h", 100)], [(0, 10)])[:-1], 0, False)
     body = _mapped(1, [(b"", 100)], [(0, 10)])                    # another process, nothing CUDA IPC can open
-    m, runs = nvlink._parse_mapped(body, 0)
+    m, runs = nvlink._parse_mapped(body, 0, False)
     assert not m.local
     with pytest.raises(ConfigError, match="not CUDA memory"):
         nvlink.NVLinkTransport()._flats(m, 0)
+
+
+_LIAR = r"""
+import socket, struct, sys
+from kvbridge.transports import nvlink
+from kvbridge.transports.wire import FENCE, HEADER, Kind, decode_request, encode_layers, pack, recv_exact, unpack_header
+name, token, pid, eid = sys.argv[1], bytes.fromhex(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
+size, n = int(sys.argv[5]), int(sys.argv[6])
+lst = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+lst.bind("\0" + name)
+lst.listen(8)
+print("ready", flush=True)
+while True:
+    conn, _ = lst.accept()
+    try:
+        while True:
+            kind, rid, length = unpack_header(recv_exact(conn, HEADER.size))
+            payload = recv_exact(conn, length) if length else b""
+            if kind is Kind.WMAP:   # "I am the process you are": its own export, offset 0
+                lo, hi = decode_request(payload).layers
+                body = (FENCE.pack(0, 0) + encode_layers(lo, hi, b"") + nvlink._PROC.pack(token, pid)
+                        + nvlink._EVENT.pack(bytes(16), bytes(64)) + struct.pack("!H", 1)
+                        + nvlink._BUF.pack(eid, bytes(64), 0, size) + struct.pack("!I", 1) + nvlink._RUN.pack(0, n))
+                conn.sendall(pack(Kind.MAPPED, rid, body))
+            else:
+                conn.sendall(pack(Kind.OK, rid))
+    except Exception:
+        conn.close()
+"""
+
+
+def test_a_peer_process_cannot_pass_for_this_one(tmp_path):
+    """Whether MAPPED names this process's own exports (copied directly) is decided by the
+    socket's peer (SO_PEERCRED), not by the token and pid the body carries: a peer that learnt
+    them from one MAPPED would otherwise have this process push into its own pool where it chose."""
+    import os
+    import subprocess
+    import dataclasses
+    L = LAYOUTS[0]
+    victim, src = _device_pool(L, 4, 1), _device_pool(L, 4, 2)
+    victim.alloc(4)
+    before = [b.clone() for b in victim.buffers]
+    with KVSender(victim, "nvlink://", leases=False) as served, KVReceiver(_device_pool(L, 4, 3), leases=False) as r:
+        assert r.fetch(served.publish("x", [0], L.block_size), [0]).ok       # its buffers are exported now
+        (export, *_) = served.servers[0].exports._by_ptr.values()
+        name = f"kvb-test-nvlink-liar-{os.getpid()}"
+        token = getattr(nvlink, "_TOKEN", bytes(16))
+        liar = subprocess.Popen([sys.executable, "-c", _LIAR, name, token.hex(), str(os.getpid()), export.eid.hex(),
+                                 str(export.flat.numel()), str(L.block_nbytes)], stdout=subprocess.PIPE, text=True)
+        try:
+            assert liar.stdout is not None and liar.stdout.readline().strip() == "ready"
+            with KVReceiver(KVPool.allocate(L, 4, shared=True), listen="shm://", leases=False) as rcv:
+                resv = dataclasses.replace(rcv.reserve([0], "r").reservation, urls=(f"nvlink://@{name}",))
+            src.alloc(4)
+            with KVSender(src, "nvlink://", leases=False) as snd:
+                res = snd.push(resv, [1]).result(20)
+            assert not res.ok
+            assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, victim.buffers))
+        finally:
+            liar.kill()
+            liar.wait()
 
 
 def test_bad_urls():

@@ -28,8 +28,9 @@ def test_exports_name_the_allocation_base_and_the_offset_in_it():
     (PyTorch's caching allocator carves small tensors out of larger segments)."""
     whole = torch.zeros(6 << 20, dtype=torch.uint8, device="cuda")
     view = whole[(1 << 20) + 512:]
-    base = nvlink._allocation_base(whole.data_ptr())
-    assert base <= whole.data_ptr() and nvlink._allocation_base(view.data_ptr()) == base
+    base, size = nvlink._allocation_range(whole.data_ptr())
+    assert base <= whole.data_ptr() and nvlink._allocation_range(view.data_ptr())[0] == base
+    assert base + size >= whole.data_ptr() + whole.numel()
     ex = nvlink._Exports()
     try:
         e = ex.get(view)
@@ -60,6 +61,28 @@ def test_cross_process_fetch_maps_each_buffer_once():
                 assert mismatched_blocks(pool, dst, ref, ids) == []
             tr = rcv.transport(info["url"])
             assert tr.extra("ipc_opened") == LAYOUT.num_buffers      # opened once per (sender, buffer)
+    finally:
+        peer.close()
+
+
+def test_a_peer_cannot_name_bytes_past_its_cuda_allocation(monkeypatch):
+    """The offset and size a MAPPED gives for an export are held to the opened allocation's own
+    size (cuMemGetAddressRange), not only to the sizes the same peer declared."""
+    real = nvlink._parse_mapped
+
+    def lying(body, pos, local):         # the peer says its buffers reach 1 GiB further
+        m, runs = real(body, pos, local)
+        m.buffers = [(e, h, o, n + (1 << 30)) for e, h, o, n in m.buffers]
+        return m, runs
+    monkeypatch.setattr(nvlink, "_parse_mapped", lying)
+    peer = RemotePeer()
+    try:
+        info = peer.new_sender(layout=LAYOUT.to_dict(), num_blocks=8, listen="nvlink://", seed=5, reserve_all=True)
+        with KVReceiver(KVPool.allocate(LAYOUT, 8, device="cuda")) as rcv:
+            h = KVHandle.from_bytes(base64.b64decode(peer.publish(
+                sid=info["sid"], request_id="r", block_ids=[0, 1], num_tokens=32)))
+            res = rcv.fetch(h, [0, 1])
+            assert not res.ok and "CUDA allocation" in str(res.error)
     finally:
         peer.close()
 
