@@ -180,8 +180,11 @@ class Transfer:
         return self._state in (TransferState.DONE, TransferState.FAILED, TransferState.CANCELLED)
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Block until the transfer ends (True) or ``timeout`` passes (False)."""
-        if not self._taken:
+        """Block until the transfer ends (True) or ``timeout`` passes (False). Without a timeout,
+        a transfer no worker has picked up yet runs on this thread; with one, it is left to a
+        worker (running it here could block past ``timeout``: a layer-wise handle waits for its
+        layers)."""
+        if timeout is None and not self._taken:
             self._run()                    # nobody has picked it up: run it here
         with self._cv:
             return self._cv.wait_for(self.done, timeout)

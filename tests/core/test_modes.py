@@ -127,6 +127,37 @@ def test_start_fetch_result_and_await(make_sender, make_receiver):
     assert res.ok and same(pool, [6], snd, [5])
 
 
+def test_wait_and_result_honour_their_timeout_on_a_pending_layerwise_transfer(make_sender, make_receiver):
+    """A waiter with a timeout never runs the transfer itself (its layers may be far off): it
+    returns at the timeout, and the transfer goes on to succeed."""
+    snd = make_sender(L4, 8)
+    recv, pool = make_receiver(L4, 8, workers=1)
+    busy = snd.publish([5], request_id="busy", layers_ready=0)
+    first = recv.start_fetch(busy, [6])              # takes the one worker: the next one waits, untaken
+    assert wait_until(lambda: first._taken)
+    h = snd.publish([1, 2], request_id="pending", layers_ready=0)
+    t = recv.start_fetch(h, [3, 4])
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        t.result(timeout=0.05)
+    assert not t.wait(0.05)
+    assert time.monotonic() - t0 < 1.0
+    snd.mark_ready(busy.id, 4)
+    snd.mark_ready(h.id, 4)
+    assert first.result(10).ok and t.result(10).ok and same(pool, [3, 4], snd, [1, 2])
+
+
+def test_mark_ready_after_the_handle_ended_returns_false():
+    """Nothing waits for the layers of an ended handle: mark_ready says so (the prefill may stop)."""
+    from kvbridge import KVPool, KVSender
+    pool = KVPool.allocate(L4, 4)
+    with KVSender(pool, "inproc://", leases=False) as snd:
+        h = snd.publish("r", pool.alloc(2), 2 * L4.block_size, layers_ready=1)
+        assert snd.mark_ready(h, 2)
+        assert snd.revoke(h)
+        assert snd.mark_ready(h, 3) is False
+
+
 def test_cancel_while_waiting_for_a_layer(make_sender, make_receiver):
     snd = make_sender(L4, 8)
     recv, pool = make_receiver(L4, 8)
