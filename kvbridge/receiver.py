@@ -715,6 +715,11 @@ class KVReceiver:
     def abort_remote(self, ticket_bytes: bytes, claim: Optional[Claim]) -> None:
         self._desk.abort_remote(ticket_bytes, claim)
 
+    def authorize_ticket(self, ticket_bytes: bytes, claim: Optional[Claim]) -> None:
+        """Raise unless ``ticket_bytes`` is a live reservation of this receiver (and ``claim`` its
+        writer's, where it is leased): what a server asks before it does any work for a peer."""
+        self._desk._authorized(ticket_bytes, claim, "a hello")
+
     def close(self) -> None:
         """Stop serving; send the releases still pending (bounded), then close connections."""
         for s in self.servers:

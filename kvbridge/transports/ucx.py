@@ -1,8 +1,11 @@
 """ucx:// -- UCX (through ucxx): shared memory on one host, RDMA or TCP across hosts.
 
 A server listens on ``host:port`` with a small TCP socket that speaks kvbridge frames
-(:mod:`.sockets`): a client's hello (a MAP frame carrying ``HELLO`` and its UCX worker
-address) returns the server's worker address and a client id, and the connection then
+(:mod:`.sockets`): a client's hello (a MAP frame carrying ``HELLO``, its UCX worker
+address and a request naming the handle or reservation it is about to use, authorized
+before anything of UCX is made for it; one hello per connection) returns the server's
+worker address and a random 44-bit key that every tag of this client carries (UCX matches
+tags worker-wide: the key is the only identity, so it must be unguessable), and the connection then
 stays open as the *liveness channel* -- its EOF tells either side, at once, that the
 other process died. Everything else travels as UCX tagged messages between endpoints
 made from the peers' worker addresses, with endpoint error handling off: on this
@@ -46,6 +49,7 @@ import select
 import socket
 import struct
 import threading
+import time
 from typing import Any, Callable, Optional
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")   # ucxx sets UCX_MEMTYPE_CACHE, which UCX 1.21 ignores
@@ -57,17 +61,18 @@ except ImportError as exc:   # mapped by the registry to BackendUnavailable nami
     raise ImportError(f"ucx:// needs ucxx: pip install 'kvbridge[ucx]' ({exc})") from exc
 
 
-from ..errors import (ConfigError, ConnectionLost, FrameTooLarge, KVBridgeError, PeerUnavailable, ProtocolError)
+from ..errors import (ConfigError, ConnectionLost, FrameTooLarge, KVBridgeError, PeerUnavailable, ProtocolError,
+                      TransferTimeout)
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, Server, Spans, SpansFor, Transport
 from .sockets import connector, tune
 from .wire import (HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, encode_request, map_os_error,
-                   pack, recv_exact, unpack_header)
-from .ucx_core import (DONE_BIT, HELLO, INLINE, OP_PING,
+                   pack, unpack_header)
+from .ucx_core import (HELLO, HELLO_MAX, INLINE, OP_PING, RID_MASK,
                        OP_READ, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_WREQ, ST_ERROR,
-                       ST_GO, ST_OK, T_DATA, T_HDR, T_REQ, _DOORBELL, _Ep, _N, _REQ_HEAD,
+                       ST_GO, ST_OK, T_DATA, T_DONE, T_HDR, T_REQ, _DOORBELL, _Ep, _N, _REQ_HEAD,
                        _Stream, _Worker, _live, _recv_probed,
                        _recv_stream, _send_stream, _tag, _wait_reqs, _wants_layers, parse_ucx_url)  # noqa: F401
 from .ucx_server import UCXServer, _Client  # noqa: F401
@@ -81,10 +86,10 @@ log = logging.getLogger("kvbridge.ucx")
 
 # -- client -------------------------------------------------------------------------------------
 class _Peer:
-    """One server as seen by a client: liveness socket, endpoint, client id."""
+    """One server as seen by a client: liveness socket, endpoint, the key its tags carry."""
 
-    def __init__(self, url: str, sock: socket.socket, ep: _Ep, cid: int) -> None:
-        self.url, self.sock, self.ep, self.cid = url, sock, ep, cid
+    def __init__(self, url: str, sock: socket.socket, ep: _Ep, key: int) -> None:
+        self.url, self.sock, self.ep, self.cid = url, sock, ep, key
         self.broken = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
@@ -165,10 +170,39 @@ class UCXTransport(Transport):
 
     def _next(self) -> int:
         with self._lock:
-            self._rid = (self._rid + 1) & 0xFFFFFFFF
+            self._rid = (self._rid + 1) & RID_MASK
             return self._rid
 
-    def _peer(self, url: str) -> _Peer:
+    def _hello_reply(self, sock: socket.socket, url: str) -> bytes:
+        """The server's answer to the hello: whole within ``Timeout.transfer``, at most
+        HELLO_MAX bytes (a server that trickles or declares more is refused)."""
+        end = time.monotonic() + self.timeout.transfer
+
+        def take(n: int) -> bytes:
+            buf = bytearray()
+            while len(buf) < n:
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"{url}: no whole hello reply within {self.timeout.transfer} s")
+                sock.settimeout(left)
+                chunk = sock.recv(n - len(buf))
+                if not chunk:
+                    raise ConnectionLost(f"{url}: the server closed the connection during the hello")
+                buf += chunk
+            return bytes(buf)
+        kind, _, length = unpack_header(take(HEADER.size), data_ok=False)
+        if length > HELLO_MAX:
+            raise ProtocolError(f"{url}: hello reply of {length} bytes (at most {HELLO_MAX})")
+        body = take(length) if length else b""
+        if kind is Kind.ERROR:
+            raise decode_error(body)
+        if kind is not Kind.MAPPED or len(body) < 9:
+            raise ProtocolError(f"{url}: not a ucx:// server (reply {kind.name})")
+        return body
+
+    def _peer(self, url: str, hello: bytes) -> _Peer:
+        """The connection to ``url``; a new one says hello with ``hello`` (a request naming the
+        handle or reservation about to be used: the server makes nothing for a client before)."""
         with self._lock:
             if self._closed:
                 raise ConnectionLost(f"{url}: this transport is closed")
@@ -185,16 +219,12 @@ class UCXTransport(Transport):
         sock = connector(family, (host, port), url)(self.timeout.connect)
         try:
             tune(sock)
-            sock.sendall(pack(Kind.MAP, 1, HELLO + worker.address))
-            kind, _, length = unpack_header(recv_exact(sock, HEADER.size), data_ok=False)
-            body = recv_exact(sock, length) if length else b""
-            if kind is Kind.ERROR:
-                raise decode_error(body)
-            if kind is not Kind.MAPPED or len(body) < 5:
-                raise ProtocolError(f"{url}: not a ucx:// server (reply {kind.name})")
-            cid = struct.unpack_from("!I", body)[0]
+            addr = worker.address
+            sock.sendall(pack(Kind.MAP, 1, HELLO + struct.pack("!H", len(addr)) + addr + hello))
+            body = self._hello_reply(sock, url)
+            cid = struct.unpack_from("!Q", body)[0]
             try:
-                ep = _Ep(worker, worker.endpoint(body[4:]))
+                ep = _Ep(worker, worker.endpoint(body[8:]))     # check_address first: a filter
             except _ucx.UCXError as exc:
                 raise PeerUnavailable(f"cannot reach {url} over UCX: {exc}") from None
             sock.settimeout(None)
@@ -243,24 +273,30 @@ class UCXTransport(Transport):
                             self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
 
     def _exchange(self, url: str, op: int, payload: bytes, what: str,
-                  body: Callable[[_Peer, int, bytes], Any], limit: int = MAX_CONTROL + INLINE) -> Any:
+                  body: Callable[[_Peer, int, bytes], Any], limit: int = MAX_CONTROL + INLINE,
+                  hello: Optional[bytes] = None) -> Any:
         """Send one request; ``body(peer, rid, reply)`` handles an OK/GO reply. Errors that
-        leave the connection in an unknown state drop it."""
+        leave the connection in an unknown state drop it (so no late message of an abandoned
+        request can match a later one: a new connection has a new key)."""
         if len(payload) + 1 > MAX_CONTROL:
             raise FrameTooLarge(f"{what}: request of {len(payload)} bytes exceeds {MAX_CONTROL}")
-        p = self._peer(url)
+        p = self._peer(url, payload if hello is None else hello)
         rid = self._next()
+        clean = False
         try:
             sreq = self._send(p, _tag(T_REQ, p.cid, rid), _REQ_HEAD.pack(op) + payload)
             reply = self._recv_header(p, rid, limit, what)
             _wait_reqs(self._w(), [sreq], self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
             if reply[0] == ST_ERROR:
+                clean = True
                 raise decode_error(reply[1:])
             if reply[0] not in (ST_OK, ST_GO):
                 raise ProtocolError(f"{what}: unknown reply status {reply[0]}")
-            return body(p, rid, reply)
-        except KVBridgeError as exc:
-            if exc.retryable or isinstance(exc, ProtocolError):
+            out = body(p, rid, reply)
+            clean = True
+            return out
+        except BaseException as exc:
+            if not clean or (isinstance(exc, KVBridgeError) and (exc.retryable or isinstance(exc, ProtocolError))):
                 self._drop(p)
             raise
 
@@ -285,8 +321,9 @@ class UCXTransport(Transport):
 
         def post(view: memoryview, k: int) -> Any:
             return p.ep.recv(view, dtag)
-        _recv_stream(w, post, stream, self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
-        trailer = self._recv_header(p, rid, 8192, what, _tag(T_DATA, p.cid, rid) | DONE_BIT)
+        _recv_stream(w, post, stream, self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring,
+                     cancel=lambda: self._drop(p))     # nothing lands in the destination after a failure
+        trailer = self._recv_header(p, rid, 8192, what, _tag(T_DONE, p.cid, rid))
         if trailer[0] != ST_OK:
             raise decode_error(trailer[1:]) if trailer[0] == ST_ERROR else ProtocolError(f"{what}: bad trailer")
         stream.stage_in()
@@ -312,6 +349,8 @@ class UCXTransport(Transport):
             if len(reply) < 1 + _N.size + LAYERS.size:
                 raise ProtocolError(f"{what}: truncated reply")
             lo, hi, sums, used = decode_layers(reply[1 + _N.size:], nb, (first, end))
+            if handle.checksums and hi > lo and not sums:     # a sender with checksums always sends them
+                raise ProtocolError(f"{what}: layer reply without the checksums of a handle that has them")
             dst = spans_for(lo, hi, int(_N.unpack_from(reply, 1)[0]))
             n = self._take_data(p, rid, reply, 1 + _N.size + used, dst, what)
             return Chunk(lo, hi, sums, n)
@@ -330,7 +369,7 @@ class UCXTransport(Transport):
             stream.stage_out()
             _send_stream(w, p.ep, _tag(T_DATA, p.cid, rid), stream, self.timeout.transfer, what, p.alive,
                          (p.sock.fileno(),), p.ring)
-            done = self._send(p, _tag(T_DATA, p.cid, rid) | DONE_BIT,
+            done = self._send(p, _tag(T_DONE, p.cid, rid),
                               encode_request(b"", last=last, nbytes=0, sums=sums))
             final = self._recv_header(p, rid, MAX_CONTROL, what)
             _wait_reqs(w, [done], self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
@@ -349,7 +388,7 @@ class UCXTransport(Transport):
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         what = f"release {url}"
         if not wait:
-            p = self._peer(url)
+            p = self._peer(url, encode_request(handle.to_bytes()))
             try:
                 req = self._send(p, _tag(T_REQ, p.cid, self._next()),
                                  _REQ_HEAD.pack(OP_RELEASE_NOREPLY) + handle.to_bytes())
@@ -359,10 +398,17 @@ class UCXTransport(Transport):
                 self._drop(p)
                 raise
             return
-        self._exchange(url, OP_RELEASE, handle.to_bytes(), what, lambda p, r, b: None)
+        self._exchange(url, OP_RELEASE, handle.to_bytes(), what, lambda p, r, b: None,
+                       hello=encode_request(handle.to_bytes()))
 
     def ping(self, url: str, payload: bytes = b"") -> bytes:
-        return self._exchange(url, OP_PING, payload, f"ping {url}", lambda p, r, b: bytes(b[1:]))  # type: ignore[no-any-return]
+        """Ping a server this transport is connected to (a hello needs a live ticket)."""
+        with self._lock:
+            known = url in self._peers
+        if not known:
+            raise PeerUnavailable(f"ping {url}: not connected (a ucx:// hello names a handle or reservation)")
+        return self._exchange(url, OP_PING, payload, f"ping {url}", lambda p, r, b: bytes(b[1:]),  # type: ignore[no-any-return]
+                              hello=b"")
 
     def extra(self, name: str, default: Any = None) -> Any:
         if name == "connections_opened":

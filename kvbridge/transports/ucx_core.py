@@ -27,6 +27,7 @@ import torch
 
 from ..errors import (ConfigError, ConnectionLost, KVBridgeError, ProtocolError,
                       TransferTimeout)
+from .sockets import MIN_RATE as MIN_RATE, RATE_GRACE as RATE_GRACE   # the transports' minimum rate
 from .base import Spans
 from .tcp import parse_tcp_url
 from .staging import copy_slices, device_slices
@@ -35,7 +36,7 @@ from .wire import (F_LAYERS, Kind, pack)
 
 log = logging.getLogger("kvbridge.ucx")
 
-HELLO = b"KVB-UCX1"
+HELLO = b"KVB-UCX2"       # + address length (2 bytes) + UCX worker address + a request naming a live ticket
 DOORBELL_ID = 0xFFFFFFFF   # a PING frame with this id on the liveness socket: "look at your UCX worker"
 CHUNK = 4 << 20          # DATA message size: pieces of the canonical byte stream
 INLINE = 64 << 10        # transfers up to this ride inside the reply header
@@ -43,11 +44,18 @@ WINDOW = 4               # DATA messages in flight per transfer
 SPIN = 0.0002           # seconds of polling before a wait sleeps on the worker's event fd
 NAP = 0.01               # longest sleep between liveness/deadline checks in a wait
 HANDLER_THREADS = 16
+ADDRESS_MAX = 8192       # the longest UCX worker address accepted from a peer
+HELLO_MAX = 64 << 10     # the longest hello reply a client takes
 
-# tags: kind (8 bits) | client id (24 bits) | request id (32 bits)
-T_REQ, T_HDR, T_DATA = 1, 2, 3
-KIND_MASK = 0xFF << 56
-DONE_BIT = 1 << 55   # a transfer's closing message (validation / checksums), on its DATA tag
+# tags: kind (4 bits) | client key (44 bits) | request id (16 bits). UCX matches tags worker-wide
+# and tells a receiver nothing about the sending endpoint, so the key is the only identity: the
+# server draws it at random per connection (never one that is live) and tells it to that client
+# only, over its TCP connection. A third party must guess it: one chance in 2**44 per message.
+KIND_SHIFT, KEY_BITS, RID_BITS = 60, 44, 16
+KEY_MASK = (1 << KEY_BITS) - 1
+RID_MASK = (1 << RID_BITS) - 1
+T_REQ, T_HDR, T_DATA, T_DONE = 1, 2, 3, 4   # T_DONE: a transfer's closing message (validation / checksums)
+KIND_MASK = 0xF << KIND_SHIFT
 
 # request ops (first byte of a REQ message)
 OP_READ, OP_WREQ, OP_WDONE, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_PING = 1, 2, 3, 4, 5, 6, 7
@@ -66,8 +74,24 @@ def _wants_layers(msg: bytearray) -> bool:
     return len(msg) > 5 + hn and bool(msg[5 + hn] & F_LAYERS)
 
 
-def _tag(kind: int, cid: int, rid: int) -> int:
-    return (kind << 56) | ((cid & 0xFFFFFF) << 32) | (rid & 0xFFFFFFFF)
+def _tag(kind: int, key: int, rid: int) -> int:
+    return (kind << KIND_SHIFT) | ((key & KEY_MASK) << RID_BITS) | (rid & RID_MASK)
+
+
+def _untag(tag: int) -> tuple[int, int, int]:
+    """(kind, key, request id) of a tag."""
+    return tag >> KIND_SHIFT, (tag >> RID_BITS) & KEY_MASK, tag & RID_MASK
+
+
+def check_address(addr: bytes, own: bytes) -> None:
+    """A cheap structural filter on a peer's UCX worker address before UCX parses it: its
+    first byte (UCX's address version and flags) must equal this process's own, its length
+    bounded. A filter, not a proof: UCX still parses the rest (peers reach this only after
+    showing a live ticket, or through a URL in a signed handle)."""
+    if not 16 <= len(addr) <= ADDRESS_MAX:
+        raise ProtocolError(f"UCX worker address of {len(addr)} bytes (16 to {ADDRESS_MAX} expected)")
+    if addr[0] != own[0]:
+        raise ProtocolError(f"UCX worker address header {addr[0]:#04x}, this UCX writes {own[0]:#04x}")
 
 
 def parse_ucx_url(url: str) -> tuple[str, int]:
@@ -120,6 +144,7 @@ class _Worker:
             self.w.progress()
 
     def endpoint(self, address: bytes) -> Any:
+        check_address(address, self.address)
         with self.lock:
             return self.w.create_endpoint_from_worker_address(_ucx.UCXAddress.create_from_buffer(address), False)
 
@@ -282,6 +307,7 @@ class _Stream:
             self.views = [memoryview(self.bounce.numpy())] if self.nbytes else []  # type: ignore[arg-type]
             self.runs = [(self.bounce.data_ptr(), self.nbytes)] if self.nbytes else []
         self.starts: list[int] = []
+        self.unsettled: list[Any] = []   # receives still posted after a failure (see _recv_stream)
         pos = 0
         for _, n in self.runs:
             self.starts.append(pos)
@@ -348,12 +374,28 @@ def _addr(buf: bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
+def _guarded(alive: Optional[Callable[[], None]], guard: Optional[Callable[[int], None]],
+             moved: list[int]) -> Optional[Callable[[], None]]:
+    """``alive`` plus the rate guard, fed the bytes moved so far (checked at every NAP)."""
+    if guard is None:
+        return alive
+
+    def check() -> None:
+        if alive is not None:
+            alive()
+        guard(moved[0])
+    return check
+
+
 def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s: float, what: str,
                  alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
-                 nudge: Optional[Callable[[], None]] = None) -> None:
-    """Send the stream as DATA messages, WINDOW in flight."""
+                 nudge: Optional[Callable[[], None]] = None, guard: Optional[Callable[[int], None]] = None) -> None:
+    """Send the stream as DATA messages, WINDOW in flight. ``guard(bytes_moved)`` (a
+    :class:`~.wire.RateGuard`) raises when the peer takes them too slowly."""
     inflight: list[Any] = []
     bounces: list[bytearray] = []
+    moved = [0]
+    check = _guarded(alive, guard, moved)
     for k in range(stream.pieces()):
         a, b = stream.bounds(k)
         view = stream.direct(a, b)
@@ -362,26 +404,31 @@ def _send_stream(worker: _Worker, ep: _Ep, tag: int, stream: _Stream, deadline_s
             view = stream.gather(a, b, buf)
         else:
             buf = None
-        inflight.append((ep.send(view, tag), buf))
+        inflight.append((ep.send(view, tag), buf, b - a))
         if len(inflight) >= WINDOW:
-            r, used = inflight.pop(0)
-            _wait_reqs(worker, [r], deadline_s, what, alive, fds, nudge)
+            r, used, n = inflight.pop(0)
+            _wait_reqs(worker, [r], deadline_s, what, check, fds, nudge)
+            moved[0] += n
             if used is not None:
                 bounces.append(used)
-    _wait_reqs(worker, [r for r, _ in inflight], deadline_s, what, alive, fds, nudge)
+    _wait_reqs(worker, [r for r, _, _ in inflight], deadline_s, what, check, fds, nudge)
 
 
 def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream: _Stream, deadline_s: float,
                  what: str, alive: Optional[Callable[[], None]] = None, fds: Sequence[int] = (),
-                 nudge: Optional[Callable[[], None]] = None) -> int:
+                 nudge: Optional[Callable[[], None]] = None, guard: Optional[Callable[[int], None]] = None,
+                 cancel: Optional[Callable[[], None]] = None) -> int:
     """Receive the stream's DATA messages (``post(view, tag)`` posts one receive), WINDOW
-    posted ahead; calls ``landed`` in order. On any failure every posted receive has
-    completed (or the caller closes the endpoint) before the error propagates; the
-    messages not received yet are drained into a scratch buffer so the peer's sends end."""
+    posted ahead; calls ``landed`` in order. On any failure ``cancel()`` cancels what is
+    posted (it closes the endpoint the receives were posted on) and the receives are waited
+    for (bounded): ``stream.unsettled`` then lists those that still had not completed, whose
+    memory must not be given back (nothing may land in it after the error)."""
     n = stream.pieces()
     posted: list[tuple[Any, Optional[bytearray], int, int]] = []
     bounces: list[bytearray] = []
     nxt = 0
+    moved = [0]
+    check = _guarded(alive, guard, moved)
 
     def post_next() -> None:
         nonlocal nxt
@@ -399,8 +446,9 @@ def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream
             post_next()
         while posted:
             req, buf, a, b = posted[0]
-            _wait_reqs(worker, [req], deadline_s, what, alive, fds, nudge)
+            _wait_reqs(worker, [req], deadline_s, what, check, fds, nudge)
             posted.pop(0)
+            moved[0] = b
             if buf is not None:
                 stream.scatter(a, b, buf)
                 bounces.append(buf)
@@ -408,19 +456,16 @@ def _recv_stream(worker: _Worker, post: Callable[[memoryview, int], Any], stream
             if nxt < n:
                 post_next()
     except BaseException:
-        # let what is posted finish (it may land; the grant/fetch still owns the memory), then
-        # drain the rest into scratch so the peer's sends complete
+        if cancel is not None and posted:
+            cancel()
         try:
             if posted:
-                worker.wait(lambda: all(r.completed for r, *_ in posted), min(deadline_s, 5.0), what, alive, fds)
-            scratch = bytearray(CHUNK)
-            while nxt < n:
-                a, b = stream.bounds(nxt)
-                r = post(memoryview(scratch)[:b - a], nxt)
-                nxt += 1
-                worker.wait(lambda: r.completed, min(deadline_s, 5.0), what, alive, fds)
+                worker.wait(lambda: all(r.completed for r, *_ in posted), min(deadline_s, 5.0), what)
         except KVBridgeError:
             pass
+        stream.unsettled = [(r, buf) for r, buf, *_ in posted if not r.completed]
+        if stream.unsettled:
+            log.error("%s: %d receive(s) still posted after the transfer failed", what, len(stream.unsettled))
         raise
     return stream.nbytes
 

@@ -63,17 +63,25 @@ def test_malformed_frames_on_the_ucx_socket(case, sender, monkeypatch):
     assert crashes == []
 
 
-def test_bad_hello_refused(sender):
+def hello(address: bytes, ticket: bytes = b"") -> bytes:
+    """A HELLO payload: worker address, then a request naming ``ticket``."""
+    return U.HELLO + struct.pack("!H", len(address)) + address + (encode_request(ticket) if ticket else b"")
+
+
+@pytest.mark.parametrize("case", ["no_address", "not_an_address", "no_ticket", "forged_ticket"])
+def test_bad_hello_refused(case, sender):
     snd, pool = sender
     u = urlsplit(snd.url)
+    own = U._Worker().address
+    ticket = snd.publish("t", [2], 4).to_bytes()
+    payload = {"no_address": U.HELLO, "not_an_address": hello(b"\x00" * 64, ticket),
+               "no_ticket": hello(own), "forged_ticket": hello(own, ticket[:-1] + bytes([ticket[-1] ^ 1]))}[case]
     with socket.create_connection((u.hostname, u.port), timeout=5) as s:
-        s.sendall(pack(Kind.MAP, 3, U.HELLO))                      # no worker address
+        s.sendall(pack(Kind.MAP, 3, payload))
         kind, rid, n = unpack_header(recv_exact(s, HEADER.size))
-        assert kind is Kind.ERROR and isinstance(decode_error(recv_exact(s, n)), ProtocolError)
-        s.sendall(pack(Kind.MAP, 4, U.HELLO + b"\x00" * 64))        # not a UCX address
-        kind, rid, n = unpack_header(recv_exact(s, HEADER.size))
-        recv_exact(s, n)
-        assert kind is Kind.ERROR, kind
+        assert kind is Kind.ERROR and isinstance(decode_error(recv_exact(s, n)), Exception)
+        assert s.recv(1) == b""                                        # one hello per connection
+    assert snd.servers[0]._clients == {}
     _fetch_works(snd, pool)
 
 
@@ -81,16 +89,16 @@ def test_bad_hello_refused(sender):
 class RawPeer:
     """A bare ucxx client of a ucx:// server: hello over the socket, then raw tagged messages."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, ticket: bytes) -> None:
         u = urlsplit(url)
         self.sock = socket.create_connection((u.hostname, u.port), timeout=5)
         self.w = U._Worker()
-        self.sock.sendall(pack(Kind.MAP, 1, U.HELLO + self.w.address))
+        self.sock.sendall(pack(Kind.MAP, 1, hello(self.w.address, ticket)))
         kind, _, n = unpack_header(recv_exact(self.sock, HEADER.size))
         body = recv_exact(self.sock, n)
-        assert kind is Kind.MAPPED
-        self.cid = struct.unpack_from("!I", body)[0]
-        self.ep = self.w.endpoint(body[4:])
+        assert kind is Kind.MAPPED, decode_error(body)
+        self.cid = struct.unpack_from("!Q", body)[0]
+        self.ep = self.w.endpoint(body[8:])
 
     def send(self, msg: bytes, rid: int, cid: int | None = None) -> None:
         with self.w.lock:
@@ -126,7 +134,7 @@ def test_malformed_ucx_messages_get_an_error_reply(case, sender, monkeypatch):
     monkeypatch.setattr(threading, "excepthook", lambda args: crashes.append(args.exc_value))
     snd, pool = sender
     msg, want = BAD_MESSAGES[case]
-    raw = RawPeer(snd.url)
+    raw = RawPeer(snd.url, snd.publish("raw", [3], 4).to_bytes())
     try:
         raw.send(msg, rid=11)
         rep = raw.reply(11)
@@ -144,7 +152,7 @@ def test_malformed_ucx_messages_get_an_error_reply(case, sender, monkeypatch):
 
 def test_messages_from_unknown_clients_are_dropped(sender):
     snd, pool = sender
-    raw = RawPeer(snd.url)
+    raw = RawPeer(snd.url, snd.publish("raw", [3], 4).to_bytes())
     try:
         raw.send(bytes([U.OP_PING]) + b"who", rid=5, cid=raw.cid + 1000)   # no such client: no answer, no crash
         with pytest.raises(Exception):
