@@ -186,6 +186,8 @@ class KVSender:
 
     def _publish(self, request_id: str, block_ids: Sequence[int], num_tokens: int, ttl: Optional[float],
                  layers_ready: Optional[int], leased: bool, codec: str = "raw") -> KVHandle:
+        if self._closed:     # refused before anything: the blocks stay the caller's, as on any refusal
+            raise ConfigError("sender is closed")
         ids = [int(b) for b in block_ids]
         if len(set(ids)) != len(ids):
             raise PoolError("publish: duplicate block ids")
@@ -253,7 +255,7 @@ class KVSender:
                     for b in ids:
                         self._by_block[b] = rec
                 self._schedule(rec)
-        if closed:
+        if closed:           # closed while this publish ran: the handle ends like the others did
             self._end(rec, "closed")
             raise ConfigError("sender is closed")
         self.stats.add(published=1, blocks_published=len(ids))

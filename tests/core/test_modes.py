@@ -158,6 +158,19 @@ def test_mark_ready_after_the_handle_ended_returns_false():
         assert snd.mark_ready(h, 3) is False
 
 
+def test_publish_on_a_closed_sender_leaves_the_blocks_to_the_caller():
+    """A refused publish takes nothing: the caller still holds its blocks (and frees them once)."""
+    from kvbridge import ConfigError, KVPool, KVSender
+    pool = KVPool.allocate(L4, 4)
+    snd = KVSender(pool, "inproc://", leases=False)
+    snd.close()
+    ids = pool.alloc(2)
+    with pytest.raises(ConfigError, match="closed"):
+        snd.publish("r", ids, L4.block_size)
+    assert [pool.refcount(b) for b in ids] == [1, 1]
+    pool.free(ids)
+
+
 def test_cancel_while_waiting_for_a_layer(make_sender, make_receiver):
     snd = make_sender(L4, 8)
     recv, pool = make_receiver(L4, 8)
