@@ -3,6 +3,7 @@ and a receiver that lies to the sender pushing into it. Loopback only, bounded i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -146,11 +147,10 @@ def test_a_write_that_pauses_is_not_dropped(staged: bool) -> None:
         assert t.result(5).ok and _bytes(dst, [0, 1], 0, 2) == data
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["host pool", "device-like pool"])
-def test_a_trickled_write_is_dropped(staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every pool's writes are held to the minimum rate after the grace (a device pool's land in
-    a bounce buffer first: they were not)."""
-    monkeypatch.setattr(sockets, "RATE_GRACE", 0.3)
+@contextlib.contextmanager
+def _junk_write(staged: bool) -> Iterator[tuple[Transfer, KVPool, bytes, socket.socket]]:
+    """A reservation of blocks [0, 1] and a WRITE of both layers whose header is sent, its bytes
+    (0xEE) not yet: (the reservation's transfer, its pool, the bytes, the writer's socket)."""
     dst = KVPool.allocate(L, 4)
     dst._staged = staged
     junk = _pool(0xEE)
@@ -159,6 +159,15 @@ def test_a_trickled_write_is_dropped(staged: bool, monkeypatch: pytest.MonkeyPat
         data = _bytes(junk, [0, 1], 0, 2)
         s = _connect(rcv.urls[0])
         s.sendall(_write_head(t.reservation.to_bytes(), 0, 2, len(data), _sums(junk, [0, 1], 0, 2), True))
+        yield t, dst, data, s
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["host pool", "device-like pool"])
+def test_a_trickled_write_is_dropped(staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pool's writes are held to the minimum rate after the grace (a device pool's land in
+    a bounce buffer first: they were not)."""
+    monkeypatch.setattr(sockets, "RATE_GRACE", 0.3)
+    with _junk_write(staged) as (t, dst, data, s):
         t0 = time.monotonic()
         dropped = False
         for i in range(len(data) - 1):
@@ -193,14 +202,7 @@ def test_cancel_stops_a_landing_write_before_reporting_the_blocks_free() -> None
     """A device pool's write lands in a bounce buffer and is copied up at its end: cancel()
     stops it at its next bytes (it used to wait out Timeout.transfer and then report the blocks
     free while the write went on, its bytes copied into them afterwards)."""
-    dst = KVPool.allocate(L, 4)
-    dst._staged = True
-    junk = _pool(0xEE)
-    with KVReceiver(dst, listen="tcp://127.0.0.1:0", leases=False, timeout=Timeout(transfer=10.0)) as rcv:
-        t = rcv.reserve([0, 1], "r")
-        data = _bytes(junk, [0, 1], 0, 2)
-        s = _connect(rcv.urls[0])
-        s.sendall(_write_head(t.reservation.to_bytes(), 0, 2, len(data), _sums(junk, [0, 1], 0, 2), True))
+    with _junk_write(True) as (t, dst, data, s):
         stop = threading.Event()
 
         def trickle() -> None:
