@@ -250,7 +250,10 @@ class Transfer:
                 fut.set_result(None)
 
         def wake(_: "Transfer") -> None:
-            loop.call_soon_threadsafe(settle)
+            try:
+                loop.call_soon_threadsafe(settle)
+            except RuntimeError:           # the awaiting loop has closed: nobody is left to wake
+                pass
         self.add_done_callback(wake)
         try:
             yield from fut.__await__()

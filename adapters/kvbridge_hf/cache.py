@@ -58,7 +58,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Transfer
 from kvbridge.errors import ConfigError, LayoutMismatch
 from kvbridge.layout import DTYPES, KVOrder, TokenOrder
 
@@ -319,13 +319,20 @@ class HFKVExporter:
                     raise ConfigError(f"layer {i} {name} holds {t.shape[2]} tokens, fewer than {n}")
                 if not 0 <= batch_index < t.shape[0]:
                     raise ConfigError(f"batch_index {batch_index} outside batch of {t.shape[0]}")
-        ids = self.sender.pool.alloc(blocks_needed(n, L.block_size))
+        pool = self.sender.pool
+        ids = pool.alloc(blocks_needed(n, L.block_size))
+        pool.ref(ids)          # our own hold while publishing: no one can free and reuse them under us
         try:
-            write_blocks(self.sender.pool, ids, layers, n, batch_index)
-            return self.sender.publish(request_id, ids, n, ttl=ttl)
+            write_blocks(pool, ids, layers, n, batch_index)
+            h = self.sender.publish(request_id, ids, n, ttl=ttl)
         except BaseException:
-            self.sender.pool.free(ids)
+            # A refused publish leaves the blocks ours; one that ended as it was made (the sender
+            # closed meanwhile) already freed them: free only the blocks still ours.
+            pool.free([b for b in ids if pool.refcount(b) > 1])
+            pool.free(ids)
             raise
+        pool.free(ids)         # the sender owns them now
+        return h
 
 
 def publish_cache(sender: KVSender, request_id: str, past_key_values: Any, num_tokens: Optional[int] = None,
@@ -427,7 +434,23 @@ class HFKVImporter:
         h = self._parse(handle)
         dst = self.pool.alloc(h.num_blocks)
         try:
-            return self._finish(h, dst, await self.receiver.afetch(h, dst))
+            t = self.receiver.start_fetch(h, dst)
+        except BaseException:
+            self.pool.free(dst)
+            raise
+        try:
+            res = await t
+        except BaseException:
+            # cancelled (e.g. asyncio.wait_for): stop the transfer, and give its landing blocks
+            # back only once it has ended -- until then it may still write them
+            t.cancel(timeout=0)
+
+            def give_back(_: Transfer) -> None:
+                self.pool.free(dst)
+            t.add_done_callback(give_back)
+            raise
+        try:
+            return self._finish(h, dst, res)
         finally:
             self.pool.free(dst)
 

@@ -20,7 +20,15 @@ with the reason in ``failure_exception()``.
 Settings are read once, when the manager is built: ``KVBRIDGE_SGLANG_LISTEN`` (the
 transport URL this rank listens on, default ``tcp://<host>:0`` with SGLang's ``host``),
 ``KVBRIDGE_SGLANG_LEASES`` (a ``redis://`` URL; default: this process's embedded lease
-server), ``KVBRIDGE_SGLANG_TIMEOUT`` (seconds a transfer may go without progress, default 30).
+server), ``KVBRIDGE_SGLANG_TIMEOUT`` (seconds a transfer may go without progress, default 30),
+``KVBRIDGE_SGLANG_RESERVATION_TTL`` (seconds a decode rank's reservation waits for its push,
+default 60: more than the prefill side's queue wait plus its prefill), and SGLang's own
+``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` (seconds a prefill request may wait for its
+reservation, default 300 as in SGLang's mooncake backend).
+
+One rank per side: tensor parallelism (``--tp-size`` > 1) is refused when the manager is built;
+every rank of a TP group would share one bootstrap room here. A failure on either side is posted
+to the room (best effort), so the other side fails too instead of waiting for its timeout.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from sglang.srt.disaggregation.base.conn import (BaseKVBootstrapServer, BaseKVMa
 from sglang.srt.disaggregation.utils import DisaggregationMode
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, Timeout, Transfer
-from kvbridge.errors import KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError
 
 from .mailbox import Mailbox, MailboxClient
 
@@ -93,6 +101,27 @@ def pool_from_kv_args(args: KVArgs, is_mla: bool) -> KVPool:
     return KVPool.wrap(layout, bufs, allocator="engine")
 
 
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if not raw:
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
+    if v <= 0:
+        raise ConfigError(f"{name} must be positive, got {raw!r}")
+    return v
+
+
+def _tell(box: MailboxClient, room: int, reason: str) -> None:
+    """Post a failure to the room for the other side (best effort: it times out otherwise)."""
+    try:
+        box.put("fail", room, {"reason": reason})
+    except ConnectionError as exc:
+        log.info("kvbridge: cannot tell the other side of room %s that it failed: %s", room, exc)
+
+
 class KVBridgeKVManager(BaseKVManager):
     """One per scheduler rank and role: the pool over SGLang's KV buffers, and a kvbridge
     sender (prefill) or listening receiver (decode)."""
@@ -102,10 +131,18 @@ class KVBridgeKVManager(BaseKVManager):
         self.kv_args = args
         self.mode = disaggregation_mode
         self.server_args = server_args
+        tp = int(getattr(server_args, "tp_size", 1) or 1)
+        rank = int(getattr(args, "engine_rank", 0) or 0)
+        if tp != 1 or rank != 0:
+            raise ConfigError(f"kvbridge's SGLang backend supports one rank per side (--tp-size 1); got "
+                              f"tp_size={tp}, engine_rank={rank}. Use --disaggregation-transfer-backend mooncake "
+                              "or nixl for tensor parallelism")
         host = getattr(server_args, "host", None) or "127.0.0.1"
         listen = os.environ.get("KVBRIDGE_SGLANG_LISTEN") or f"tcp://{host}:0"
         leases = os.environ.get("KVBRIDGE_SGLANG_LEASES") or None
-        self.timeout = Timeout(transfer=float(os.environ.get("KVBRIDGE_SGLANG_TIMEOUT") or 30.0))
+        self.timeout = Timeout(transfer=_seconds("KVBRIDGE_SGLANG_TIMEOUT", 30.0))
+        self.reservation_ttl = _seconds("KVBRIDGE_SGLANG_RESERVATION_TTL", 60.0)
+        self.bootstrap_timeout = _seconds("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0)
         self.kv_dtype = str(getattr(args, "kv_cache_dtype_str", ""))
         self.pool = pool_from_kv_args(args, bool(is_mla_backend))
         self.aux = list(zip(args.aux_data_ptrs, args.aux_item_lens))
@@ -114,7 +151,8 @@ class KVBridgeKVManager(BaseKVManager):
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self.sender = KVSender(self.pool, listen, leases=leases, timeout=self.timeout)
         elif disaggregation_mode == DisaggregationMode.DECODE:
-            self.receiver = KVReceiver(self.pool, listen=listen, leases=leases, timeout=self.timeout)
+            self.receiver = KVReceiver(self.pool, listen=listen, leases=leases, timeout=self.timeout,
+                                       reservation_ttl=self.reservation_ttl)
         else:
             raise ValueError(f"unsupported disaggregation mode {disaggregation_mode}")
 
@@ -161,17 +199,20 @@ class KVBridgeKVSender(BaseKVSender):
         self.transfer: Optional[Transfer] = None
         self.failed: Optional[str] = None
         self._next_look = 0.0
-        self._waiting_since: Optional[float] = None
+        self._since = time.monotonic()       # bootstrapping since (SGLang's timeout counts from here)
         self.metric = KVTransferMetric()
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages = int(num_kv_indices)
         self.aux_index = aux_index
 
-    def _fail(self, reason: str) -> KVPoll:
+    def _fail(self, reason: str, tell: bool = True) -> KVPoll:
+        """Fail the request; ``tell``: post it to the room so the decode side fails too."""
         if self.failed is None:
             self.failed = reason
             log.warning("kvbridge: room %s failed: %s", self.room, reason)
+            if tell:
+                _tell(self.box, self.room, reason)
         return KVPoll.Failed  # type: ignore[return-value]
 
     def _look(self) -> None:
@@ -183,7 +224,7 @@ class KVBridgeKVSender(BaseKVSender):
         try:
             fail = self.box.get("fail", self.room)
             if fail is not None:
-                self._fail(f"decode side: {fail.get('reason')}")
+                self._fail(f"decode side: {fail.get('reason')}", tell=False)
                 return
             if self.reservation is None:
                 msg = self.box.get("reservation", self.room)
@@ -193,7 +234,7 @@ class KVBridgeKVSender(BaseKVSender):
                         return
                     self.reservation = msg
         except ConnectionError as exc:
-            self._fail(str(exc))
+            self._fail(str(exc), tell=False)
 
     def send(self, kv_indices: Any, state_indices: Optional[list[Any]] = None,
              num_kv_tokens: Optional[int] = None) -> None:
@@ -213,10 +254,6 @@ class KVBridgeKVSender(BaseKVSender):
         if self.reservation is None:
             self._look()
             if self.reservation is None:
-                if self._waiting_since is None:
-                    self._waiting_since = time.monotonic()
-                elif time.monotonic() - self._waiting_since > self.mgr.timeout.transfer:
-                    self._fail(f"no reservation from the decode side within {self.mgr.timeout.transfer} s")
                 return
         assert self.mgr.sender is not None
         if len(self.pages) != self.num_pages:
@@ -247,6 +284,9 @@ class KVBridgeKVSender(BaseKVSender):
         if self.transfer is not None:
             return KVPoll.Transferring  # type: ignore[return-value]
         if self.reservation is None:
+            if time.monotonic() - self._since > self.mgr.bootstrap_timeout:
+                return self._fail(f"no reservation from the decode side within {self.mgr.bootstrap_timeout:g} s "
+                                  "(SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT)")
             return KVPoll.Bootstrapping  # type: ignore[return-value]
         return KVPoll.WaitingForInput  # type: ignore[return-value]
 
@@ -259,11 +299,7 @@ class KVBridgeKVSender(BaseKVSender):
     def abort(self) -> None:
         if self.transfer is not None:
             self.transfer.cancel(timeout=self.mgr.timeout.transfer)
-        self._fail("aborted on the prefill side")
-        try:
-            self.box.put("fail", self.room, {"reason": "aborted on the prefill side"})
-        except ConnectionError:
-            pass
+        self._fail("aborted on the prefill side")     # posted to the room: the decode side fails too
 
 
 class KVBridgeKVReceiver(BaseKVReceiver):
@@ -306,10 +342,13 @@ class KVBridgeKVReceiver(BaseKVReceiver):
         except (KVBridgeError, ConnectionError) as exc:
             self._fail(f"{type(exc).__name__}: {exc}")
 
-    def _fail(self, reason: str) -> KVPoll:
+    def _fail(self, reason: str, tell: bool = True) -> KVPoll:
+        """Fail the request; ``tell``: post it to the room so the prefill side fails too."""
         if self.failed is None:
             self.failed = reason
             log.warning("kvbridge: room %s failed: %s", self.room, reason)
+            if tell:
+                _tell(self.box, self.room, reason)
         return KVPoll.Failed  # type: ignore[return-value]
 
     def poll(self) -> KVPoll:
@@ -332,13 +371,15 @@ class KVBridgeKVReceiver(BaseKVReceiver):
                 fail = self.box.get("fail", self.room)
                 if fail is not None:
                     self.transfer.cancel(timeout=self.mgr.timeout.transfer)
-                    return self._fail(f"prefill side: {fail.get('reason')}")
+                    return self._fail(f"prefill side: {fail.get('reason')}", tell=False)
                 if not self.aux_done and self.aux_index is not None and self.transfer.done():
                     aux = self.box.get("aux", self.room)
                     if aux is not None:
                         self.mgr.write_aux(self.aux_index, aux["aux"])
                         self.aux_done = True
-            except (ConnectionError, ValueError) as exc:
+            except ConnectionError as exc:
+                return self._fail(str(exc), tell=False)
+            except ValueError as exc:
                 return self._fail(str(exc))
         if self.transfer.done() and (self.aux_done or self.aux_index is None):
             self.done = True
@@ -353,11 +394,7 @@ class KVBridgeKVReceiver(BaseKVReceiver):
         """Revoke the reservation first (no write lands after this returns), then tell the prefill."""
         if self.transfer is not None:
             self.transfer.cancel(timeout=self.mgr.timeout.transfer)
-        self._fail("aborted on the decode side")
-        try:
-            self.box.put("fail", self.room, {"reason": "aborted on the decode side"})
-        except ConnectionError:
-            pass
+        self._fail("aborted on the decode side")      # posted to the room: the prefill side fails too
 
     def clear(self) -> None:
         if self.transfer is not None and not self.transfer.done():

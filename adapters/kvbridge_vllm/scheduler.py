@@ -6,19 +6,21 @@ tells the worker to publish them in the step whose forward completes their promp
 ``kv_transfer_params``. Consumer: a request arriving with a handle is checked against this
 engine's geometry, claimed (the claim is renewed while the request waits in the queue), and
 reported as external tokens loaded asynchronously; once vLLM has allocated its blocks the
-worker is told to fetch into them.
+worker is told to fetch into them. Claims, renewals and handing back a handle nothing will be
+loaded from (aborted before its blocks were allocated, refused, nothing left to load) run on
+:class:`~kvbridge_vllm.claims.ClaimKeeper`'s thread: ``schedule()`` never waits on the network.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Optional
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver
 from kvbridge.errors import KVBridgeError
 
 from .channel import HandleInbox, channel_name
+from .claims import ClaimKeeper
 from .config import GEOMETRY_KEY, HANDLE_KEY, ConnectorConfig
 from .layout import Geometry, compare, geometry_from_spec
 from .metadata import KVBridgeMetadata
@@ -46,25 +48,23 @@ class SchedulerSide:
         # producer
         self._to_publish: dict[str, Any] = {}          # request id -> Request (prefill not complete)
         self._published: set[str] = set()
+        self._preempted: set[str] = set()              # published, then preempted: handle revoked
+        self._warned_max_tokens = False
         self._meta = KVBridgeMetadata()
         # consumer
         self._handles: dict[str, KVHandle] = {}
         self._refused: dict[str, str] = {}             # request id -> why (first-contact check)
-        self._claims: dict[str, tuple[Any, float]] = {}  # request id -> (claim, last renewal)
         self._loading: set[str] = set()
-        self._claim_rcv: Optional[KVReceiver] = None
+        self.claims = ClaimKeeper(self._claimer_receiver, cfg.claim_ttl)
 
     # -- consumer ------------------------------------------------------------------------
     def _claimer_receiver(self) -> KVReceiver:
-        """A receiver to claim and renew with, under the worker's claimer name, so the worker's
-        fetch reuses the claim. The scheduler holds no cache: its pool is one block (see report)."""
-        if self._claim_rcv is None:
-            g = self.geometry
-            layout = KVLayout.mla(1, latent_dim=1, block_size=1, dtype=g["dtype"])
-            self._claim_rcv = KVReceiver(KVPool.allocate(layout, 1), secret=self.cfg.secret,
-                                         leases=self.cfg.leases, claimer=self.claimer, claim_ttl=self.cfg.claim_ttl,
-                                         lease_namespace=self.cfg.lease_namespace, timeout=self.cfg.timeout)
-        return self._claim_rcv
+        """A receiver to claim and renew with (on the claim keeper's thread), under the worker's
+        claimer name, so the worker's fetch reuses the claim. It holds no cache: one block."""
+        layout = KVLayout.mla(1, latent_dim=1, block_size=1, dtype=self.geometry["dtype"])
+        return KVReceiver(KVPool.allocate(layout, 1), secret=self.cfg.secret, leases=self.cfg.leases,
+                          claimer=self.claimer, claim_ttl=self.cfg.claim_ttl,
+                          lease_namespace=self.cfg.lease_namespace, timeout=self.cfg.timeout, workers=1)
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
@@ -78,19 +78,19 @@ class SchedulerSide:
             log.error("kvbridge: request %s: %s", rid, self._refused[rid])
             return
         self._handles[rid] = h
-        theirs = params.get(GEOMETRY_KEY) or {}
-        diff = compare({k: v for k, v in self.geometry.items() if k != "order"}, theirs)
+        theirs = params.get(GEOMETRY_KEY)
+        if not isinstance(theirs, dict) or not theirs:
+            diff = [f"the request carries no {GEOMETRY_KEY!r} (the producer's cache geometry)"]
+        else:
+            diff = compare({k: v for k, v in self.geometry.items() if k != "order"}, theirs)
         if diff:
             self._refused[rid] = ("the producer's KV cache does not match this engine's: " + "; ".join(diff)
                                   + " (same model, dtype, block_size and tensor parallel size on both sides)")
             log.error("kvbridge: request %s: %s", rid, self._refused[rid])
+            self.claims.give_up(rid, h)     # never loaded: the producer frees its blocks now
             return
         if h.lease_id:
-            try:
-                claim = self._claimer_receiver().claim(h)
-                self._claims[rid] = (claim, time.monotonic())
-            except KVBridgeError as exc:   # the worker's fetch will meet the same fate and report it
-                log.warning("kvbridge: claim of %s failed: %s", rid, exc)
+            self.claims.claim(rid, h)       # on the keeper's thread; renewed while the request waits
 
     def _load_end(self, request: Any, h: Optional[KVHandle]) -> int:
         """Prompt tokens this engine takes from the producer: all of them (async; vLLM recomputes
@@ -112,9 +112,16 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
         params = request.kv_transfer_params or {}
-        if self.producer and params.get("do_remote_decode"):
-            self._to_publish[rid] = request
-        if not self.consumer or num_external_tokens <= 0 or rid in self._loading:
+        if (self.producer and params.get("do_remote_decode") and rid not in self._published
+                and rid not in self._preempted):
+            if self._single_token(request):
+                self._to_publish[rid] = request
+        if not self.consumer or rid in self._loading:
+            return
+        if num_external_tokens <= 0:        # nothing to load (prefix cache, prompt under one block)
+            h0 = self._handles.pop(rid, None)
+            if h0 is not None and self._refused.pop(rid, None) is None:
+                self.claims.give_up(rid, h0)
             return
         ids = list(blocks.get_block_ids()[0])
         h = self._handles.pop(rid, None)
@@ -132,23 +139,20 @@ class SchedulerSide:
             self._meta.sync.append(rid)
         else:
             self._loading.add(rid)
-        self._claims.pop(rid, None)
+        self.claims.drop(rid)               # the worker's fetch takes the claim over
 
-    def _renew_claims(self) -> None:
-        now = time.monotonic()
-        for rid, (claim, at) in list(self._claims.items()):
-            if now - at < self.cfg.claim_ttl / 3:
-                continue
-            h = self._handles.get(rid)
-            if h is None or claim is None:
-                self._claims.pop(rid, None)
-                continue
-            try:
-                self._claimer_receiver().renew(h, claim)
-                self._claims[rid] = (claim, now)
-            except KVBridgeError as exc:
-                log.warning("kvbridge: renewing the claim of %s failed: %s", rid, exc)
-                self._claims.pop(rid, None)
+    def _single_token(self, request: Any) -> bool:
+        """A producer request hands its KV off after one token (the proxy's ``max_tokens=1``):
+        decode tokens written after the publish would change the published last block."""
+        sp = getattr(request, "sampling_params", None)
+        n = getattr(request, "max_tokens", None) or getattr(sp, "max_tokens", None)
+        if n is None or int(n) == 1:
+            return True
+        (log.debug if self._warned_max_tokens else log.warning)(
+            "kvbridge: request %s asks do_remote_decode with max_tokens=%s; the producer hands KV off "
+            "only for max_tokens=1 (as vLLM's disaggregated proxies send): not publishing it", request.request_id, n)
+        self._warned_max_tokens = True
+        return False
 
     # -- producer ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: Any) -> KVBridgeMetadata:
@@ -162,17 +166,26 @@ class SchedulerSide:
                 self._meta.publish[rid] = (ids[:nb], req.num_prompt_tokens)
                 self._published.add(rid)
                 del self._to_publish[rid]
-        if self._claims:
-            self._renew_claims()
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if rid in self._published:      # vLLM freed its blocks: the handle must end before reuse
+                self._published.discard(rid)
+                self._preempted.add(rid)
+                self._meta.revoke.append(rid)
         meta, self._meta = self._meta, KVBridgeMetadata()
         return meta
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Optional[dict[str, Any]]]:
         rid = request.request_id
         self._to_publish.pop(rid, None)
-        self._handles.pop(rid, None)
-        self._claims.pop(rid, None)
-        self._refused.pop(rid, None)
+        h = self._handles.pop(rid, None)
+        refused = self._refused.pop(rid, None) is not None
+        if h is not None and not refused and rid not in self._loading:
+            self.claims.give_up(rid, h)     # finished (aborted) before anything was loaded
+        if rid in self._preempted:          # its handle was revoked; the worker reports it sent
+            self._preempted.discard(rid)
+            assert self.inbox is not None
+            self.inbox.forget(rid)
+            return True, None
         if rid in self._loading:            # consumer: finished (aborted) while its KV is on the way
             self._meta.cancel.append(rid)
             return False, None
@@ -197,10 +210,9 @@ class SchedulerSide:
             self._loading.discard(rid)
 
     def has_pending(self) -> bool:
-        return bool(self._loading or self._published)
+        return bool(self._loading or self._published or self._preempted)
 
     def shutdown(self) -> None:
         if self.inbox is not None:
             self.inbox.close()
-        if self._claim_rcv is not None:
-            self._claim_rcv.close()
+        self.claims.close()

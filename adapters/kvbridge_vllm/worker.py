@@ -54,6 +54,12 @@ class WorkerSide:
         self._sent: set[str] = set()                # freed by kvbridge, to report as finished sending
         self._finished_seen: set[str] = set()       # vLLM said these requests finished
         self._ours: set[str] = set()                # published here, not yet reported finished sending
+        # prefix caching gives several requests the same physical blocks: how many of this
+        # connector's live handles (or publishes under way) name each block. A block is retired
+        # only when the last of them ends; retiring it earlier would end the others' handles.
+        self._block_users: dict[int, int] = {}
+        self._counted: dict[bytes, list[int]] = {}  # handle id -> the blocks it counts in _block_users
+        self._ended_early: set[bytes] = set()       # ended before publish() returned them (counted later)
         # consumer
         self._to_start: dict[str, tuple[dict[str, Any], list[int], list[int]]] = {}
         self._sync_ids: set[str] = set()              # loads this step's forward reads (layer-wise)
@@ -82,30 +88,68 @@ class WorkerSide:
     # -- producer ------------------------------------------------------------------------
     def _on_free(self, handle: KVHandle, reason: str) -> None:
         """kvbridge unpinned the blocks (released, expired, revoked...): vLLM may reuse them.
-        Retire them first so any copy of this handle is refused from now on."""
-        assert self.pool is not None
-        self.pool.retire(handle.block_ids)
+        Retire first the blocks no other live handle of this connector names (prefix caching
+        shares blocks between requests), so any copy of this handle is refused from now on."""
         with self._lock:
+            ids = self._counted.pop(handle.handle_id, None)
+            if ids is None:                  # publish() has not returned it yet: _publish retires
+                self._ended_early.add(handle.handle_id)
+                retire: list[int] = []
+            else:
+                retire = self._uncount(ids)
             if self._handles.get(handle.request_id) is handle:
                 del self._handles[handle.request_id]
+        if retire:
+            assert self.pool is not None
+            self.pool.retire(retire)
+        with self._lock:
             self._sent.add(handle.request_id)
         if reason not in ("released",):
             log.info("kvbridge: blocks of %s freed (%s)", handle.request_id, reason)
 
+    def _uncount(self, ids: list[int]) -> list[int]:
+        """Drop one user of each block (under the lock); the blocks no live handle names now."""
+        free = []
+        for b in ids:
+            n = self._block_users.get(b, 0) - 1
+            if n > 0:
+                self._block_users[b] = n
+            else:
+                self._block_users.pop(b, None)
+                free.append(b)
+        return free
+
     def _publish(self, rid: str, block_ids: list[int], num_tokens: int) -> None:
         assert self.sender is not None and self.outbox is not None
+        ids = [int(b) for b in block_ids]
         with self._lock:
             self._ours.add(rid)
+            for b in ids:           # counted before the pins: an ending handle sharing them keeps them
+                self._block_users[b] = self._block_users.get(b, 0) + 1
         try:
-            h = self.sender.publish(rid, block_ids, num_tokens, layers_ready=0)
+            h = self.sender.publish(rid, ids, num_tokens, layers_ready=0)
         except KVBridgeError as exc:
+            with self._lock:
+                self._uncount(ids)   # nothing was published: nothing to retire
             log.error("kvbridge: cannot publish %s: %s", rid, exc)
             self.outbox.send(rid, error=str(exc))
             with self._lock:
                 self._sent.add(rid)      # nothing holds its blocks: vLLM may free them
             return
         with self._lock:
-            self._handles[rid] = h
+            early = h.handle_id in self._ended_early
+            if early:                    # it ended (e.g. the sender closed) before publish returned
+                self._ended_early.discard(h.handle_id)
+                retire = self._uncount(ids)
+            else:
+                self._counted[h.handle_id] = ids
+                self._handles[rid] = h
+        if early:
+            if retire:
+                assert self.pool is not None
+                self.pool.retire(retire)
+            self.outbox.send(rid, error="the handle ended as it was published")
+            return
         self._step_handles.append(h)
         self.stats["published"] += 1
         self.outbox.send(rid, handle=h.to_dict(), geometry=self.geometry)

@@ -31,3 +31,30 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+STUBS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_engine_stubs")
+
+
+@pytest.fixture(scope="module")
+def engine_stubs() -> Iterator[None]:
+    """Where vLLM or SGLang is not installed, their base classes from ``_engine_stubs`` (only
+    those: the adapters' code and kvbridge are the real ones). Undone after the module, so the
+    engine tests' ``find_spec`` skips and imports see the machine as it is."""
+    import importlib.util
+    missing = [e for e in ("vllm", "sglang") if importlib.util.find_spec(e) is None]
+    if not missing:
+        yield
+        return
+    sys.path.insert(0, STUBS)
+    try:
+        yield
+    finally:
+        sys.path.remove(STUBS)
+        for name in list(sys.modules):
+            top = name.split(".")[0]
+            if top in missing or (top in ("kvbridge_vllm", "kvbridge_sglang")
+                                  and getattr(sys.modules[name], "__file__", None) is not None
+                                  and name.split(".")[-1] in ("connector", "metadata", "worker", "scheduler",
+                                                              "conn", "plugin")):
+                del sys.modules[name]
