@@ -189,7 +189,7 @@ def test_a_peer_process_cannot_pass_for_this_one(tmp_path):
         assert r.fetch(served.publish("x", [0], L.block_size), [0]).ok       # its buffers are exported now
         (export, *_) = served.servers[0].exports._by_ptr.values()
         name = f"kvb-test-nvlink-liar-{os.getpid()}"
-        token = getattr(nvlink, "_TOKEN", bytes(16))
+        token = bytes(16)                     # what MAPPED bodies carry now: nothing that says "me"
         liar = subprocess.Popen([sys.executable, "-c", _LIAR, name, token.hex(), str(os.getpid()), export.eid.hex(),
                                  str(export.flat.numel()), str(L.block_nbytes)], stdout=subprocess.PIPE, text=True)
         try:
