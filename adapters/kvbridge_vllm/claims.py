@@ -19,9 +19,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from kvbridge import KVHandle, KVReceiver
+from kvbridge import Claim, KVHandle, KVReceiver
 from kvbridge.errors import KVBridgeError
-from kvbridge.lease.base import Claim
 
 __all__ = ["ClaimKeeper"]
 
