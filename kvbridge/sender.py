@@ -111,7 +111,8 @@ class KVSender:
         # reads C answers by itself (serve_small): raw, complete, unleased, a few host blocks
         self._small: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]] = {}
         self._by_lease: dict[str, Record] = {}
-        self._by_block: dict[int, Record] = {}   # engine pools: which live handle pins a block
+        # engine pools: the live handles pinning each block (prefix caching shares blocks), by id
+        self._by_block: dict[int, dict[int, Record]] = {}
         self._pending: list[Record] = []
         self._deadlines = Deadlines()   # local deadlines, earliest first (the sweeper's)
         self._mutex = threading.RLock()   # taken bare on the hot paths; the conditions below share it
@@ -253,7 +254,7 @@ class KVSender:
                     self._by_lease[self._lease_ref(handle.lease_id)] = rec
                 if self.pool.engine_allocated:
                     for b in ids:
-                        self._by_block[b] = rec
+                        self._by_block.setdefault(b, {})[id(rec)] = rec
                 self._schedule(rec)
         if closed:           # closed while this publish ran: the handle ends like the others did
             self._end(rec, "closed")
@@ -307,7 +308,7 @@ class KVSender:
     def _on_retire(self, blocks: list[int]) -> None:
         """The engine retired pinned blocks: the handles naming them no longer hold their KV."""
         with self._lock:
-            recs = {id(r): r for b in blocks if (r := self._by_block.get(b)) is not None}
+            recs = {k: r for b in blocks for k, r in self._by_block.get(b, {}).items()}
         for r in recs.values():
             log.warning("engine retired blocks of live handle %s (request %r); ending it",
                         r.handle.id, r.handle.request_id)
@@ -555,8 +556,11 @@ class KVSender:
             self._by_lease.pop(self._lease_ref(rec.handle.lease_id), None)
         if self._by_block:
             for b in rec.block_ids:
-                if self._by_block.get(b) is rec:
-                    del self._by_block[b]
+                held = self._by_block.get(b)
+                if held is not None:
+                    held.pop(id(rec), None)
+                    if not held:
+                        del self._by_block[b]
         if self._layer_waiters:
             self._ready_cv.notify_all()   # readers and pushes waiting for its layers: it is over
         revoke = (self.leases is not None and bool(rec.handle.lease_id)

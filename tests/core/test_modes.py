@@ -67,6 +67,18 @@ def test_engine_retires_a_published_block(make_sender, make_receiver):
     assert res.failed_block_ids == [0, 1]
 
 
+def test_retiring_a_block_two_handles_share_ends_both():
+    """Prefix caching publishes one block in several handles: retiring it ends every one."""
+    from kvbridge import KVPool, KVSender
+    pool = KVPool.allocate(L4, 8, allocator="engine")
+    ended: list[tuple[str, str]] = []
+    with KVSender(pool, "inproc://", leases=False, on_free=lambda h, why: ended.append((h.request_id, why))) as snd:
+        snd.publish("a", [0, 1], 2 * L4.block_size)
+        snd.publish("b", [0, 2], 2 * L4.block_size)
+        pool.retire([0])
+        assert wait_until(lambda: sorted(ended) == [("a", "retired"), ("b", "retired")])
+
+
 def test_retired_destination_fails_the_transfer(make_sender, make_receiver):
     snd = make_sender(L4, 16)
     recv, pool = make_receiver(L4, 16, allocator="engine")
