@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace as NS
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import pytest
+from waiting import wait_until as until
 import torch
 
 from kvbridge.errors import ConfigError
@@ -33,13 +34,6 @@ class Rank:
         self.args = a
 
 
-def until(cond: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture

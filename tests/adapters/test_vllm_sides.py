@@ -9,9 +9,10 @@ import socket
 import threading
 import time
 from types import SimpleNamespace as NS
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
+from waiting import wait_until as until
 import torch
 
 from kvbridge import KVReceiver, KVSender
@@ -42,13 +43,6 @@ def key(tag: str) -> tuple[str, int]:
     return (f"test-{tag}-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}", 0)
 
 
-def until(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ process boundary, and can SIGKILL it.
 from __future__ import annotations
 
 from jsonchild import JsonLinesChild
+from waiting import wait_until  # noqa: F401  (re-exported: the core tests import it from here)
 import base64
 import os
 import signal
@@ -91,15 +92,6 @@ def _group(layout: KVLayout, bufs: list[torch.Tensor]) -> list[Any]:
     if layout.buffers_per_layer == 2:
         return [(bufs[2 * i], bufs[2 * i + 1]) for i in range(layout.num_layers)]
     return list(bufs)
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 5.0, interval: float = 0.01) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(interval)
-    return cond()
 
 
 # -- the sender side --------------------------------------------------------------------------

@@ -13,9 +13,10 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
+from waiting import wait_until as _wait
 import torch
 
 from kvbridge.errors import ConfigError
@@ -45,13 +46,6 @@ def _ref(model: CausalLM, ids: list[int], max_tokens: int, ignore_eos: bool = Fa
                         eos_id=model.config.eos_id)
 
 
-def _wait(cond: Callable[[], bool], timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def _send(url: str, path: str, body: dict[str, Any]) -> socket.socket:
