@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, PoolError, blockcopy
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, PoolError, blockcopy
 from kvbridge.integrity import block_checksums
 from kvbridge.layout import KVOrder
 
@@ -84,12 +84,15 @@ def test_destinations_the_short_path_does_not_take(scheme):
             raw = t.view(-1).view(torch.uint8)
             raw.copy_(torch.randint(0, 256, (raw.numel(),), dtype=torch.uint8))
         before = [bytes(t.view(torch.uint8).numpy()) for t in dst.buffers]
+        def handle() -> KVHandle:      # each handle takes its own reference: a release frees only its own
+            src.ref(ids)
+            return snd.publish("r", ids, 8)
         for bad, says in (([3, 3], "duplicate"), ([1, 8], "8"), ([1], "2 blocks"), ([-1, 2], "-1")):
             with pytest.raises(PoolError, match=says):
-                rcv.fetch(snd.publish("r", ids, 8), bad)
+                rcv.fetch(handle(), bad)
         assert [bytes(t.view(torch.uint8).numpy()) for t in dst.buffers] == before
         for other in (torch.tensor([4, 5]).tolist(), range(4, 6), [torch.tensor(4), torch.tensor(5)], (4, 5)):
-            res = rcv.fetch(snd.publish("r", ids, 8), other)
+            res = rcv.fetch(handle(), other)
             assert res.ok and res.dst_block_ids == [4, 5], (other, res.error)
             assert block_checksums(dst, [4, 5]) == block_checksums(src, ids)
             dst.buffers[0].zero_()
