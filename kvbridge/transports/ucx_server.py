@@ -274,6 +274,7 @@ class UCXServer(SocketServer):
         client.held += length
         buf = bytearray(length)
         req = self.worker.w.tag_recv_with_handle(Array(buf), pr)
+        self.worker.w.progress()      # an eager request completes here, so the reap below serves it at once
         self._taking.append((client, rid, buf, req, time.monotonic() + self.timeout.transfer))
 
     def _reap(self) -> None:
@@ -370,6 +371,7 @@ class UCXServer(SocketServer):
             return
         req = client.ep.ep.tag_send(Array(msg), _ucx.UCXXTag(_tag(T_HDR, client.key, rid)))
         client.sends.append(_core._Held(req, msg))
+        self.worker.w.progress()      # push it out now (never waits: a send that cannot go stays posted)
 
     def _reply(self, client: _Client, rid: int, status: int, body: bytes = b"",
                data: Optional[Sequence[memoryview]] = None) -> None:
