@@ -154,12 +154,13 @@ class SenderMap:
         except (ValueError, KeyError, TypeError) as exc:
             raise ProtocolError(f"OPEN reply is malformed: {exc}") from None
         buf_nbytes = math.prod(self.layout.buffer_shape(self.num_blocks)) * self.layout.itemsize
-        if (len(self.offsets) != self.layout.num_buffers or gen_offset < 0 or self.num_blocks < 0
+        if (len(self.offsets) != self.layout.num_buffers or gen_offset < 0 or gen_offset % GEN_SIZE
+                or self.num_blocks < 0
                 or gen_offset + GEN_SIZE * self.num_blocks > segment.size
                 or any(not 0 <= o <= segment.size - buf_nbytes for o in self.offsets)):
             raise ProtocolError("OPEN reply names memory outside the segment")
         magic, n = HEAD.unpack_from(table.view, 0)
-        if magic != MAGIC or n & (n - 1) or HEAD_SIZE + n * SLOT > table.size:
+        if magic != MAGIC or n <= 0 or n & (n - 1) or HEAD_SIZE + n * SLOT > table.size:
             raise ProtocolError("peer's handle table is malformed")
         L = self.layout
         self.part = L.part_nbytes

@@ -527,6 +527,11 @@ static Py_ssize_t io_loop(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least
                     return -1;
                 continue;
             }
+            /* SO_SNDTIMEO passed with the reply part-sent: a stalled peer, never "no frame yet"
+             * (callers take BlockingIOError for an idle receive and would keep the connection,
+             * a cut-off DATA frame in it) */
+            if (sending && (errno == EAGAIN || errno == EWOULDBLOCK))
+                errno = ETIMEDOUT;
             PyErr_SetFromErrno(PyExc_OSError);
             return -1;
         }

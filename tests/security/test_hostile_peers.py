@@ -425,3 +425,58 @@ def test_shm_mappings_are_bounded_per_request_and_in_time() -> None:
             time.sleep(0.05)
         assert freed == ["revoked", "revoked"]
         s.close()
+
+
+def test_a_small_reply_whose_send_times_out_is_not_taken_for_an_idle_peer() -> None:
+    """The C fast path answers a READ in one call; when the peer stops taking the reply, the
+    send's timeout must read as a dead peer (the connection is dropped), never as "no frame
+    yet" (BlockingIOError): the server then kept the connection with a cut-off DATA frame in
+    it, and spliced the next reply into that frame's body."""
+    from kvbridge.transports.wire import FrameReader, set_os_timeouts
+    layout = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")    # 64 KiB a block
+    pool = KVPool.allocate(layout, 1)
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("r", pool.alloc(1), 16)                          # 64 KiB: answered in C
+        a, b = socket.socketpair()
+        try:
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            set_os_timeouts(a, 0.1)
+            b.sendall(pack(Kind.READ, 1, encode_request(h.to_bytes(), None, None)))
+            with pytest.raises(OSError) as err:                         # b never reads
+                snd.serve_next(a.fileno(), FrameReader(a))
+            assert not isinstance(err.value, BlockingIOError), err.value
+        finally:
+            a.close()
+            b.close()
+
+
+def test_an_open_reply_with_misaligned_generations_or_an_empty_table_is_refused() -> None:
+    """An shm OPEN reply is the peer's word on where its generations and handle table are: a
+    generations offset off the 4-byte grid (the C reader loads them as aligned 32-bit words)
+    or a table of zero slots is refused."""
+    import json as _json
+    from kvbridge.pool import SharedSegment
+    from kvbridge.transports.shmtable import HEAD, HandleTable, SenderMap, open_info
+    layout = KVLayout.vllm_flash(2, 1, 8, block_size=2, dtype="float16")
+    pool = KVPool.allocate(layout, 4, shared=True)
+    table = HandleTable(4)
+    assert pool.segment is not None
+    segment_name, table_name = pool.segment.name, table.segment.name
+
+    def mapped(info: dict[str, object]) -> SenderMap:     # the reader maps both afresh, as OPEN does
+        return SenderMap(_json.dumps(info).encode(), SharedSegment(segment_name, writable=False),
+                         SharedSegment(table_name, writable=False))
+    try:
+        info = _json.loads(open_info(pool, table))
+        mapped(info).close()                                       # as sent: fine
+        info["gen_offset"] += 1
+        with pytest.raises(ProtocolError, match="outside the segment"):
+            mapped(info)
+        info["gen_offset"] -= 1
+        HEAD.pack_into(table.segment.view, 0, HEAD.unpack_from(table.segment.view, 0)[0], 0)   # zero slots
+        with pytest.raises(ProtocolError, match="malformed"):
+            mapped(info)
+    finally:
+        table.close()
+        pool.close()
