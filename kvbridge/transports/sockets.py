@@ -16,10 +16,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import blockcopy
-from ..errors import ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError, TransferCancelled
+from ..errors import ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
 from ..handle import KVHandle
 from ..policy import Timeout
-from .base import BlockSink, BlockSource, Server, Spans
+from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
                    decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
@@ -54,11 +54,6 @@ def tune(sock: socket.socket) -> None:
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-
-
-def _cancelled(spans: Spans) -> None:
-    if spans.cancel is not None and spans.cancel.is_set():
-        raise TransferCancelled("transfer cancelled")
 
 
 class SocketServer(Server):
@@ -411,13 +406,10 @@ class SocketServer(Server):
             try:
                 if spans.pool.is_host:
                     reader.read_into(spans.views(), progress, self.timeout.transfer)
-                else:                          # a device pool: land in host memory, then copy up
-                    def guarded(n: int) -> None:   # the rate guard and the cancel flag, hashing aside
-                        guard(n)
-                        _cancelled(spans)
+                else:    # a device pool: land in host memory (the same guard and cancel checks), copy up
                     bounce = torch.empty(spans.nbytes, dtype=torch.uint8)
-                    reader.read_into([bounce.numpy().data], guarded, self.timeout.transfer)
-                    _cancelled(spans)          # not cancelled meanwhile: the blocks are still the write's
+                    reader.read_into([bounce.numpy().data], progress, self.timeout.transfer)
+                    spans.landed(spans.nbytes)   # not cancelled meanwhile: the blocks are still the write's
                     copy_slices(device_slices(spans), [bounce])
             except KVBridgeError as exc:      # cancelled mid-write: the rest of the frame is unread
                 self._reply_error(conn, req_id, exc)

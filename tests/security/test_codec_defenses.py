@@ -16,6 +16,7 @@ import tracemalloc
 from typing import Callable, Iterator, Optional
 
 import pytest
+from loopback import Listener
 import torch
 import xxhash
 
@@ -33,33 +34,19 @@ pytestmark = pytest.mark.timeout(60)
 Reply = Callable[[int, int], tuple[int, int, bytes]]
 
 
-class LyingSender:
+class LyingSender(Listener):
     """A loopback tcp:// peer answering every READ, on every connection, with ``reply``."""
 
     def __init__(self, reply: Reply) -> None:
         self.reply = reply
         self.reads = 0
-        self.lst = socket.create_server(("127.0.0.1", 0))
-        self.lst.settimeout(0.1)
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._accept, daemon=True)]
-        self.threads[0].start()
+        super().__init__(socket.create_server(("127.0.0.1", 0)))
 
     @property
     def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.lst.getsockname()[1]}"
+        return f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
 
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.lst.accept()
-            except OSError:
-                continue
-            th = threading.Thread(target=self._serve, args=(conn,), daemon=True)
-            self.threads.append(th)
-            th.start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _conn(self, conn: socket.socket) -> None:
         conn.settimeout(0.2)
         with conn:
             while not self.stop.is_set():
@@ -74,12 +61,6 @@ class LyingSender:
                     continue
                 except Exception:
                     return
-
-    def close(self) -> None:
-        self.stop.set()
-        self.lst.close()
-        for th in self.threads:
-            th.join(2)
 
 
 @pytest.fixture

@@ -14,12 +14,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from typing import Iterator, Optional
 
 import pytest
+from loopback import Listener
 
 from kvbridge import KVBridgeError, KVLayout, KVPool, KVReceiver, ProtocolError
 from kvbridge.errors import LeaseStoreUnavailable
@@ -45,34 +45,6 @@ def server() -> Iterator[EmbeddedRedis]:
     _binary()
     with EmbeddedRedis() as srv:
         yield srv
-
-
-class Listener:
-    """A listener on ``sock`` that serves each connection on a thread of its own (``_conn``)."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        sock.listen(16)
-        sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                c, _ = self.sock.accept()
-            except OSError:
-                continue
-            threading.Thread(target=self._conn, args=(c,), daemon=True).start()
-
-    def _conn(self, c: socket.socket) -> None:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close()
 
 
 class Squatter(Listener):

@@ -14,6 +14,7 @@ import time
 from typing import Callable, Iterator, Optional
 
 import pytest
+from loopback import Listener
 import torch
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
@@ -250,41 +251,28 @@ def test_wabort_needs_the_writers_claim() -> None:
         assert t.result(10).ok
 
 
-class _LyingServer:
+class _LyingServer(Listener):
     """A listener answering every request with ``answer(kind, req_id, payload)``; any number of
     connections (the sender's abort comes on a new one)."""
 
     def __init__(self, family: int, address: object, answer: Callable[[Kind, int, bytes], bytes]) -> None:
-        self.sock = socket.socket(family, socket.SOCK_STREAM)
-        self.sock.bind(address)
-        self.sock.listen(16)
         self.answer = answer
-        self.seen: list[Kind] = []
-        threading.Thread(target=self._accept, daemon=True).start()
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.bind(address)
+        super().__init__(sock)
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _conn(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
         with conn:
-            while True:
+            while not self.stop.is_set():
                 try:
                     kind, rid, n = unpack_header(recv_exact(conn, HEADER.size))
                     payload = recv_exact(conn, n) if n else b""
-                    self.seen.append(kind)
                     if kind is Kind.WRITE:
                         conn.recv(1 << 16)      # the data (small here)
                     conn.sendall(self.answer(kind, rid, payload))
                 except Exception:
                     return
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def _push_to(url: str, reservation_of: Callable[[], object]) -> tuple[object, list[str]]:
