@@ -99,6 +99,7 @@ class UCXServer(SocketServer):
         self._clock = threading.Lock()
         self._taking: list[tuple[_Client, int, bytearray, Any, float]] = []   # requests being received
         self._discards: list[tuple[Any, bytearray]] = []                       # messages being discarded
+        self._sending: dict[int, _Client] = {}     # clients with replies posted (by id): all the reap visits
         self._pool = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="kvb-ucx-serve")
         self._stop = threading.Event()
         self.max_clients = MAX_CLIENTS
@@ -299,17 +300,19 @@ class UCXServer(SocketServer):
                 keep.append(t)
         with self.worker.lock:
             self._taking.extend(keep)
-        with self._clock:
-            clients = list(self._clients.values())
-        for c in clients:
-            with self.worker.lock:
-                done = [h for h in c.sends if h.completed]
+        with self.worker.lock:
+            sending = list(self._sending.values())
+            done = []
+            for c in sending:
+                done += [h for h in c.sends if h.completed]
                 c.sends = [h for h in c.sends if not h.completed]
-            for h in done:
-                try:
-                    h.check_error()
-                except _ucx.UCXError as exc:
-                    log.debug("ucx reply: %s", exc)
+                if not c.sends:
+                    del self._sending[id(c)]
+        for h in done:
+            try:
+                h.check_error()
+            except _ucx.UCXError as exc:
+                log.debug("ucx reply: %s", exc)
         for client, rid, buf, req, _ in ready:
             try:
                 _check(req, "request")
@@ -371,6 +374,7 @@ class UCXServer(SocketServer):
             return
         req = client.ep.ep.tag_send(Array(msg), _ucx.UCXXTag(_tag(T_HDR, client.key, rid)))
         client.sends.append(_core._Held(req, msg))
+        self._sending[id(client)] = client
         self.worker.w.progress()      # push it out now (never waits: a send that cannot go stays posted)
 
     def _reply(self, client: _Client, rid: int, status: int, body: bytes = b"",
@@ -487,6 +491,7 @@ class UCXServer(SocketServer):
                 if not client.ep.closed:
                     client.sends.append(_core._Held(client.ep.ep.tag_send(
                         Array(tmsg), _ucx.UCXXTag(_tag(T_DONE, client.key, rid))), tmsg))
+                    self._sending[id(client)] = client
             self._ring(client)
         except KVBridgeError as exc:
             if client.alive and not isinstance(exc, ConnectionLost):
