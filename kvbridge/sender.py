@@ -228,10 +228,7 @@ class KVSender:
                 bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
                                fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
         except BaseException:
-            if frames is not None:
-                frames.close()
-            if self.pool.engine_allocated:
-                self.pool.unpin(ids)
+            self._give_back(ids, frames)
             raise
         handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
         deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
@@ -256,13 +253,26 @@ class KVSender:
                     for b in ids:
                         self._by_block.setdefault(b, {})[id(rec)] = rec
                 self._schedule(rec)
-        if closed:           # closed while this publish ran: the handle ends like the others did
-            self._end(rec, "closed")
+        if closed:           # closed while this publish ran: refused, the blocks stay the caller's
+            self._give_back(ids, frames, handle.lease_id)
             raise ConfigError("sender is closed")
         self.stats.add(published=1, blocks_published=len(ids))
         if layerwise and layers_ready:
             self.mark_ready(handle, int(layers_ready))
         return handle
+
+    def _give_back(self, ids: list[int], frames: Optional[FrameStore], lease_id: str = "") -> None:
+        """Undo a refused publish: what it took goes, the caller's blocks stay the caller's (no
+        ``on_free``: the caller never had the handle, and frees or reuses them as on any refusal)."""
+        if frames is not None:
+            frames.close()
+        if self.pool.engine_allocated:
+            self.pool.unpin(ids)
+        if lease_id and self.leases is not None:
+            try:
+                self.leases.revoke(lease_id, self.owner)
+            except KVBridgeError:
+                pass        # nobody holds the handle: the lease lapses at its TTL
 
     def mark_ready(self, handle: Union[KVHandle, Transfer], layers: int) -> bool:
         """Layers ``0..layers-1`` of a layer-wise handle (or push) are final: checksum them and
