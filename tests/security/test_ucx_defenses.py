@@ -298,6 +298,45 @@ def test_messages_nobody_receives_do_not_pile_up():
         raw.close()
 
 
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def test_large_messages_nobody_receives_are_dropped_without_their_bytes():
+    """Messages far above UCX's rendezvous threshold (8 MiB each: a kind nobody receives, DATA
+    for no write, requests of no client) are received truncated into one byte each: the
+    server's memory does not grow with them, the client's sends all end, the server answers."""
+    import json
+    env = dict(os.environ, PYTHONPATH=ROOT, UCX_MODULES=os.environ.get("UCX_MODULES", "^ib"))
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SERVER)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        info = json.loads(child.stdout.readline())
+        raw = Raw(info["url"], bytes.fromhex(info["handle"]))
+        big = b"\x55" * (8 << 20)
+        raw.post(bytes([U.OP_PING]), U._tag(U.T_REQ, raw.key, 1))
+        assert raw.reply(1) == bytes([U.ST_OK])
+        before = _rss_mib(child.pid)
+        for i in range(16):
+            raw.post(big, U._tag(9, raw.key, i))
+            raw.post(big, U._tag(U.T_DATA, raw.key, i))
+            raw.post(big, U._tag(U.T_REQ, (raw.key + 1) & ucx_core.KEY_MASK, i))
+        deadline = time.monotonic() + 20
+        while not all(r.completed for r, _ in raw.held) and time.monotonic() < deadline:
+            raw.progress(0.05)
+        assert all(r.completed for r, _ in raw.held), "some large sends were never taken off the server"
+        raw.post(bytes([U.OP_PING]), U._tag(U.T_REQ, raw.key, 2))
+        assert raw.reply(2) == bytes([U.ST_OK])
+        grown = _rss_mib(child.pid) - before
+        assert grown < 64, f"the server grew {grown:.0f} MiB over 384 MiB of dropped messages"
+        raw.close()
+    finally:
+        child.stdin.close()
+        child.wait(20)
+    assert child.returncode == 0, child.stderr.read()[-2000:]
+
+
 # -- D7: a client that never takes its replies cannot stall others -----------------------------------------
 def test_a_client_that_never_takes_its_replies_does_not_stall_fetches():
     src = _pool(1, 16)
