@@ -260,6 +260,14 @@ class EmbeddedRedis:
             self._proc = _spawning_thread().call(self._popen)
         except OSError as exc:
             raise BackendUnavailable(f"cannot start {self.binary}: {exc}") from exc
+        try:
+            self._await_up()
+        except BaseException:   # its password not recorded, or interrupted: no server left behind
+            self._terminate(signal.SIGKILL)
+            raise
+
+    def _await_up(self) -> None:
+        assert self._proc is not None
         Path(self._dir, "server.pid").write_text(str(self._proc.pid))   # for the sweep of dead owners
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
@@ -274,7 +282,6 @@ class EmbeddedRedis:
                 self._remember()
                 return
             time.sleep(0.01)
-        self._terminate(signal.SIGKILL)
         raise LeaseStoreUnavailable(f"embedded server did not answer PING within "
                                     f"{self.startup_timeout_s}s: {self._log_tail()}")
 
@@ -353,7 +360,11 @@ class EmbeddedRedis:
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "EmbeddedRedis":
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.close()
+            raise
 
     def __exit__(self, et: Optional[type[BaseException]], ev: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
@@ -386,8 +397,14 @@ def default_lease_url() -> str:
             if not _atexit_registered:
                 atexit.register(_stop_default)
                 _atexit_registered = True
-            _default = EmbeddedRedis().start()
-            _default_pid = os.getpid()
+            _default = None
+            srv = EmbeddedRedis()
+            try:
+                srv.start()
+            except BaseException:
+                srv.close()   # its folder too: a caller that tries again must not pile them up
+                raise
+            _default, _default_pid = srv, os.getpid()
         return _default.url
 
 

@@ -1,0 +1,62 @@
+"""Review findings on the lease store and its embedded server, each a test that failed before its fix."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvbridge.errors import ConfigError
+from kvbridge.lease import EmbeddedRedis, default_lease_url
+from kvbridge.lease import embedded
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _server_children() -> list[int]:
+    """Pids of this process's live children running a Redis-protocol server."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:
+            continue
+        name, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if rest[0] != "Z" and int(rest[1]) == os.getpid() and "server" in name:
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
+def _our_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), f"kvbridge-redis-{os.getpid()}-*")))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to list child processes")
+def test_failed_start_leaves_no_server_or_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A credentials folder that cannot be trusted (here: group/world-accessible) refuses the start;
+    the server already spawned is stopped and its folder removed, also when a caller retries.
+    Before: every failed start left a running valkey-server and a temp folder behind."""
+    bad = tmp_path / f"kvbridge-leases-{os.getuid()}"
+    bad.mkdir(mode=0o755)
+    bad.chmod(0o755)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setattr(embedded, "_default", None)
+    servers, dirs = set(_server_children()), _our_dirs()
+    for _ in range(2):
+        with pytest.raises(ConfigError, match="mode 0700"):
+            default_lease_url()
+    with pytest.raises(ConfigError, match="mode 0700"):
+        with EmbeddedRedis():
+            pass
+    srv = EmbeddedRedis()
+    try:
+        with pytest.raises(ConfigError):
+            srv.start()
+        assert not srv.running
+    finally:
+        srv.close()
+    assert set(_server_children()) <= servers
+    assert _our_dirs() <= dirs
