@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import time
 from typing import Any, Optional, Sequence
 
 from . import __version__
-from .errors import KVBridgeError
+from .errors import ConfigError, KVBridgeError
 
 __all__ = ["main", "build_parser"]
 
@@ -40,8 +41,8 @@ def _positive(kind: type) -> Any:
             v = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        if not v > 0 or not math.isfinite(v):   # nan and inf pass a plain `v <= 0` check
+            raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
         return v
     parse.__name__ = kind.__name__
     return parse
@@ -201,6 +202,13 @@ def _run_proxy(a: argparse.Namespace) -> int:
 def _run_up(a: argparse.Namespace) -> int:
     from .workers.launch import Cluster, UpConfig
 
+    if a.log_dir is not None:   # a folder that cannot hold the logs is the user's to fix, not a traceback
+        try:
+            os.makedirs(a.log_dir, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--log-dir {a.log_dir!r}: {exc.strerror or exc}") from None
+        if not os.access(a.log_dir, os.W_OK | os.X_OK):
+            raise ConfigError(f"--log-dir {a.log_dir!r} is not writable")
     cfg = UpConfig(host=a.host, port=a.port, colocated=a.colocated, transport=a.transport,
                    prefill_workers=a.prefill_workers, decode_workers=a.decode_workers, model=a.model,
                    seed=a.seed, chunk_size=a.chunk_size, block_size=a.block_size, num_blocks=a.num_blocks,

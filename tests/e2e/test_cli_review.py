@@ -1,0 +1,32 @@
+"""Review findings on the command line, each a test that failed before its fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvbridge.cli import build_parser, main
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.parametrize("option", ["--ttl", "--request-timeout", "--worker-timeout", "--ttft-slo"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_are_refused(option: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: ``nan`` and ``inf`` passed the ``> 0`` check (``nan <= 0`` is False), so
+    ``kvbridge up --ttl nan`` started a deployment whose every publish was refused."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["up", option, value])
+    assert info.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_unusable_log_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Before: a --log-dir that could not be created ended ``kvbridge up`` with a traceback."""
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    for bad in (not_a_folder, not_a_folder / "sub"):
+        assert main(["up", "--port", "0", "--model", "tiny", "--log-dir", str(bad), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert f"--log-dir '{bad}'" in err and "Traceback" not in err
