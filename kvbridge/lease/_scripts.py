@@ -24,8 +24,14 @@ Replies: a lease view is one JSON string (cheap to parse: one bulk reply)
 ``[ref, state, owner, claimer, epoch, fence counter, lease ms left, claim ms left,
 blocks, meta json]``; other replies are arrays ``{'OK', ...}`` or ``{CODE, detail}``, CODE one of
 EXISTS NOTFOUND EXPIRED REVOKED ENDED CONFLICT STALE LAPSED EPOCH NOTOWNER BADKEY.
-The events stream key (prefix .. owner) and the lease keys built by ``list``
-are not passed in KEYS: they share the namespace hash tag, hence the slot.
+The events stream key (prefix .. owner), the lease keys built by ``list`` and the epoch's
+run-id key (``KEYS[1] .. ':run'``) are not passed in KEYS: they share the namespace hash tag,
+hence the slot.
+
+The epoch is new whenever the server process is (its ``run_id`` differs from the one stored
+with the epoch): a restart that loaded a snapshot older than the last writes, or a replica
+promoted by failover, would otherwise hand out fences already used and revive leases already
+released. Every lease of the namespace then ends, as on a restart that lost its data.
 """
 
 from __future__ import annotations
@@ -39,10 +45,15 @@ local REF = ''   -- set by ONE: the public name of the lease (sha1 of its key's 
 local EVTTL = 3600000
 local t = redis.call('TIME')
 local NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- A dataset this server process did not create may be older than the last writes (a restart
+-- that loaded a snapshot, a replica promoted by failover): its fence counter and leases may be
+-- ones already used. So the epoch belongs to a server process (its run id) as well as a dataset.
+local RUN = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
 local EPOCH = redis.call('GET', K_EPOCH)
-if not EPOCH then
+if not EPOCH or redis.call('GET', K_EPOCH .. ':run') ~= RUN then
   EPOCH = ARGV[1]
   redis.call('SET', K_EPOCH, EPOCH)
+  redis.call('SET', K_EPOCH .. ':run', RUN)
 end
 
 local function load(key)

@@ -4,7 +4,8 @@ Key layout (namespace ``ns``; the hash tag ``{ns}`` puts *every* key of a
 namespace on one Redis Cluster slot, because the fence counter and the epoch are
 shared by all leases and every script touches them)::
 
-    {ns}:epoch            random u63 per dataset, created with the first script run
+    {ns}:epoch            random u63 per dataset and server process, created with the first script run
+    {ns}:epoch:run        the run_id of the server process the epoch was created on
     {ns}:fence            fence counter (INCR)
     {ns}:index            zset ref -> time its hash expires (for ``list``)
     {ns}:lease:<ref>      hash per lease, PEXPIREAT lease expiry + tombstone grace
@@ -17,9 +18,10 @@ lease key that is not the one their lease id names. Request ids are not stored.
 
 In Cluster mode a namespace therefore lives on one shard; use several namespaces
 to spread load. The server must not evict keys (``maxmemory-policy noeviction``).
-Redis >= 6.2 or Valkey is assumed. Failover to an asynchronous replica can lose
-acknowledged writes (fence increments included) without changing the epoch, so
-run the lease server without automatic failover (or make writes synchronous).
+Redis >= 6.2 or Valkey is assumed. The epoch also changes with the server process (its
+``run_id``, checked by every script): a restart that loaded an older snapshot, or failover to
+a replica that missed acknowledged writes, starts a new epoch, and every lease of the
+namespace ends (owners free, claimers re-prefill), as when the data was lost.
 Scripts are called with EVALSHA and loaded on ``NoScriptError``. redis-py's own
 retries are off: :class:`~kvbridge.policy.Retry` applies to
 ``LeaseStoreUnavailable`` only, and every script is safe to repeat.

@@ -6,11 +6,13 @@ import glob
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
-from kvbridge.errors import ConfigError
-from kvbridge.lease import EmbeddedRedis, default_lease_url
+from kvbridge.errors import ConfigError, LeaseExpired, StaleFence
+from kvbridge.lease import EmbeddedRedis, RedisLeaseStore, default_lease_url
 from kvbridge.lease import embedded
 
 pytestmark = pytest.mark.timeout(60)
@@ -60,3 +62,35 @@ def test_failed_start_leaves_no_server_or_folder(tmp_path: Path, monkeypatch: py
         srv.close()
     assert set(_server_children()) <= servers
     assert _our_dirs() <= dirs
+
+
+def test_restart_from_an_older_snapshot_starts_a_new_epoch(make_store: Any) -> None:
+    """A restart that loads a snapshot older than the last writes (a stock Redis with RDB, killed)
+    restores the epoch *and* an older fence counter. Before: the released lease came back as
+    published, the next claimer got the very fence the first one had held, and validated a
+    lease whose blocks the owner had freed on the release. After: the epoch is new (it belongs
+    to the server process too), so the revived lease is over and no fence repeats."""
+    srv = EmbeddedRedis().start()
+    try:
+        s: RedisLeaseStore = make_store(srv.url)
+        s.publish("a", "owner", ttl_s=30)
+        raw = redis.Redis.from_url(srv.auth_url)
+        try:
+            raw.save()                                   # the snapshot: "a" published, counter 1
+        finally:
+            raw.close()
+        a = s.claim("a", "A", 30)
+        s.release("a", "A", a.fence)                     # the owner frees the blocks on this
+        srv.kill()
+        srv.restart()                                    # same folder: the server loads the snapshot
+        with pytest.raises(LeaseExpired):
+            s.claim("a", "B", 30)
+        with pytest.raises(StaleFence):
+            s.validate("a", "A", a.fence)
+        assert s.sweep("owner", ["a"]) == {"a": None}
+        s.publish("b", "owner", ttl_s=30)
+        b = s.claim("b", "B", 30)
+        assert b.fence.epoch != a.fence.epoch and b.fence != a.fence
+        s.validate("b", "B", b.fence)                    # and the new epoch holds while the process does
+    finally:
+        srv.close()
