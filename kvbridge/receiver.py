@@ -568,7 +568,7 @@ class KVReceiver:
     # -- public faces of the pipeline ------------------------------------------------------
     def _transfer(self, j: _Job) -> Transfer:
         t = Transfer(j.h.request_id, self.pool.layout.num_layers, lambda t: self._pull(t, j))
-        t.handle = j.h
+        t.handle, t.dst_block_ids = j.h, j.dst
         return t
 
     def start_fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,

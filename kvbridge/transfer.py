@@ -97,6 +97,7 @@ class Transfer:
         self.num_layers = num_layers
         self.handle: Optional[KVHandle] = None          # push: the local handle mark_ready() names
         self.reservation: Optional[KVHandle] = None     # reserve: the ticket for the writer
+        self.dst_block_ids: Optional[list[int]] = None  # fetch: where its bytes land (else the handle's)
         self._job = job
         self._on_cancel = on_cancel
         self._cv = threading.Condition(threading.Lock())
@@ -216,6 +217,13 @@ class Transfer:
         or is still winding down after ``timeout``."""
         if self.done():
             return False
+        self._stop()
+        with self._cv:
+            self._cv.wait_for(self.done, timeout)
+        return self._state is TransferState.CANCELLED
+
+    def _stop(self) -> None:
+        """Ask the transfer to stop, without waiting: one never started ends here, cancelled."""
         self.cancel_event.set()
         if self._take():                   # never started: end it here
             if self._on_cancel is not None:
@@ -223,15 +231,13 @@ class Transfer:
             self._finish(self._cancelled_result())
         elif self._on_cancel is not None:
             self._on_cancel(self)
-        with self._cv:
-            self._cv.wait_for(self.done, timeout)
-        return self._state is TransferState.CANCELLED
 
     def _cancelled_result(self) -> FetchResult:
         h = self.reservation or self.handle
         assert h is not None
-        return FetchResult(h, list(h.block_ids), error=TransferCancelled(
-            f"transfer of {self.request_id!r} cancelled"), failed_block_ids=list(h.block_ids))
+        ids = list(h.block_ids) if self.dst_block_ids is None else list(self.dst_block_ids)
+        return FetchResult(h, ids, error=TransferCancelled(f"transfer of {self.request_id!r} cancelled"),
+                           failed_block_ids=list(ids))
 
     def add_done_callback(self, fn: Callable[["Transfer"], None]) -> None:
         """Call ``fn(transfer)`` when it ends (at once if it has), on the thread that ends it."""
@@ -258,7 +264,13 @@ class Transfer:
         try:
             yield from fut.__await__()
         except asyncio.CancelledError:
-            self.cancel_event.set()        # the awaiting task went away: stop moving bytes
+            # the awaiting task went away: stop moving bytes, and end only once none will land
+            # (its caller may hand the destination blocks on as soon as the task has ended)
+            self._stop()
+            if not self.done():
+                fut = loop.create_future()
+                self.add_done_callback(wake)
+                yield from fut.__await__()
             raise
         return self.result()
 
