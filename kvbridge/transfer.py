@@ -288,6 +288,7 @@ class Workers:
         self._max = max_workers
         self._idle = idle
         self._queue: deque[Transfer] = deque()
+        self._running: set[Transfer] = set()
         self._cv = threading.Condition(threading.Lock())
         self._threads = 0
         self._waiting = 0
@@ -318,6 +319,7 @@ class Workers:
                     self._threads -= 1
                     return
                 t = self._queue.popleft()
+                self._running.add(t)
             try:
                 t._run()
             except Exception:   # logged, and the transfer failed, by _run: this thread serves the next one
@@ -325,10 +327,18 @@ class Workers:
             except BaseException:
                 with self._cv:
                     self._threads -= 1
+                    self._running.discard(t)
                 raise
+            with self._cv:
+                self._running.discard(t)
 
     def close(self) -> None:
+        """Stop: transfers not started yet end cancelled (nobody would run them: their waiters
+        would wait for good), running ones are asked to stop."""
         with self._cv:
             self._closed = True
+            left = list(self._queue) + list(self._running)
             self._queue.clear()
             self._cv.notify_all()
+        for t in left:
+            t._stop()

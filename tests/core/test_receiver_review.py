@@ -128,3 +128,28 @@ def test_a_transfer_cancelled_before_it_started_names_its_destination_blocks() -
         srv.go.set()
         srv.close()
         rcv.close()
+
+
+def test_close_ends_the_transfers_it_had_not_started() -> None:
+    """``close()`` with transfers still queued for a worker: they end cancelled (before, nobody
+    ever ran them, so ``wait``, ``result`` and ``await`` on them never returned); a running one
+    is asked to stop."""
+    srv = HeldReply()
+    rcv = _receiver(KVPool.allocate(L, 16), workers=1)
+    try:
+        running = rcv.start_fetch(_handle(srv.url), [0, 1, 2, 3], release=False)
+        assert srv.started.wait(5)
+        queued = rcv.start_fetch(_handle(srv.url), [4, 5, 6, 7], release=False)
+        rcv.close()
+        assert queued.wait(2) and isinstance(queued.result().error, TransferCancelled)
+        assert queued.result().failed_block_ids == [4, 5, 6, 7]
+
+        async def awaited() -> bool:
+            return (await asyncio.wait_for(queued, 2)).ok
+        assert asyncio.run(awaited()) is False
+        srv.go.set()
+        assert running.wait(5) and running.cancel_event.is_set()
+    finally:
+        srv.go.set()
+        srv.close()
+        rcv.close()
