@@ -36,6 +36,7 @@ WORKERS = 64               # threads serving active connections, per server
 PARK_AFTER = 0.25          # seconds idle before a connection leaves its worker for the selector
 CONTROL_BUDGET = 64 << 20  # control-frame bytes all connections of a server may buffer at once
 MAX_PING = 64              # PING payload echoed back, at most
+LINGER = 1.0               # seconds a connection closed on an error reply goes on discarding input
 MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
 RATE_GRACE = 2.0
 RELEASE_LINGER = 0.002  # seconds a deferred release waits for a request to ride on
@@ -217,7 +218,7 @@ class SocketServer(Server):
     def _serve_conn(self, conn: socket.socket, reader: FrameReader) -> None:
         # Blocking socket with kernel timeouts (one tick): a peer that stalls mid-frame for
         # `transfer` seconds is dropped; an idle one parks after PARK_AFTER.
-        idle = 0.0
+        idle, linger = 0.0, False
         closed, small, step, fd = self._closed, self._serve_small, self._serve_next, conn.fileno()
         try:
             while not closed.is_set():
@@ -242,22 +243,44 @@ class SocketServer(Server):
                     break
                 except ProtocolError as exc:   # includes FrameTooLarge: peers never send data here
                     self._reply_error(conn, 0, exc)
+                    linger = True
                     break    # framing is lost: close
                 idle = 0.0
                 if kind is Kind.READ and small is not None and small(fd, payload, req_id):
                     continue                   # the usual read, answered in one C call
                 if not self.handle(conn, reader, kind, req_id, payload):
+                    linger = True              # an error reply ends it
                     break
         except (OSError, KVBridgeError) as exc:
             log.debug("connection closed: %s", exc)
         except Exception:      # a bug: say so loudly, drop this connection, keep the worker
             log.exception("serving %s failed", self.url)
-        self._drop(conn)
+        self._drop(conn, linger)
 
-    def _drop(self, conn: socket.socket) -> None:
+    def _linger(self, conn: socket.socket) -> None:
+        """Before closing on an error reply (what the connection held is let go already): end our
+        side (FIN behind the reply), then discard what the peer sent meanwhile, until it is quiet
+        for a tick, closes, or ``LINGER`` seconds or ``DISCARD_LIMIT`` bytes pass. Closing with
+        unread input resets the connection, and a reset drops all still queued to send: the
+        reply saying why, and even the tail of an earlier read's reply."""
+        scratch = bytearray(64 << 10)
+        left, end = DISCARD_LIMIT, time.monotonic() + LINGER
+        try:
+            conn.shutdown(socket.SHUT_WR)
+            while left > 0 and time.monotonic() < end:
+                k = conn.recv_into(scratch)
+                if not k:
+                    return
+                left -= k
+        except OSError:                # BlockingIOError: a quiet tick; or the peer is gone
+            pass
+
+    def _drop(self, conn: socket.socket, linger: bool = False) -> None:
         self.connection_closed(conn)
         with self._lock:
             self._conns.discard(conn)
+        if linger:
+            self._linger(conn)
         try:
             conn.close()
         except OSError:
