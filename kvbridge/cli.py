@@ -12,8 +12,10 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
+from types import FrameType
 from typing import Any, Optional, Sequence
 
 from . import __version__
@@ -218,12 +220,35 @@ def _run_up(a: argparse.Namespace) -> int:
                    max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes,
                    log_dir=a.log_dir, keep_logs=a.keep_logs)
     cluster = Cluster(cfg)
+    # Until wait() takes the signals over, SIGTERM and SIGHUP stop everything in order, as Ctrl-C
+    # does (their default ended this process mid-start: workers SIGKILLed by their parent-death
+    # signal, the lease server's folder left behind). Once only: a second one must not cut the
+    # stop short.
+    interrupt = _InterruptOnce()
+    prev = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         cluster.start()
         cluster.wait(progress=not a.no_progress)
     finally:
-        cluster.stop()
+        interrupt.armed = False
+        try:
+            cluster.stop()
+        finally:
+            for s, h in prev.items():
+                signal.signal(s, h)
     return 0
+
+
+class _InterruptOnce:
+    """A signal handler that raises KeyboardInterrupt the first time, and ignores later signals."""
+
+    def __init__(self) -> None:
+        self.armed = True
+
+    def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
 
 
 def _run_leases(a: argparse.Namespace) -> int:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,3 +36,30 @@ def test_unusable_log_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.Captur
         assert main(["up", "--port", "0", "--model", "tiny", "--log-dir", str(bad), "--no-progress"]) == 1
         err = capsys.readouterr().err
         assert f"--log-dir '{bad}'" in err and "Traceback" not in err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_signal_while_starting_stops_in_order(sig: signal.Signals) -> None:
+    """Before: a SIGTERM (or SIGHUP) while ``kvbridge up`` was still starting its workers killed it
+    outright (exit -15): no orderly stop, workers SIGKILLed by their parent-death signal, the lease
+    server's folder left for a later sweep. Now it stops everything as Ctrl-C does."""
+    p = subprocess.Popen([sys.executable, "-P", "-m", "kvbridge", "up", "--model", "tiny", "--port", "0",
+                          "--no-progress"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stderr is not None
+        seen = []
+        for line in p.stderr:            # the lease server is up; the workers are starting
+            seen.append(line)
+            if "lease server" in line:
+                break
+        p.send_signal(sig)
+        err = "".join(seen) + p.communicate(timeout=60)[1]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    assert p.returncode == 130, (p.returncode, err)
+    assert "stopped" in err and "Traceback" not in err, err
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"kvbridge-redis-{p.pid}-*"))
