@@ -427,6 +427,35 @@ def test_shm_mappings_are_bounded_per_request_and_in_time() -> None:
         s.close()
 
 
+def test_shm_one_connection_holds_at_most_16_mappings() -> None:
+    """A peer that MAPs one handle under ever new request ids without a DONE gets 16 mappings,
+    then a clear refusal (each held mapping pins the blocks); its DONEs give them back."""
+    from kvbridge.transports.shm import MAX_GRANTS
+    from kvbridge.transports.wire import recv_exact, unpack_header
+    L = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")
+    pool = KVPool.allocate(L, 8, shared=True)
+    freed: list[str] = []
+    with KVSender(pool, "shm://", leases=False, on_free=lambda h, r: freed.append(r)) as snd:
+        path = "\0" + snd.url.removeprefix("shm://@")
+        h = snd.publish("pinned", pool.alloc(4), 64)
+        s = _shm_mapped(path, h, 1)
+        for rid in range(2, MAX_GRANTS + 1):
+            s.sendall(pack(Kind.MAP, rid, encode_request(h.to_bytes())))
+            assert _shm_frame(s) is Kind.MAPPED
+        s.sendall(pack(Kind.MAP, 99, encode_request(h.to_bytes())))
+        kind, _, n = unpack_header(recv_exact(s, HEADER.size))
+        assert kind is Kind.ERROR and f"{MAX_GRANTS} mappings" in str(decode_error(recv_exact(s, n)))
+        assert snd.revoke(h) and freed == []                 # mapped: the blocks wait for the reads
+        for rid in range(1, MAX_GRANTS + 1):
+            s.sendall(pack(Kind.DONE, rid))
+            assert _shm_frame(s) in (Kind.OK, Kind.ERROR)    # ERROR: revoked meanwhile
+        deadline = time.monotonic() + 2
+        while not freed and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert freed == ["revoked"]
+        s.close()
+
+
 def test_a_small_reply_whose_send_times_out_is_not_taken_for_an_idle_peer() -> None:
     """The C fast path answers a READ in one call; when the peer stops taking the reply, the
     send's timeout must read as a dead peer (the connection is dropped), never as "no frame
