@@ -4,7 +4,7 @@
 ``stream_options.include_usage`` too), ``GET /v1/models``; ``GET /health`` (workers by role
 and index, without their internal URLs unless ``health_internal``), ``GET /metrics``
 (Prometheus histograms) and ``GET /metrics.json`` (computed on a thread; ``?records=N`` adds
-the latest N per-request records, ``1`` the latest 1000, at most ``MAX_RECORDS``). Request
+the latest N per-request records, ``1`` the latest 1000, at most ``proxy_status.MAX_RECORDS``). Request
 validation and the error shape are in :mod:`kvbridge.workers.openai_api`; every refusal (bad
 JSON, body over ``max_body_bytes``, unknown argument, prompt past the context length) is
 answered before any worker is asked.
@@ -28,11 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Optional, Union
 
 from starlette.applications import Starlette
@@ -41,12 +39,14 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..errors import Action, ConfigError, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code
+from ..errors import Action, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code
 from .http import BodyError, HTTPServer, WorkerClient, bind_socket, read_json, wait_or_disconnect
-from .metrics import MetricsLog, PromMetrics, RequestMetrics, summarize
-from .openai_api import (_ADDRESS, APIError, ChatRequest, CompletionRequest, Job, chunk_response, error_from_kvbridge,
+from .metrics import MetricsLog, PromMetrics, RequestMetrics
+from .openai_api import (APIError, ChatRequest, CompletionRequest, Job, chunk_response, error_from_kvbridge,
                          error_json, parse_request, prompt_ids, render_chat, sampling_params, usage,
                          whole_response)
+from .proxy_config import ProxyConfig
+from .proxy_status import StatusRoutes
 from .sampling import SamplingParams
 from .server import sse
 from .tokenizer import ByteTokenizer, Tokenizer
@@ -60,51 +60,6 @@ log = logging.getLogger("kvbridge.proxy")
 # larger bodies get 413 before they are read.
 BODY_BYTES_PER_TOKEN = 128
 BODY_SLACK = 64 << 10
-MAX_RECORDS = 10_000   # most records /metrics.json?records=N returns (the latest)
-
-
-@dataclass
-class ProxyConfig:
-    """Where the workers are and how to treat them."""
-
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-    colocated: Optional[str] = None
-    routing: str = "least-loaded"          # or "round-robin"
-    on_decode_failure: str = "retry"       # or "reprefill"
-    ttft_slo: Optional[float] = 2.0        # seconds, for goodput
-    tpot_slo: Optional[float] = 0.1
-    worker_timeout: float = 30.0           # longest silence from a worker before it counts as failed
-    request_timeout: float = 300.0
-    max_attempts: int = 4                  # decode attempts per request
-    model_name: str = "kvbridge"
-    max_body_bytes: int = 8 << 20          # larger request bodies get 413 before they are read
-    max_model_len: Optional[int] = None    # None: ask the workers (their model's context, capped by the pool)
-    health_internal: bool = False          # /health shows worker and KV listener URLs (trusted networks only)
-    chat_max_tokens: int = 512             # a chat request's max_tokens when it names none (capped by the context)
-    shutdown_grace: float = 5.0            # seconds for in-flight requests to get their error on close
-
-    def __post_init__(self) -> None:
-        self.prefill = [u.rstrip("/") for u in self.prefill]
-        self.decode = [u.rstrip("/") for u in self.decode]
-        self.colocated = self.colocated.rstrip("/") if self.colocated else None
-        if self.colocated is None and (not self.prefill or not self.decode):
-            raise ConfigError("the proxy needs --prefill and --decode URLs, or --colocated URL")
-        for u in self.prefill + self.decode + ([self.colocated] if self.colocated else []):
-            if not u.startswith(("http://", "https://")):
-                raise ConfigError(f"worker URL must be http://host:port, got {u!r}")
-        if self.routing not in ("least-loaded", "round-robin"):
-            raise ConfigError(f"routing must be least-loaded or round-robin, not {self.routing!r}")
-        if self.on_decode_failure not in ("retry", "reprefill"):
-            raise ConfigError(f"on_decode_failure must be retry or reprefill, not {self.on_decode_failure!r}")
-        if self.max_body_bytes < 1024:
-            raise ConfigError("max_body_bytes must be at least 1024")
-        if self.chat_max_tokens < 1:
-            raise ConfigError("chat_max_tokens must be at least 1")
-
-    @property
-    def mode(self) -> str:
-        return "colocated" if self.colocated else "disaggregated"
 
 
 def _rebuild(ev: dict[str, Any]) -> KVBridgeError:
@@ -127,9 +82,6 @@ def _stamp(m: RequestMetrics, stamps: Optional[dict[str, float]]) -> None:
     m.hops.update({k: float(v) - m.arrival for k, v in (stamps or {}).items()}, answered=now - m.arrival)
 
 
-_INTERNAL_HEALTH_KEYS = frozenset({"url", "sender_urls", "transport"})
-
-
 class _Done(Exception):
     """Internal: the generator finished with this finish reason."""
 
@@ -138,7 +90,7 @@ class ShuttingDown(PeerUnavailable):
     """The front door is stopping; the request may be sent again (to another instance)."""
 
 
-class Proxy:
+class Proxy(StatusRoutes):
     """Routes completions to workers and keeps per-request metrics."""
 
     def __init__(self, cfg: ProxyConfig, tokenizer: Optional[Tokenizer] = None) -> None:
@@ -601,89 +553,3 @@ class Proxy:
             if job.m.finished_at is None:
                 self._finish(job, exc)
             raise
-
-    # -- HTTP: the rest --------------------------------------------------------------------
-    async def workers(self) -> list[dict[str, Any]]:
-        """Each worker's ``/health`` (``ok: False`` with the error for one that does not answer)."""
-        assert self.client is not None
-        roles = [("colocated", self.cfg.colocated)] if self.cfg.colocated else \
-            [("prefill", u) for u in self.cfg.prefill] + [("decode", u) for u in self.cfg.decode]
-
-        async def one(role: str, url: str) -> dict[str, Any]:
-            try:
-                h = dict(await self.client.get_json(url + "/health", timeout=2.0))  # type: ignore[union-attr]
-                h.update(url=url, ok=True)
-            except KVBridgeError as exc:
-                h = {"url": url, "role": role, "ok": False, "error": str(exc)}
-            h["proxy_inflight"] = self._inflight.get(url, 0)
-            return h
-        return list(await asyncio.gather(*(one(r, u) for r, u in roles if u)))
-
-    @staticmethod
-    def _public(ws: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Workers as ``/health`` shows them: no internal address (worker and KV listener URLs,
-        transport details); each is named by role and index instead."""
-        seen: dict[str, int] = {}
-        out = []
-        for w in ws:
-            role = str(w.get("role", "worker"))
-            n = seen[role] = seen.get(role, -1) + 1
-            p = {k: v for k, v in w.items() if k not in _INTERNAL_HEALTH_KEYS}
-            if "error" in p:
-                p["error"] = _ADDRESS.sub("<internal>", str(p["error"]))
-            p["name"] = f"{role}-{n}"
-            out.append(p)
-        return out
-
-    async def _health(self, request: HTTPRequest) -> Response:
-        ws = await self.workers()
-        if not self.cfg.health_internal:
-            ws = self._public(ws)
-        ok = all(w["ok"] for w in ws)
-        return JSONResponse({"status": "ok" if ok else "degraded", "mode": self.cfg.mode, "model": self.cfg.model_name,
-                             "in_flight": self.metrics.in_flight, "workers": ws}, status_code=200 if ok else 503)
-
-    def _model_card(self) -> dict[str, Any]:
-        return {"id": self.cfg.model_name, "object": "model", "created": int(self.started), "owned_by": "kvbridge",
-                "max_model_len": self._max_len}
-
-    async def _models(self, request: HTTPRequest) -> Response:
-        with contextlib.suppress(KVBridgeError):
-            await self._limits()
-        return JSONResponse({"object": "list", "data": [self._model_card()]})
-
-    async def _model(self, request: HTTPRequest) -> Response:
-        name = request.path_params["model"]
-        if name != self.cfg.model_name:
-            return self._refuse(APIError(404, f"The model `{name}` does not exist", "model", "model_not_found"))
-        return JSONResponse(self._model_card())
-
-    def summary(self) -> dict[str, Any]:
-        """``summarize`` over the records kept (the latest ``MetricsLog.maxlen``)."""
-        s = summarize(self.metrics.records(), self.cfg.ttft_slo, self.cfg.tpot_slo)
-        s.update(mode=self.cfg.mode, in_flight=self.metrics.in_flight, uptime_s=time.time() - self.started)
-        return s
-
-    async def _metrics_prom(self, request: HTTPRequest) -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        return Response(self.prom.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    async def _metrics_json(self, request: HTTPRequest) -> Response:
-        """The summary, computed on a thread (not on the event loop every request waits on);
-        ``?records=N`` adds the latest N records (``1``: the latest 1000), at most ``MAX_RECORDS``."""
-        raw = request.query_params.get("records")
-        n = 0
-        if raw is not None:
-            try:
-                n = int(raw)
-            except ValueError:
-                return self._refuse(APIError(400, "records must be a number of records", "records"))
-            n = 1000 if n == 1 else min(max(0, n), MAX_RECORDS)
-
-        def build() -> bytes:
-            s = self.summary()
-            if n:
-                s["records"] = [r.to_dict() for r in self.metrics.records(last=n)]
-            return json.dumps(s).encode()
-        return Response(await asyncio.to_thread(build), media_type="application/json")
