@@ -50,12 +50,13 @@ from .metrics import ReceiverStats
 from .policy import Retry, Timeout
 from .pool import KVPool, retired_during
 from .stores import LeasesArg, StoreCache
-from .transfer import FetchResult, Transfer, Workers
+from .transfer import FetchResult, Paced, Transfer, Workers
 from .releases import AfterRead, Releaser, claim_batch, release_batch
 from .reservations import ReservationDesk
 from .sender import LAYER_WAIT
 from .transports.base import Chunk, ReadOp, Server, Spans, Transport, WriteGrant
 from .transports.registry import get_transport_class, scheme_of
+from .transports.sockets import MIN_RATE
 from .transports.wire import CLAIM_ME
 
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
@@ -111,6 +112,15 @@ class _Job:
     claim: Optional[Claim] = None
     released: Any = None          # fetch_many: the outcome of this job's release, sent in one batch
     since: float = field(default_factory=time.monotonic)   # before any claim of this fetch was sent
+
+
+def _restart(spans: Spans) -> None:
+    """A read into ``spans`` starts over: from the stream's first byte, on a fresh clock."""
+    if spans.verifier is not None and spans.verifier.started:
+        spans.verifier.reset()
+    spans.digests = None
+    if isinstance(spans.cancel, Paced):
+        spans.cancel.restart()
 
 
 class KVReceiver:
@@ -301,8 +311,11 @@ class KVReceiver:
             host = spans.want_digests = self.pool.is_host
             if not host or spans.nbytes > HASH_AFTER:
                 spans.verifier = StreamVerifier(self.pool, j.dst)
-        if t is not None:
-            spans.cancel = t.cancel_event
+        return self._paced(spans, t)
+
+    def _paced(self, spans: Spans, t: Optional[Transfer]) -> Spans:
+        """``spans`` asking, between receives, ``t``'s cancel flag and whether the peer trickles."""
+        spans.cancel = Paced(t.cancel_event if t is not None else None, spans.nbytes, self.timeout.transfer, MIN_RATE)
         return spans
 
     def _over_urls(self, h: KVHandle, op: Any, j: Optional[_Job] = None, failed: Optional[KVBridgeError] = None) -> Any:
@@ -332,9 +345,7 @@ class KVReceiver:
         h = j.h
         url = h.urls[0]
         j.res.attempts += 1
-        if spans.verifier is not None and spans.verifier.started:
-            spans.verifier.reset()                # fetch_many's pipelined try left it part-way
-        spans.digests = None
+        _restart(spans)                           # fetch_many's pipelined try left it part-way
         if failed is None:
             try:      # the first try at the first URL, straight (nearly every read ends here)
                 j.res.nbytes = int(self.transport(url).read(url, h, spans, j.idx, j.claim))
@@ -351,9 +362,7 @@ class KVReceiver:
                 exc, failed = failed, None
                 return int(self._over_urls(h, read, j, exc))
             j.res.attempts += 1
-            if spans.verifier is not None and spans.verifier.started:
-                spans.verifier.reset()            # a new attempt restarts the stream
-            spans.digests = None
+            _restart(spans)                       # a new attempt restarts the stream
             return int(self._over_urls(h, read, j))
         j.res.nbytes = self.retry.call(attempt, self._on_retry)
 
@@ -375,8 +384,8 @@ class KVReceiver:
         self.stats.add(refetches=1)
         sub_idx = [(j.idx[k] if j.idx is not None else k) for k in bad]
         sub_dst = [j.dst[k] for k in bad]
-        self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, Spans.of_blocks(self.pool, sub_dst), sub_idx,
-                                                      j.claim))
+        self._over_urls(j.h, lambda tr, url: tr.read(url, j.h, self._paced(Spans.of_blocks(self.pool, sub_dst), None),
+                                                      sub_idx, j.claim))
         again = block_checksums(self.pool, sub_dst)
         still = [bad[k] for k, g in enumerate(again) if g != want[bad[k]]]
         if still:
@@ -397,9 +406,7 @@ class KVReceiver:
                 s = Spans.of_blocks(self.pool, j.dst, range(lo, hi))
             if self.verify and coded is None:
                 s.verifier = StreamVerifier(self.pool, j.dst, range(lo, hi), per_layer=True)
-            if t is not None:
-                s.cancel = t.cancel_event
-            made.append(s)
+            made.append(self._paced(s, t))
             return s
 
         def read(lo: int, hi: int) -> Chunk:

@@ -18,14 +18,15 @@ import asyncio
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Optional
 
-from .errors import Action, KVBridgeError, TransferCancelled
+from .errors import Action, KVBridgeError, TransferCancelled, TransferTimeout
 from .handle import KVHandle
 
-__all__ = ["Transfer", "TransferState", "FetchResult", "Workers"]
+__all__ = ["Transfer", "TransferState", "FetchResult", "Workers", "Paced"]
 
 log = logging.getLogger("kvbridge.transfer")
 
@@ -78,6 +79,34 @@ class Flag:
 
     def is_set(self) -> bool:
         return self._set
+
+
+class Paced(Flag):
+    """What a receiving transport asks between receives (``is_set``): set, or the transfer's
+    cancel ``flag`` set, and a guard against a peer that trickles its reply. From the first
+    ask (bytes have begun to land) they must all land within ``limit`` seconds plus their time
+    at ``min_rate``; past that ``is_set`` raises :class:`TransferTimeout` (the socket's timeout
+    bounds each receive alone, which a byte now and then never trips)."""
+
+    __slots__ = ("flag", "_budget", "_until")
+
+    def __init__(self, flag: Optional[Flag], nbytes: int, limit: float, min_rate: float) -> None:
+        super().__init__()
+        self.flag = flag
+        self._budget = limit + nbytes / min_rate
+        self._until: Optional[float] = None
+
+    def restart(self) -> None:
+        """A new attempt: its clock starts at its first ask."""
+        self._until = None
+
+    def is_set(self) -> bool:
+        now = time.monotonic()
+        if self._until is None:
+            self._until = now + self._budget
+        elif now > self._until:
+            raise TransferTimeout(f"the peer's reply did not land within {self._budget:.1f} s: it trickles")
+        return self._set or (self.flag is not None and self.flag.is_set())
 
 
 class TransferState(str, enum.Enum):
