@@ -50,7 +50,7 @@ from .pool import KVPool
 from .published import Deadlines, Grant, parse_ticket, Record
 from .pushing import run_push
 from .stores import LeasesArg, StoreCache
-from .transfer import Transfer, Workers
+from .transfer import FetchResult, Transfer, Workers
 from .transports.base import Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
 from .transports.sockets import SMALL_REPLY
@@ -535,10 +535,23 @@ class KVSender:
         n = res.num_tokens if num_tokens is None else num_tokens
         h = self._publish(res.request_id, block_ids, n, ttl, L.num_layers if layers_ready is None else layers_ready,
                           leased=False)
-        t = Transfer(res.request_id, L.num_layers, lambda t: run_push(self, t, h, res))
+        t = Transfer(res.request_id, L.num_layers, lambda t: self._run_push(t, h, res))
         t.handle = h
         self.stats.add(pushes=1)
         return self._workers.submit(t)
+
+    def _run_push(self, t: Transfer, h: KVHandle, res: KVHandle) -> FetchResult:
+        """A push reads its blocks for the wire until it ends: it holds them in flight, as a read
+        does, so a revoke, expiry or close meanwhile frees them only once it has."""
+        with self._lock:
+            rec = self._records.get(h.handle_id)
+            if rec is not None:
+                rec.inflight += 1
+        try:
+            return run_push(self, t, h, res)
+        finally:
+            if rec is not None:
+                self._read_done(rec)
 
     def _transport(self, url: str) -> Transport:
         scheme = scheme_of(url)
@@ -746,7 +759,8 @@ class KVSender:
             rec.deadline = max(rec.deadline, sent_at + ttl)
 
     def close(self) -> None:
-        """Stop serving and free every unreleased handle (after its reads drain)."""
+        """Stop serving and free every unreleased handle; returns once the reads and pushes in
+        flight have drained (at most ``Timeout.transfer``) and their blocks were freed."""
         for s in self.servers:
             s.close()
         with self._lock:
@@ -756,6 +770,10 @@ class KVSender:
         for r in recs:
             self._end(r, "closed")
         self._workers.close()
+        end = time.monotonic() + self.timeout.transfer
+        with self._lock:   # reads (their connections shut) and pushes in flight end: their blocks go first
+            while any(r.inflight for r in recs) and time.monotonic() < end:
+                self._lock.wait(0.01)
         if self.pool.engine_allocated and self._on_retire in self.pool.on_retire:
             self.pool.on_retire.remove(self._on_retire)
         if self._watcher is not None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import socket
+import time
 from typing import Any
 
 import pytest
 
 import kvbridge.sender as sender_mod
-from kvbridge import ConfigError, KVLayout, KVPool, KVSender
+from kvbridge import ConfigError, KVLayout, KVPool, KVReceiver, KVSender
+from kvbridge.published import Grant
+from kvbridge.transports.tcp import TCPTransport
+from kvbridge.transports.wire import Kind, encode_request, pack
+
+from ._peer import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,3 +46,70 @@ def test_a_publish_that_close_overtakes_is_refused_and_the_blocks_stay_the_calle
     if allocator == "kvbridge":
         pool.free(ids)                      # the caller's own free, as after any refusal
         assert pool.num_free == 8
+
+
+@pytest.mark.parametrize("end", ["revoke", "close"])
+def test_a_push_holds_its_blocks_until_its_write_has_ended(end: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push reads its blocks for the wire: a revoke or close() meanwhile frees them (and tells
+    on_free, the engine's licence to reuse them) only once the write has ended, and close()
+    returns after that. They used to be freed at once, under the write still sending them."""
+    lay = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
+    spool, rpool = KVPool.allocate(lay, 8), KVPool.allocate(lay, 8)
+    events: list[str] = []
+    real = TCPTransport.write
+
+    def slow_write(self: TCPTransport, *a: Any, **kw: Any) -> int:
+        events.append("write starts")
+        time.sleep(0.5)                                  # a slow link: the blocks are on their way
+        n = real(self, *a, **kw)
+        events.append("write ended")
+        return n
+    monkeypatch.setattr(TCPTransport, "write", slow_write)
+    with KVReceiver(rpool, listen="tcp://127.0.0.1:0", leases=False) as rcv, \
+            KVSender(spool, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: events.append(why)) as snd:
+        rt = rcv.reserve(rpool.alloc(2), "p")
+        t = snd.push(rt.reservation, spool.alloc(2))
+        assert wait_until(lambda: "write starts" in events, 5.0)
+        if end == "revoke":
+            snd.revoke(t.handle)   # type: ignore[arg-type]
+            assert spool.num_free == 6
+        else:
+            snd.close()
+            events.append("close returned")
+        assert t.result(10) is not None
+        assert wait_until(lambda: spool.num_free == 8, 5.0)
+    want = ["write starts", "write ended", "revoked"] if end == "revoke" else \
+        ["write starts", "write ended", "closed", "close returned"]
+    assert events[:len(want)] == want
+
+
+def test_close_returns_once_the_reads_in_flight_have_drained(monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() with a read in flight: the read ends (its connection shut), then its blocks are
+    freed -- before close() returns, so an engine that tears down after close() gets every
+    on_free first. The worker serving the read is slowed here to notice, as on a loaded host;
+    close() used to return at once and the blocks went later, from that worker."""
+    lay = KVLayout.vllm_flash(8, 8, 128, block_size=16, dtype="float16")    # 512 KiB a block
+    pool = KVPool.allocate(lay, 16)
+    freed: list[str] = []
+    real = Grant.close
+
+    def slow_close(self: Grant) -> None:
+        time.sleep(0.3)
+        real(self)
+    monkeypatch.setattr(Grant, "close", slow_close)
+    snd = KVSender(pool, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: freed.append(why))
+    h = snd.publish("slow", pool.alloc(16), 16 * 16)
+    host, port = snd.url.removeprefix("tcp://").rsplit(":", 1)
+    s = socket.socket()
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect((host, int(port)))
+        s.settimeout(5)
+        s.sendall(pack(Kind.READ, 1, encode_request(h.to_bytes())))
+        assert s.recv(4096)                                    # the reply has begun: the read is in flight
+        t0 = time.monotonic()
+        snd.close()
+        assert freed == ["closed"] and pool.num_free == 16
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        s.close()
