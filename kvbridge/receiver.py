@@ -30,6 +30,7 @@ an expiry revokes the lease first and returns only once no write is in flight.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -641,7 +642,7 @@ class KVReceiver:
                    release: bool = True) -> list[FetchResult]:
         """Fetch many handles: claims batched per lease server (one round trip), reads
         pipelined per sender on one connection."""
-        jobs = [self._prepare(h, d, None, release) for h, d in items]
+        jobs = self._prepare_many(items, release)
         claim_batch(self, jobs)
         groups: dict[str, list[tuple[_Job, ReadOp]]] = {}
         for j in jobs:
@@ -670,10 +671,27 @@ class KVReceiver:
                 out.append(self._settle(j))
         return out
 
+    def _prepare_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], release: bool) -> list[_Job]:
+        """Every item checked before any moves (invalid input raises, nothing consumed); no
+        destination block named twice (the fetch landing last would overwrite another's KV)."""
+        jobs = [self._prepare(h, d, None, release) for h, d in items]
+        if len(jobs) > 1 and len({b for j in jobs for b in j.dst}) != sum(len(j.dst) for j in jobs):
+            raise PoolError("two fetches of one batch name the same destination block")
+        return jobs
+
     async def afetch_many(self, items: Sequence[tuple[HandleLike, Sequence[int]]], *,
                           release: bool = True) -> list[FetchResult]:
-        ts = [self.start_fetch(h, d, release=release) for h, d in items]
-        return [await t for t in ts]
+        """Awaitable fetches, each on a worker thread; cancelling the awaiting task cancels
+        every one of them, and it ends once none will land a byte any more."""
+        ts = [self._workers.submit(self._transfer(j)) for j in self._prepare_many(items, release)]
+        try:
+            return [await t for t in ts]
+        except asyncio.CancelledError:
+            for t in ts:
+                t._stop()
+            for t in ts:
+                await t
+            raise
 
     def claim(self, handle: HandleLike) -> Optional[Claim]:
         """Claim a leased handle now, e.g. while its request waits in a decode queue; the later

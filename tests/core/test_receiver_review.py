@@ -50,11 +50,12 @@ class Scripted(Listener):
 
 class HeldReply(Scripted):
     """Sends the DATA header and 1,000 bytes of 0x01, then waits for ``go`` to send the rest
-    (0x02) and the trailer."""
+    (bytes of value ``later``) and the trailer."""
 
-    def __init__(self) -> None:
+    def __init__(self, later: int = 2) -> None:
         self.started = threading.Event()
         self.go = threading.Event()
+        self.later = later
         super().__init__(self._reply)
 
     def _reply(self, c: socket.socket, rid: int) -> None:
@@ -62,7 +63,7 @@ class HeldReply(Scripted):
         c.sendall(b"\x01" * 1000)
         self.started.set()
         self.go.wait(10)
-        c.sendall(b"\x02" * (NBYTES - 1000) + TRAILER.pack(0, 0, 0))
+        c.sendall(bytes([self.later]) * (NBYTES - 1000) + TRAILER.pack(0, 0, 0))
 
 
 def _handle(url: str) -> KVHandle:
@@ -72,13 +73,13 @@ def _handle(url: str) -> KVHandle:
     return dataclasses.replace(h, urls=(url,))
 
 
-def _later_bytes(pool: KVPool) -> int:
-    """Bytes of 0x02 in the pool: what the held replies sent after ``go``."""
-    return sum(int((b.view(-1).view(torch.uint8) == 2).sum()) for b in pool.buffers)
+def _later_bytes(pool: KVPool, later: int = 2) -> int:
+    """Bytes of value ``later`` in the pool: what held replies sent after ``go``."""
+    return sum(int((b.view(-1).view(torch.uint8) == later).sum()) for b in pool.buffers)
 
 
-def _receiver(pool: KVPool, **kw: object) -> KVReceiver:
-    return KVReceiver(pool, leases=False, verify=False, timeout=Timeout(connect=2, transfer=5),
+def _receiver(pool: KVPool, transfer: float = 5.0, **kw: object) -> KVReceiver:
+    return KVReceiver(pool, leases=False, verify=False, timeout=Timeout(connect=2, transfer=transfer),
                       retry=Retry(attempts=1), **kw)  # type: ignore[arg-type]
 
 
@@ -87,7 +88,7 @@ def test_a_cancelled_afetch_task_ends_only_once_no_byte_will_land() -> None:
     ended (the caller may reuse the destination blocks), no byte of the transfer lands."""
     srv = HeldReply()
     dst = KVPool.allocate(L, 8)
-    rcv = _receiver(dst)
+    rcv = _receiver(dst, transfer=2.0)        # the cancelled read ends at the socket's timeout
 
     async def main() -> int:
         task = asyncio.ensure_future(rcv.afetch(_handle(srv.url), [0, 1, 2, 3], release=False))
@@ -152,4 +153,57 @@ def test_close_ends_the_transfers_it_had_not_started() -> None:
     finally:
         srv.go.set()
         srv.close()
+        rcv.close()
+
+
+def test_a_batch_is_checked_whole_before_any_of_it_moves() -> None:
+    """``afetch_many`` with one invalid item raises before any transfer starts (before, the
+    good handles were fetched and released behind the caller's back: their KV gone, their
+    results never seen); ``fetch_many`` and ``afetch_many`` refuse two items naming one
+    destination block (before, both reported ok and one held the other's KV)."""
+    from kvbridge import BadHandle, PoolError
+    src = KVPool.allocate(L, 8)
+    dst = KVPool.allocate(L, 8)
+    with KVSender(src, "inproc://", leases=False) as snd, _receiver(dst) as rcv:
+        a, b = snd.publish("a", src.alloc(2), 32), snd.publish("b", src.alloc(2), 32)
+
+        async def many(items: list) -> list:
+            return await rcv.afetch_many(items)
+        with pytest.raises(BadHandle):
+            asyncio.run(many([(a, [0, 1]), (b"garbage", [2, 3])]))
+        with pytest.raises(PoolError):
+            asyncio.run(many([(a, [0, 1]), (b, [1, 2])]))
+        with pytest.raises(PoolError):
+            rcv.fetch_many([(a, [0, 1]), (b, [1, 2])])
+        assert snd.stats.released == 0 and rcv.stats.fetches == 0
+        assert [r.ok for r in rcv.fetch_many([(a, [0, 1]), (b, [2, 3])])] == [True, True]
+
+
+def test_cancelling_afetch_many_stops_every_transfer_before_it_ends() -> None:
+    """Cancelling the task awaiting ``afetch_many``: every one of its transfers stops, and the
+    task ends only once none of them will land a byte (before, only the first was told: the
+    task ended with the second still landing)."""
+    srvs = [HeldReply(), HeldReply(later=3)]
+    dst = KVPool.allocate(L, 8)
+    rcv = _receiver(dst, transfer=2.0)
+
+    async def main() -> int:
+        task = asyncio.ensure_future(rcv.afetch_many([(_handle(s.url), ids) for s, ids in
+                                                      zip(srvs, ([0, 1, 2, 3], [4, 5, 6, 7]))], release=False))
+        for s in srvs:
+            assert await asyncio.get_running_loop().run_in_executor(None, s.started.wait, 5)
+        await asyncio.sleep(0.1)
+        task.cancel()
+        srvs[0].go.set()              # the first transfer sees its cancel as its next bytes land
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        srvs[1].go.set()              # the second one's bytes come only after the task ended
+        await asyncio.sleep(0.5)
+        return _later_bytes(dst, 3)
+    try:
+        assert asyncio.run(main()) == 0
+    finally:
+        for s in srvs:
+            s.go.set()
+            s.close()
         rcv.close()
