@@ -266,18 +266,28 @@ end
 return out
 """
 
-# ARGV[6] owner ('' = all), [7] limit. Reply: list of views (index members are refs).
+# One page of the index: a script blocks the whole server while it runs, so it looks at most
+# ARGV[10] index entries, from the cursor (ARGV[8] score, ARGV[9] entries of that score already
+# seen; '-inf', 0 to begin) on. ARGV[6] owner ('' = all), [7] most views to return.
+# Reply: {next score ('' = the index is done), next offset, view, view, ...}.
 LIST = PRELUDE + r"""
-redis.call('ZREMRANGEBYSCORE', K_IDX, '-inf', NOW)
-local ids = redis.call('ZRANGE', K_IDX, 0, -1)
-local out, limit = {}, tonumber(ARGV[7])
-for _, ref in ipairs(ids) do
-  if #out >= limit then break end
+if ARGV[8] == '-inf' then redis.call('ZREMRANGEBYSCORE', K_IDX, '-inf', NOW) end
+local page = redis.call('ZRANGE', K_IDX, ARGV[8], '+inf', 'BYSCORE', 'LIMIT', tonumber(ARGV[9]),
+                        tonumber(ARGV[10]), 'WITHSCORES')
+local out, limit = {'', '0'}, tonumber(ARGV[7]) + 2
+local score, off = ARGV[8], tonumber(ARGV[9])
+for i = 1, #page, 2 do
+  local ref = page[i]
+  if page[i + 1] == score then off = off + 1 else score, off = page[i + 1], 1 end
   local h = load(LPREFIX .. ref)
   if h and (ARGV[6] == '' or h.ow == ARGV[6]) then
     local s = eff(h)
     if not gone(s) then out[#out + 1] = view(ref, h, s) end
   end
+  if #out >= limit then break end
+end
+if #page == 2 * tonumber(ARGV[10]) or #out >= limit then
+  out[1], out[2] = score, string.format('%d', off)
 end
 return out
 """

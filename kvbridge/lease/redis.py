@@ -58,6 +58,7 @@ __all__ = ["RedisLeaseStore", "LeaseBatch", "DEFAULT_RETRY", "SCHEMES"]
 T = TypeVar("T")
 SCHEMES = ("redis", "rediss", "unix")
 DEFAULT_RETRY = Retry(attempts=4, backoff=Backoff(base=0.05, cap=0.5), deadline=5.0)
+LIST_PAGE = 500   # index entries one ``list`` script looks at: it blocks the server meanwhile
 
 
 def _lease(view: str, lease_id: str = "") -> Lease:
@@ -228,9 +229,14 @@ class RedisLeaseStore(LeaseStore):
         return _Op("sweep", keys, self._head("") + [owner],
                    lambda r: {i: _STATES.get(s) for i, s in zip(ids, r)})
 
-    def _op_list(self, owner: Optional[str], limit: int) -> _Op:
-        args = self._head("") + [owner or "", int(limit)]
-        return _Op("list", self._common_keys, args, lambda r: [_lease(v) for v in r])
+    def _op_list(self, owner: Optional[str], limit: int,
+                 cursor: tuple[str, int] = ("-inf", 0)) -> _Op:
+        """One page of ``list``: (views, the next page's cursor or None when the index is done)."""
+        args = self._head("") + [owner or "", int(limit), cursor[0], int(cursor[1]), LIST_PAGE]
+
+        def parse(r: Any) -> tuple[list[Lease], Optional[tuple[str, int]]]:
+            return [_lease(v) for v in r[2:]], ((r[0], int(r[1])) if r[0] else None)
+        return _Op("list", self._common_keys, args, parse)
 
     # -- running script calls ----------------------------------------------
     @staticmethod
@@ -390,7 +396,14 @@ class RedisLeaseStore(LeaseStore):
         return self._run(self._op_get(lease_id))  # type: ignore[no-any-return]
 
     def list(self, owner: Optional[str] = None, limit: int = 10_000) -> list[Lease]:
-        return self._run(self._op_list(owner, limit))  # type: ignore[no-any-return]
+        """Up to ``limit`` leases, one round trip per :data:`LIST_PAGE` index entries (one script
+        over the whole index stalled every other lease call on a busy server)."""
+        out: list[Lease] = []
+        cursor: Optional[tuple[str, int]] = ("-inf", 0)
+        while cursor is not None and len(out) < limit:
+            views, cursor = self._run(self._op_list(owner, limit - len(out), cursor))
+            out += views
+        return out
 
     def sweep(self, owner: str, lease_ids: Sequence[str]) -> dict[str, Optional[LeaseState]]:
         if not lease_ids:
@@ -457,7 +470,12 @@ class RedisLeaseStore(LeaseStore):
         return await self._arun(self._op_get(lease_id))  # type: ignore[no-any-return]
 
     async def alist(self, owner: Optional[str] = None, limit: int = 10_000) -> List[Lease]:
-        return await self._arun(self._op_list(owner, limit))  # type: ignore[no-any-return]
+        out: list[Lease] = []
+        cursor: Optional[tuple[str, int]] = ("-inf", 0)
+        while cursor is not None and len(out) < limit:
+            views, cursor = await self._arun(self._op_list(owner, limit - len(out), cursor))
+            out += views
+        return out
 
     async def asweep(self, owner: str,
                      lease_ids: Sequence[str]) -> dict[str, Optional[LeaseState]]:
