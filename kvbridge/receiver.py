@@ -141,6 +141,7 @@ class KVReceiver:
                  listen: Union[str, Sequence[str], None] = None, reservation_ttl: float = 60.0,
                  workers: int = 32, clock_margin: float = 1.0) -> None:
         self.pool = pool
+        self._closed = False
         self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         self.claim_ttl = claim_ttl
         self.clock_margin = clock_margin
@@ -220,6 +221,8 @@ class KVReceiver:
 
     def _prepare(self, handle: HandleLike, dst_block_ids: Sequence[int], indices: Optional[Sequence[int]],
                  release: bool) -> _Job:
+        if self._closed:                  # it would open connections nothing closes any more
+            raise ConfigError("receiver is closed")
         h = self._parse(handle)
         if h.reservation:
             raise BadHandle("this is a reservation (push mode): give it to KVSender.push, not fetch")
@@ -598,7 +601,7 @@ class KVReceiver:
         pool = self.pool
         if (indices is not None or type(h) is not KVHandle or self.secret is not None
                 or h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
-                or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released):
+                or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released or self._closed):
             return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
         # the destination as the fetch begins: read_small and any fallback hold to these generations
         got_dst = dst_snapshot(dst_block_ids, pool.live_generations, len(h.block_ids))
@@ -747,6 +750,7 @@ class KVReceiver:
 
     def close(self) -> None:
         """Stop serving; send the releases still pending (bounded), then close connections."""
+        self._closed = True
         for s in self.servers:
             s.close()
         self._desk.close()

@@ -207,3 +207,25 @@ def test_cancelling_afetch_many_stops_every_transfer_before_it_ends() -> None:
             s.go.set()
             s.close()
         rcv.close()
+
+
+def test_a_closed_receiver_refuses_fetches() -> None:
+    """Every fetch face of a closed receiver raises ConfigError before it does anything (before,
+    ``fetch`` and ``fetch_many`` consumed the handle over new connections that nothing closed
+    any more, and ``start_fetch`` raised a bare RuntimeError); the handle stays fetchable."""
+    from kvbridge import ConfigError
+    src = KVPool.allocate(L, 8)
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("a", src.alloc(2), 32)
+        rcv = _receiver(KVPool.allocate(L, 8))
+        rcv.close()
+
+        async def afetch() -> object:
+            return await rcv.afetch(h, [0, 1])
+        for face in (lambda: rcv.fetch(h, [0, 1]), lambda: rcv.fetch_many([(h, [0, 1])]),
+                     lambda: rcv.start_fetch(h, [0, 1]), lambda: asyncio.run(afetch())):
+            with pytest.raises(ConfigError, match="closed"):
+                face()
+        assert snd.stats.reads == 0
+        with _receiver(KVPool.allocate(L, 8)) as again:
+            assert again.fetch(h, [0, 1]).ok
