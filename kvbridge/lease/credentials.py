@@ -8,7 +8,7 @@ it, has no password; a store opened on a URL naming exactly the server's address
 processes -- and anyone who only sees a handle or a process list -- cannot read or change a
 lease, and the password only goes to the address the server listens on. A password is
 recorded once the server holds its port and forgotten when it stops; files of servers whose
-process died are swept.
+process died (with their owner, or alone) are swept.
 """
 
 from __future__ import annotations
@@ -63,9 +63,11 @@ def _name(address: str) -> str:
     return "lease-" + hashlib.sha256(address.encode()).hexdigest()[:20]
 
 
-def save_password(address: str, password: str) -> str:
-    """Record ``password`` for ``address`` (0600); returns the file's path."""
-    path = os.path.join(credentials_dir(), f"{_name(address)}-{os.getpid()}")
+def save_password(address: str, password: str, server_pid: Optional[int] = None) -> str:
+    """Record ``password`` for ``address`` (0600); returns the file's path. The file lives as long
+    as process ``server_pid`` (the server; default this process): a server that died while its
+    owner lives no longer has its password sent to whoever holds its address next."""
+    path = os.path.join(credentials_dir(), f"{_name(address)}-{server_pid or os.getpid()}")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(password)
@@ -82,15 +84,19 @@ def forget_password(path: str) -> None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-        return True
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
+    try:   # a zombie (dead, not yet reaped by its parent) answers kill(0) too
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def _live_files() -> list[str]:
-    """This user's password files, after sweeping those whose process died (with its server)."""
+    """This user's password files, after sweeping those whose server process died."""
     try:
         folder = credentials_dir()
         names = os.listdir(folder)

@@ -340,9 +340,10 @@ class EmbeddedRedis:
     def _remember(self) -> None:
         """Record the password for this user's other processes (the server holds its port)."""
         if not self._cred_files:
-            self._cred_files = [save_password(f"127.0.0.1:{self.port}", self.password)]
+            pid = self.pid
+            self._cred_files = [save_password(f"127.0.0.1:{self.port}", self.password, pid)]
             if self.unix_path:
-                self._cred_files.append(save_password(self.unix_path, self.password))
+                self._cred_files.append(save_password(self.unix_path, self.password, pid))
 
     def _forget(self) -> None:
         for path in self._cred_files:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,31 @@ def test_list_pages_return_every_lease_once(store: RedisLeaseStore, monkeypatch:
     assert len(store.list()) == 65
     some = store.list("me", limit=10)
     assert len(some) == 10 and len({x.ref for x in some}) == 10 and {x.ref for x in some} <= set(want)
+
+
+def test_password_not_offered_once_its_server_died(make_store: Any) -> None:
+    """Before: a password file lived as long as the process that started the server, so after the
+    server alone died (crashed, OOM-killed) a store opened on its address still sent its password
+    there -- to whoever holds 127.0.0.1:port next -- and a later server of another process of this
+    user on that port could get the wrong one. Now the file lives as long as the server."""
+    import signal
+
+    from kvbridge.lease.credentials import with_password
+
+    srv = EmbeddedRedis().start()
+    try:
+        assert with_password(srv.url) != srv.url and with_password(srv.unix_url) != srv.unix_url
+        assert srv.pid is not None
+        os.kill(srv.pid, signal.SIGKILL)
+        for _ in range(200):
+            if with_password(srv.url) == srv.url:
+                break
+            time.sleep(0.01)
+        assert with_password(srv.url) == srv.url and with_password(srv.unix_url) == srv.unix_url
+        again = EmbeddedRedis(port=srv.port).start()     # a new server there: its own password
+        try:
+            make_store(again.url).publish("x", "owner", ttl_s=5)
+        finally:
+            again.close()
+    finally:
+        srv.close()
