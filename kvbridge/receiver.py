@@ -52,7 +52,7 @@ from .policy import Retry, Timeout
 from .pool import KVPool, retired_during
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Paced, Transfer, Workers
-from .releases import AfterRead, Releaser, claim_batch, release_batch
+from .releases import AfterRead, Recent, Releaser, claim_batch, release_batch
 from .reservations import ReservationDesk
 from .sender import LAYER_WAIT
 from .transports.base import Chunk, ReadOp, Server, Spans, Transport, WriteGrant
@@ -69,33 +69,7 @@ HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 # a device pool is hashed in the host slot its bytes pass through, never read back).
 HASH_AFTER = 256 << 10
 RELEASED_KEPT = 4096    # released handles remembered (far longer than a deferred release takes to land)
-
-
-class _Recent:
-    """The handle ids this receiver released lately: at least the latest ``keep // 2``, at most
-    ``keep``. Two plain dicts, the newer one filled until it holds ``keep // 2`` and then made
-    the older one, the oldest ids dropped with it at once: an insert is one dict store (an
-    OrderedDict insert plus the eviction of its oldest entry touched several times as many
-    cache lines, which a fetch after a large copy finds all evicted)."""
-
-    __slots__ = ("_new", "_old", "_half", "_lock")
-
-    def __init__(self, keep: int) -> None:
-        self._new: dict[bytes, None] = {}
-        self._old: dict[bytes, None] = {}
-        self._half = max(1, keep // 2)
-        self._lock = threading.Lock()
-
-    def __contains__(self, handle_id: bytes) -> bool:
-        return handle_id in self._new or handle_id in self._old
-
-    def add(self, handle_id: bytes) -> None:
-        new = self._new
-        new[handle_id] = None
-        if len(new) >= self._half:
-            with self._lock:            # two threads turning over at once would drop a generation
-                if self._new is new:
-                    self._old, self._new = new, {}
+_Recent = Recent         # its name before it moved to releases.py
 
 
 @dataclass(slots=True)
@@ -159,7 +133,7 @@ class KVReceiver:
         self._lock = threading.Lock()
         # handles without a lease this receiver released (the latest RELEASED_KEPT): their
         # releases may still be on their way, and until they land the sender would serve them
-        self._released = _Recent(2 * RELEASED_KEPT)
+        self._released = Recent(2 * RELEASED_KEPT)
         self._workers = Workers("kvb-fetch", workers)
         self._desk = ReservationDesk(self, secret if secret is not None else os.urandom(32))
         self.servers: list[Server] = []

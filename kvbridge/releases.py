@@ -29,7 +29,7 @@ from .policy import Retry
 if TYPE_CHECKING:
     from .receiver import KVReceiver, _Job
 
-__all__ = ["AfterRead", "ClaimClock", "Releaser", "claim_batch", "release_batch"]
+__all__ = ["AfterRead", "ClaimClock", "Recent", "Releaser", "claim_batch", "release_batch"]
 
 log = logging.getLogger("kvbridge.receiver")
 _limited = RateLimitedLog(log)
@@ -120,6 +120,33 @@ class AfterRead:
         if until is None and all(ttl for _, ttl in kinds):
             until = holds_until(since, self.claim_ttl, margin_s=self.margin_s)
         return until is not None and time.monotonic() < until
+
+
+class Recent:
+    """The handle ids this receiver released lately: at least the latest ``keep // 2``, at most
+    ``keep``. Two plain dicts, the newer one filled until it holds ``keep // 2`` and then made
+    the older one, the oldest ids dropped with it at once: an insert is one dict store (an
+    OrderedDict insert plus the eviction of its oldest entry touched several times as many
+    cache lines, which a fetch after a large copy finds all evicted)."""
+
+    __slots__ = ("_new", "_old", "_half", "_lock")
+
+    def __init__(self, keep: int) -> None:
+        self._new: dict[bytes, None] = {}
+        self._old: dict[bytes, None] = {}
+        self._half = max(1, keep // 2)
+        self._lock = threading.Lock()
+
+    def __contains__(self, handle_id: bytes) -> bool:
+        return handle_id in self._new or handle_id in self._old
+
+    def add(self, handle_id: bytes) -> None:
+        new = self._new
+        new[handle_id] = None
+        if len(new) >= self._half:
+            with self._lock:            # two threads turning over at once would drop a generation
+                if self._new is new:
+                    self._old, self._new = new, {}
 
 
 class Releaser:
