@@ -17,6 +17,9 @@ STATES = {"P": LeaseState.PUBLISHED, "C": LeaseState.CLAIMED,
           "R": LeaseState.RELEASED, "A": LeaseState.ABORTED}
 _UNAVAILABLE = (rx.ConnectionError, rx.TimeoutError, rx.ReadOnlyError, rx.OutOfMemoryError,
                 rx.TryAgainError, rx.ClusterDownError)
+# Replies redis-py leaves as a plain ResponseError that say "not now", not "never": the server
+# is running someone's long script (BUSY; BUSYKEY is another error).
+_BUSY = "BUSY "
 _ACCESS = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
 
 
@@ -35,7 +38,8 @@ def map_redis_error(exc: BaseException, url: str) -> KVBridgeError:
     if isinstance(exc, _ACCESS):
         return ConfigError(f"lease server {where} refused access: {exc}",
                            hint="check the credentials in the URL and the server's ACL")
-    if isinstance(exc, _UNAVAILABLE + (OSError,)):
+    if isinstance(exc, _UNAVAILABLE + (OSError,)) or (isinstance(exc, rx.ResponseError)
+                                                      and str(exc).startswith(_BUSY)):
         return LeaseStoreUnavailable(f"lease server {where} unavailable: {exc}")
     if isinstance(exc, rx.ResponseError):
         return ConfigError(f"lease server {where} rejected a script: {exc}",

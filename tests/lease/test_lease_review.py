@@ -174,3 +174,33 @@ def test_password_not_offered_once_its_server_died(make_store: Any) -> None:
             again.close()
     finally:
         srv.close()
+
+
+def test_server_busy_with_a_long_script_is_retryable(make_store: Any) -> None:
+    """Before: while the server ran someone's long script, its BUSY reply became a final
+    ConfigError ("rejected a script: needs Redis >= 6.2"): the fetch failed for good and told
+    the user to check their Redis version. It is "not now": retried, then served."""
+    import threading
+
+    from kvbridge.policy import Backoff, Retry
+
+    with EmbeddedRedis(extra_args=("--busy-reply-threshold", "50")) as srv:
+        s: RedisLeaseStore = make_store(srv.url, retry=Retry(attempts=100, backoff=Backoff(0.02, 0.1),
+                                                            deadline=20.0))
+        s.publish("a", "owner", ttl_s=30)
+        raw = redis.Redis.from_url(srv.auth_url)
+        started = threading.Event()
+
+        def long_script() -> None:
+            started.set()
+            raw.eval("local t = redis.call('TIME')[1] + 0 while redis.call('TIME')[1] - t < 1 do end", 0)
+        t = threading.Thread(target=long_script)
+        t.start()
+        try:
+            started.wait(5)
+            time.sleep(0.2)                     # past the busy threshold: others get BUSY
+            c = s.claim("a", "dec", 5)
+            s.validate("a", "dec", c.fence)
+        finally:
+            t.join(10)
+            raw.close()
