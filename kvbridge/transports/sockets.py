@@ -11,7 +11,7 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 
@@ -21,9 +21,9 @@ from ..handle import KVHandle
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
-from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, RateGuard, decode_error,
+from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, Paced, RateGuard, decode_error,
                    decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
-                   map_os_error, pack, recv_exact, send_iter, set_os_timeouts, unpack_header, vouch_of)
+                   map_os_error, pack, recv_exact, send_all, send_iter, set_os_timeouts, unpack_header, vouch_of)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
@@ -378,18 +378,21 @@ class SocketServer(Server):
                 body = b"".join(spans.views())
                 conn.sendall(b"".join((head, body, encode_trailer(vouch_of(grant)))))
                 return True
+            # a reader that pauses is waited out; one slower than MIN_RATE after RATE_GRACE (or
+            # taking nothing for Timeout.transfer) is dropped, its read no longer in flight
+            out = cast(socket.socket, Paced(conn, RateGuard(MIN_RATE, RATE_GRACE), self.timeout.transfer))
             if spans.pool.is_host:
-                send_iter(conn, head, spans.iter_views(), RateGuard(MIN_RATE, RATE_GRACE),
+                send_iter(out, head, spans.iter_views(), None,
                           _MORE if conn.family in (socket.AF_INET, socket.AF_INET6) else 0)
             else:
                 ring = self._rings.take()
                 try:
-                    send_staged(conn, spans, ring, head)
+                    send_staged(out, spans, ring, head)
                 finally:
                     self._rings.give(ring)
             # validate-after-read: every byte has been handed to the kernel, so no later change
             # to the pool can alter what was sent; the grant still holds the blocks
-            conn.sendall(encode_trailer(vouch_of(grant)))
+            send_all(out, [encode_trailer(vouch_of(grant))])
         finally:
             grant.close()
         return True

@@ -52,7 +52,7 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS", "FENCE",
            "CLAIM_ME", "TRAILER", "Vouch", "encode_trailer", "check_trailer", "vouch_of", "settle_vouch",
            "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
-           "RateGuard", "MAX_RELEASES", "encode_releases", "decode_releases"]
+           "RateGuard", "Paced", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
 VERSION = 4
@@ -662,6 +662,31 @@ class RateGuard:
         if dt > self.grace and moved < self.min_rate * dt:
             raise TransferTimeout(f"peer moved {moved} bytes in {dt:.1f} s, under the minimum "
                                   f"{self.min_rate:.0f} B/s")
+
+
+class Paced:
+    """A server's socket as the senders of a reply see it (``sendmsg`` only): a reader that pauses
+    is waited out -- the socket's own send timeout is a short tick -- and ``guard`` (a
+    :class:`RateGuard`) is told the reply's bytes sent so far after every send and every timeout,
+    so a reader too slow is dropped, as is one that takes nothing for ``stall`` seconds."""
+
+    def __init__(self, sock: socket.socket, guard: RateGuard, stall: float) -> None:
+        self.sock, self.guard, self.stall = sock, guard, stall
+        self.sent = 0
+
+    def sendmsg(self, buffers: Sequence[memoryview], ancdata: Sequence[object] = (), flags: int = 0) -> int:
+        quiet_since = time.monotonic()
+        while True:
+            try:
+                k = self.sock.sendmsg(buffers, (), flags)
+            except BlockingIOError:
+                if time.monotonic() - quiet_since > self.stall:
+                    raise TransferTimeout(f"the reader took no byte for {self.stall} s") from None
+                self.guard(self.sent)
+                continue
+            self.sent += k
+            self.guard(self.sent)
+            return k
 
 
 def send_all(sock: socket.socket, views: Sequence[memoryview | bytes], guard: Optional[RateGuard] = None) -> int:
