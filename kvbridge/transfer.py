@@ -295,7 +295,10 @@ class Transfer:
         except asyncio.CancelledError:
             # the awaiting task went away: stop moving bytes, and end only once none will land
             # (its caller may hand the destination blocks on as soon as the task has ended)
-            self._stop()
+            if self._on_cancel is None:
+                self._stop()
+            else:                          # a reservation's revokes and waits: off the loop
+                yield from loop.run_in_executor(None, self._stop).__await__()
             if not self.done():
                 fut = loop.create_future()
                 self.add_done_callback(wake)

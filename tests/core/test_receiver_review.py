@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import socket
 import threading
+import time
 from typing import Callable
 
 import pytest
@@ -229,3 +230,56 @@ def test_a_closed_receiver_refuses_fetches() -> None:
         assert snd.stats.reads == 0
         with _receiver(KVPool.allocate(L, 8)) as again:
             assert again.fetch(h, [0, 1]).ok
+
+
+def test_cancelling_a_task_awaiting_a_reservation_ends_it_off_the_event_loop() -> None:
+    """A task awaiting ``reserve()``'s transfer is cancelled while a write into it is stalled:
+    the reservation ends (its blocks take no byte after the task ended) and the wait for the
+    write in flight runs off the event loop (the loop keeps running meanwhile)."""
+    from kvbridge.integrity import layer_checksums, pack_sums
+    from kvbridge.transports.base import Spans
+    from kvbridge.transports.wire import encode_request
+    small = KVLayout.vllm_flash(2, 1, 4, block_size=2, dtype="float16")
+    dst = KVPool.allocate(small, 4)
+    junk = KVPool.allocate(small, 4)
+    for b in junk.buffers:
+        b.view(-1).view(torch.uint8).fill_(0xEE)
+    data = b"".join(bytes(v) for v in Spans.of_blocks(junk, [0, 1]).views())
+    with KVReceiver(dst, listen="tcp://127.0.0.1:0", leases=False, timeout=Timeout(transfer=1.5)) as rcv:
+        t = rcv.reserve([0, 1], "r")
+        host, port = rcv.urls[0].removeprefix("tcp://").rsplit(":", 1)
+        s = socket.create_connection((host, int(port)), timeout=5)
+        sums = pack_sums(layer_checksums(junk, [0, 1], range(0, 2)))
+        s.sendall(pack(Kind.WRITE, 1, encode_request(t.reservation.to_bytes(), None, None, (0, 2), last=True,
+                                                     nbytes=len(data), sums=sums)))
+
+        async def main() -> float:
+            async def wait() -> object:
+                return await t
+            task = asyncio.ensure_future(wait())
+            await asyncio.sleep(0.3)
+            beats: list[float] = []
+
+            async def beat() -> None:
+                while True:
+                    beats.append(asyncio.get_running_loop().time())
+                    await asyncio.sleep(0.02)
+            ticker = asyncio.ensure_future(beat())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            ticker.cancel()
+            return max(b - a for a, b in zip(beats, beats[1:]))
+        try:
+            gap = asyncio.run(main())
+            assert t.state.value == "cancelled"
+            try:
+                s.sendall(data)
+            except OSError:
+                pass
+            time.sleep(0.3)
+            assert not any(bool((b.view(-1).view(torch.uint8) == 0xEE).any()) for b in dst.buffers)
+            assert gap < 0.5, f"the event loop stood still for {gap:.2f} s"
+        finally:
+            s.close()
