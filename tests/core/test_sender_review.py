@@ -113,3 +113,21 @@ def test_close_returns_once_the_reads_in_flight_have_drained(monkeypatch: pytest
         assert time.monotonic() - t0 < 5.0
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("end", ["release", "release_many", "expiry"])
+def test_blocks_the_caller_freed_behind_a_handle_are_not_freed_again(end: str) -> None:
+    """A caller that frees a block it published (its bug) and hands it to another request: when
+    the handle ends, the sender must not free that block again -- it used to, silently, putting
+    the other request's block back on the free list under it (the next alloc would share it)."""
+    pool = KVPool.allocate(L, 1)
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("a", pool.alloc(1), 4, ttl=0.2 if end == "expiry" else 60.0)
+        pool.free([0])                                     # freed behind the handle's back ...
+        assert pool.alloc(1) == [0]                        # ... and now another request's block
+        if end == "release":
+            snd.release_remote(h.to_bytes())
+        elif end == "release_many":
+            assert snd.release_many([h.to_bytes()]) == [None]
+        assert wait_until(lambda: snd.num_live == 0, 5.0)
+        assert pool.refcount(0) == 1 and pool.num_free == 0
