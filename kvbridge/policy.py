@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar
 
-from .errors import RetryableError, TransferTimeout
+from .errors import ConfigError, RetryableError, TransferTimeout
 
 __all__ = ["Backoff", "Retry", "Timeout", "Deadline", "NO_RETRY"]
 
 T = TypeVar("T")
+
+
+def _seconds(owner: str, name: str, value: object, *, zero: bool = False) -> None:
+    """Refuse a duration that is not a finite number of seconds, positive (or ``zero`` allowed):
+    a policy is checked where it is built, not where a socket or ``sleep`` first chokes on it."""
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or value < 0 or (value == 0 and not zero)):
+        raise ConfigError(f"{owner}.{name} must be a finite number of seconds "
+                          f"{'>= 0' if zero else '> 0'}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -23,6 +33,10 @@ class Backoff:
     cap: float = 1.0
     jitter: bool = True
 
+    def __post_init__(self) -> None:
+        _seconds("Backoff", "base", self.base, zero=True)
+        _seconds("Backoff", "cap", self.cap, zero=True)
+
     def delay(self, attempt: int, rng: Optional[random.Random] = None) -> float:
         d: float = min(self.cap, self.base * (2.0 ** attempt))
         if self.jitter:
@@ -32,11 +46,20 @@ class Backoff:
 
 @dataclass(frozen=True)
 class Timeout:
-    """Per-phase limits in seconds: connect, one transfer, and lease TTL."""
+    """Per-phase limits in seconds: connect, one transfer, and lease TTL. Each a finite
+    number of seconds above 0 (:class:`~kvbridge.errors.ConfigError` otherwise).
+
+    ``lease`` is not read by :class:`~kvbridge.KVSender` or :class:`~kvbridge.KVReceiver`:
+    a handle's TTL is ``KVSender(ttl=...)`` / ``publish(ttl=...)`` and a claim's
+    ``KVReceiver(claim_ttl=...)``."""
 
     connect: float = 5.0
     transfer: float = 30.0
     lease: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("connect", "transfer", "lease"):
+            _seconds("Timeout", name, getattr(self, name))
 
 
 class Deadline:
@@ -70,6 +93,17 @@ class Retry:
     backoff: Backoff = field(default_factory=Backoff)
     deadline: Optional[float] = 30.0
     retry_on: tuple[type[BaseException], ...] = (RetryableError,)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.attempts, int) or isinstance(self.attempts, bool) or self.attempts < 1:
+            raise ConfigError(f"Retry.attempts must be an int >= 1 (1: no retry), got {self.attempts!r}")
+        if not isinstance(self.backoff, Backoff):
+            raise ConfigError(f"Retry.backoff must be a Backoff, got {type(self.backoff).__name__}")
+        if self.deadline is not None:
+            _seconds("Retry", "deadline", self.deadline)
+        if not (isinstance(self.retry_on, tuple)
+                and all(isinstance(c, type) and issubclass(c, BaseException) for c in self.retry_on)):
+            raise ConfigError(f"Retry.retry_on must be a tuple of exception classes, got {self.retry_on!r}")
 
     def _should_retry(self, exc: BaseException, attempt: int, dl: Deadline) -> float | None:
         if not isinstance(exc, self.retry_on) or attempt + 1 >= self.attempts:
