@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Protocol, Sequence, TypeVar
 
-from .errors import AccessDenied, BadHandle, HandleNotFound
+from .errors import AccessDenied, BadHandle, ConfigError, HandleNotFound
 
 __all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "compute_mac", "lookup_ticket"]
 
@@ -94,6 +94,9 @@ class _Reader:
 
 
 def _text(s: str) -> bytes:
+    if not isinstance(s, str):      # an engine's int request id (SGLang's bootstrap room), None
+        raise ConfigError(f"handle text fields (request id, codec, URLs) must be str, got {type(s).__name__} "
+                          f"{s!r:.40}", hint="pass str(request_id)")
     b = s.encode("utf-8")
     if len(b) > 0xFFFF:
         raise BadHandle("handle text field over 65535 bytes")
@@ -124,6 +127,14 @@ class KVHandle:
     reservation: bool = False        # push mode: names destination blocks the holder may write
     _raw: Optional[bytes] = field(default=None, init=False, repr=False, compare=False)
     _digest: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # refused where the handle is made -- inside KVSender.publish's undo of a refused publish --
+        # not where it is first encoded (an engine's int request id failed there as AttributeError)
+        if not isinstance(self.request_id, str) or not isinstance(self.codec, str):
+            bad = self.request_id if not isinstance(self.request_id, str) else self.codec
+            raise ConfigError(f"a handle's request id and codec must be str, got {type(bad).__name__} {bad!r:.40}",
+                              hint="pass str(request_id)")
 
     # -- identity ------------------------------------------------------------------------
     @property

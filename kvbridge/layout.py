@@ -92,8 +92,10 @@ class KVLayout:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ConfigError(f"KVLayout.{name} must be a positive int, got {v!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        rank = self.tp_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < self.tp_size:
+            raise ConfigError(f"KVLayout.tp_rank must be an int in 0..{self.tp_size - 1} (tp_size {self.tp_size}), "
+                              f"got {rank!r}")
         if self.kv_order is KVOrder.LATENT and self.num_kv_heads != 1:
             raise ConfigError("an MLA latent layout has num_kv_heads=1")
 

@@ -38,3 +38,30 @@ def test_policies_that_make_sense_are_kept() -> None:
     assert Backoff(base=0.0, cap=0.0).delay(5) == 0.0          # "retry at once" stays allowed
     assert Retry(attempts=1, deadline=None).attempts == 1
     assert Timeout(connect=0.5, transfer=2, lease=1).transfer == 2
+
+
+def test_layout_tp_rank_must_be_an_int() -> None:
+    from kvbridge import KVLayout
+    # tp_rank=1.5 was accepted (every other field is checked to be an int) and went into compat_hash
+    with pytest.raises(ConfigError, match="tp_rank"):
+        KVLayout(2, 2, 8, 12, tp_rank=1.5, tp_size=2)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="tp_rank"):
+        KVLayout(2, 2, 8, 12, tp_rank=-1, tp_size=2)
+    assert KVLayout(2, 2, 8, 12, tp_rank=1, tp_size=2).tp_rank == 1
+
+
+@pytest.mark.parametrize("request_id", [123, None, b"req"])
+def test_publish_with_a_request_id_that_is_not_a_str_is_a_config_error_and_pins_nothing(request_id: object) -> None:
+    """SGLang's bootstrap room is an int: publish(123, ...) raised a raw AttributeError ('int' object
+    has no attribute 'encode') from inside the handle encoder -- without leases, after the engine's
+    blocks were pinned, which then stayed pinned for good."""
+    from kvbridge import KVLayout, KVPool, KVSender
+    layout = KVLayout.vllm_flash(2, 2, 8, block_size=12, dtype="float16")
+    pool = KVPool.allocate(layout, 4, allocator="engine")
+    freed: list[str] = []
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: freed.append(why)) as snd:
+        with pytest.raises(ConfigError, match="must be str"):
+            snd.publish(request_id, [1, 2], 20)  # type: ignore[arg-type]
+        assert [pool.refcount(b) for b in range(4)] == [0, 0, 0, 0] and snd.num_live == 0
+        assert snd.publish("ok", [1, 2], 20).request_id == "ok"
+    assert freed == ["closed"]
