@@ -147,6 +147,10 @@ class SharedSegment:
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
             self.mmap = mmap.mmap(fd, self.size, flags=flags, prot=prot) if self.size else None
+        except OSError as exc:      # no memory or descriptors left: nothing left behind, a mapped error
+            if create:
+                SharedSegment._unlink(path)
+            raise ConfigError(f"cannot map shared memory {path}: {exc}") from None
         finally:
             os.close(fd)
         self.owner = create

@@ -110,7 +110,11 @@ class ShmServer(SocketServer):
         pool = getattr(self.endpoint, "pool", None)
         if (ONE_SIDED and hasattr(self.endpoint, "open_read") and pool is not None
                 and getattr(pool, "segment", None) is not None and getattr(pool, "gen_offset", None) is not None):
-            self.table = HandleTable(pool.num_blocks)
+            try:
+                self.table = HandleTable(pool.num_blocks)
+            except BaseException:
+                self.close()        # its threads and listener go; the real error propagates
+                raise
 
     def published(self, handle_id: bytes, raw: bytes) -> None:
         if self.table is not None:

@@ -4,6 +4,7 @@ server and pooled client connections. Frames are defined in :mod:`.wire`."""
 from __future__ import annotations
 
 import atexit
+import errno
 import logging
 import os
 import queue
@@ -16,8 +17,9 @@ from typing import Any, Callable, Optional, cast
 import torch
 
 from .. import blockcopy
-from ..errors import ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
+from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
 from ..handle import KVHandle
+from ..logs import RateLimitedLog
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .staging import RingPool, copy_slices, device_slices, send_staged
@@ -28,6 +30,7 @@ from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kin
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
 log = logging.getLogger("kvbridge.sockets")
+_limited = RateLimitedLog(log)
 IDLE_TIMEOUT = 300.0
 DISCARD_LIMIT = 4 << 20    # a refused write's bytes up to this are skipped (at MIN_RATE at least, after
                            # RATE_GRACE); past it the connection closes
@@ -36,6 +39,7 @@ WORKERS = 64               # threads serving active connections, per server
 PARK_AFTER = 0.25          # seconds idle before a connection leaves its worker for the selector
 CONTROL_BUDGET = 64 << 20  # control-frame bytes all connections of a server may buffer at once
 MAX_PING = 64              # PING payload echoed back, at most
+ACCEPT_BACKOFF = 0.05     # seconds the accept loop waits after a failed accept (no fds left)
 LINGER = 1.0               # seconds a connection closed on an error reply goes on discarding input
 MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
 RATE_GRACE = 2.0
@@ -88,8 +92,16 @@ class SocketServer(Server):
         self._workers = 0
         self._waiting = 0                       # workers waiting for a connection to serve
         self._queued = 0                        # connections put in _ready and not yet taken
-        self._sel = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()     # close() wakes the selector at once
+        try:
+            self._sel = selectors.DefaultSelector()
+            try:
+                self._wake_r, self._wake_w = socket.socketpair()     # close() wakes the selector at once
+            except OSError:
+                self._sel.close()
+                raise
+        except OSError as exc:     # no file descriptors left: nothing left open, a mapped error
+            listener.close()
+            raise ConfigError(f"cannot serve {url}: {exc}") from None
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._parked: dict[socket.socket, float] = {}
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
@@ -118,8 +130,14 @@ class SocketServer(Server):
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
-                break
+            except OSError as exc:
+                if self._closed.is_set() or exc.errno in (errno.EBADF, errno.EINVAL):
+                    break
+                # out of file descriptors or memory (EMFILE, ENOBUFS, ...), or a peer gone before it
+                # was taken: the server goes on (it used to stop accepting for good)
+                _limited.log(logging.WARNING, "accept", "%s: accept failed: %s", self.url, exc)
+                time.sleep(ACCEPT_BACKOFF)
+                continue
             tune(conn)
             with self._lock:
                 full = len(self._conns) >= self.max_connections

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -123,3 +126,82 @@ def test_a_slow_reader_of_a_device_pool_is_dropped() -> None:
             assert snd.revoke(h) and freed == ["revoked"]      # nothing in flight any more: freed at once
         finally:
             s.close()
+
+
+_FD_FLOOD = r"""
+import os, resource, socket, sys, time
+from kvbridge import KVLayout, KVPool, KVSender
+from kvbridge.transports.wire import HEADER, Kind, pack, unpack_header
+pool = KVPool.allocate(KVLayout.vllm_flash(1, 1, 8, block_size=4, dtype="float16"), 4)
+snd = KVSender(pool, "tcp://127.0.0.1:0", leases=False)
+host, port = snd.url.removeprefix("tcp://").rsplit(":", 1)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 40, hard))
+socks = []
+try:
+    for _ in range(100):                 # both ends live here: the process runs out of fds
+        socks.append(socket.create_connection((host, int(port)), timeout=2))
+except OSError:
+    pass
+time.sleep(0.5)                          # the server's accepts fail meanwhile
+for s in socks:
+    s.close()
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+s = socket.create_connection((host, int(port)), timeout=2)
+s.sendall(pack(Kind.PING, 7, b"hi"))
+try:
+    kind, rid, n = unpack_header(s.recv(HEADER.size, socket.MSG_WAITALL))
+    print("PONG" if kind is Kind.PONG and rid == 7 else kind.name)
+except OSError as exc:
+    print("no answer:", exc)
+"""
+
+
+def test_the_server_goes_on_accepting_after_running_out_of_file_descriptors() -> None:
+    """Peers holding as many connections as the process has file descriptors make accept() fail
+    (EMFILE). The accept loop used to end on any error: once they left, the server never took a
+    connection again (receivers connected to the backlog and waited out their timeouts). Now it
+    waits a moment and goes on: a new connection is served once descriptors are back."""
+    out = subprocess.run([sys.executable, "-c", _FD_FLOOD], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "PONG", (out.stdout, out.stderr[-2000:])
+
+
+_FD_SHORT = r"""
+import json, os, resource, threading, time
+from kvbridge import KVBridgeError, KVLayout, KVPool, KVSender
+out = []
+for url in ("tcp://127.0.0.1:0", "shm://"):
+    pool = KVPool.allocate(KVLayout.vllm_flash(1, 1, 8, block_size=4, dtype="float16"), 4, shared=url == "shm://")
+    KVSender(pool, url, leases=False).close()             # imports and lazy state settled
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for extra in range(8):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fds + extra, hard))
+        try:
+            KVSender(pool, url, leases=False).close()
+            what = "ok"
+        except KVBridgeError as exc:
+            what = type(exc).__name__
+        except OSError as exc:
+            what = "raw " + repr(exc)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        time.sleep(0.3)                                    # threads of a closed server end
+        left = [n for n in os.listdir("/dev/shm") if n.startswith(f"kvb-{os.getpid()}-")
+                and n != pool.segment.name]
+        out.append([url, extra, what, len(os.listdir("/proc/self/fd")) - fds,
+                    threading.active_count() - threads, left])
+    pool.close()
+print(json.dumps(out))
+"""
+
+
+def test_a_sender_that_cannot_open_its_server_leaves_nothing_and_raises_a_mapped_error() -> None:
+    """KVSender() with the process out of file descriptors, at each point its servers open one:
+    it works, or raises a kvbridge error and leaves no descriptor, thread or shared-memory segment.
+    It used to raise a raw OSError (a selector's or socketpair's, an mmap's dup of the table
+    segment's descriptor), leaving the listener's descriptor, or a /dev/shm segment, behind."""
+    got = subprocess.run([sys.executable, "-c", _FD_SHORT], capture_output=True, text=True, timeout=60)
+    rows = json.loads(got.stdout.strip().splitlines()[-1])
+    bad = [r for r in rows if not (r[2] == "ok" or r[2] == "ConfigError") or r[3] or r[4] > 0 or r[5]]
+    assert not bad and any(r[2] == "ok" for r in rows), rows
