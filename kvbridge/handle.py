@@ -331,7 +331,10 @@ def lookup_ticket(table: Mapping[bytes, _R], raw: bytes, key: bytes, what: str =
     try:
         h.verify(key)
     except BadHandle:
-        raise BadHandle(f"{what} MAC does not verify: it was altered or forged, or not issued here") from None
+        # the text travels to the peer (a hint does not): say what an engine meets most, a restart
+        raise BadHandle(f"{what} MAC does not verify: it was altered or forged, or not issued here -- e.g. issued "
+                        "before this peer restarted, its KV gone: re-prefill (a persistent secret= makes such "
+                        "tickets HandleNotFound, REPREFILL)") from None
     if rec is None:
         raise HandleNotFound(f"{what} {h.id} of request {h.request_id!r} is not live here "
                              "(released, expired or never issued)")

@@ -65,3 +65,18 @@ def test_publish_with_a_request_id_that_is_not_a_str_is_a_config_error_and_pins_
         assert [pool.refcount(b) for b in range(4)] == [0, 0, 0, 0] and snd.num_live == 0
         assert snd.publish("ok", [1, 2], 20).request_id == "ok"
     assert freed == ["closed"]
+
+
+def test_a_handle_from_before_its_sender_restarted_says_so() -> None:
+    """Without a shared secret a restarted sender cannot tell its earlier handles from forgeries: the
+    refusal stays BadHandle, but its text said only 'pass the handle exactly as the sender produced
+    it' -- which the engine did. It names the restart and the way to get REPREFILL instead."""
+    from kvbridge import BadHandle, KVLayout, KVPool, KVReceiver, KVSender
+    layout = KVLayout.vllm_flash(2, 2, 8, block_size=12, dtype="float16")
+    src, dst = KVPool.allocate(layout, 4, allocator="engine"), KVPool.allocate(layout, 4, allocator="engine")
+    first = KVSender(src, "tcp://127.0.0.1:0", leases=False)
+    h = first.publish("r", [1, 2], 20)
+    first.close()
+    with KVSender(src, first.url, leases=False), KVReceiver(dst, leases=False) as rcv:
+        res = rcv.fetch(h, [0, 3])
+    assert isinstance(res.error, BadHandle) and "restarted" in str(res.error) and "secret" in str(res.error)
