@@ -494,6 +494,12 @@ class SocketServer(Server):
         for c in parked:
             self._unpark(c)
             self._drop(c)
+        while True:        # connections queued for a worker: none takes them now (they leaked)
+            try:
+                c, _ = self._ready.get_nowait()
+            except queue.Empty:
+                break
+            self._drop(c)
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()

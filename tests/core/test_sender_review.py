@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from typing import Any
@@ -131,3 +132,26 @@ def test_blocks_the_caller_freed_behind_a_handle_are_not_freed_again(end: str) -
             assert snd.release_many([h.to_bytes()]) == [None]
         assert wait_until(lambda: snd.num_live == 0, 5.0)
         assert pool.refcount(0) == 1 and pool.num_free == 0
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/fd"), reason="counts descriptors in Linux /proc")
+def test_close_leaves_no_connection_open_that_a_worker_never_took() -> None:
+    """close() while a burst of connections waits for the server's workers: each is closed too.
+    Those still queued for a worker were left open for good (hundreds of descriptors a close)."""
+    pool = KVPool.allocate(L, 4)
+    KVSender(pool, "tcp://127.0.0.1:0", leases=False).close()        # lazy imports and state settled
+    base = _fds()
+    for _ in range(2):
+        snd = KVSender(pool, "tcp://127.0.0.1:0", leases=False)
+        host, port = snd.url.removeprefix("tcp://").rsplit(":", 1)
+        socks = [socket.create_connection((host, int(port)), timeout=5) for _ in range(300)]
+        for s in socks:
+            s.sendall(pack(Kind.PING, 1, b""))
+        snd.close()
+        for s in socks:
+            s.close()
+    assert wait_until(lambda: _fds() <= base, 5.0), _fds() - base
