@@ -64,6 +64,7 @@ FreeReason = str   # "released" | "aborted" | "expired" | "revoked" | "retired" 
 SWEEP_INTERVAL = 1.0
 EVENT_BATCH = 0.005   # seconds the lease watcher waits after a batch of events before reading more
 LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
+LEASE_DOWN_WAIT = 1.0   # seconds after a revoke found the lease server down during which none is tried
 
 
 class KVSender:
@@ -95,6 +96,7 @@ class KVSender:
         self.pool = pool
         self.servers: list[Server] = []
         self._closed = False
+        self._ended_all = False   # close() has ended every handle (the sweeper may stop once none is pending)
         self._sweeper: Optional[threading.Thread] = None
         self._watcher: Optional[threading.Thread] = None
         self.leases: Optional[LeaseStore] = None
@@ -115,6 +117,7 @@ class KVSender:
         self._by_block: dict[int, dict[int, Record]] = {}
         self._pending: list[Record] = []
         self._deadlines = Deadlines()   # local deadlines, earliest first (the sweeper's)
+        self._lease_down_until = 0.0    # monotonic: revokes wait until then (the lease server was down)
         self._mutex = threading.RLock()   # taken bare on the hot paths; the conditions below share it
         self._lock = threading.Condition(self._mutex)
         self._ready_cv = threading.Condition(self._mutex)  # one lock, two conditions
@@ -605,10 +608,18 @@ class KVSender:
             return True
         if revoke:
             assert self.leases is not None
-            # Revoke in Redis first: after this, no claimer's validate can succeed.
+            # Revoke in Redis first: after this, no claimer's validate can succeed. Within a moment
+            # of a revoke that found the lease server down, none is tried: each would wait out its
+            # retries (a close() or sweep of many handles took minutes); freeing at the deadline is safe.
+            down = time.monotonic() < self._lease_down_until
             try:
-                self.leases.revoke(rec.handle.lease_id, self.owner)
+                if not down:
+                    self.leases.revoke(rec.handle.lease_id, self.owner)
             except LeaseStoreUnavailable:
+                down, self._lease_down_until = True, time.monotonic() + LEASE_DOWN_WAIT
+            except StaleHandle:
+                pass   # already gone in Redis
+            if down:
                 if time.monotonic() < rec.deadline:
                     _limited.log(logging.WARNING, "revoke", "cannot revoke %s (lease server down); freeing at "
                                  "its deadline", rec.handle.request_id)
@@ -618,8 +629,6 @@ class KVSender:
                         self._pending.append(rec)
                         self._lock.notify_all()
                     return True
-            except StaleHandle:
-                pass   # already gone in Redis
         with self._lock:
             rec.revoking = False
             free_now = rec.inflight == 0
@@ -699,7 +708,7 @@ class KVSender:
         """Local deadlines: expire unreleased handles; free revoked ones Redis never heard of."""
         while True:
             with self._lock:
-                if self._closed and not self._pending:
+                if self._ended_all and not self._pending:
                     return
                 now = time.monotonic()
                 due = self._deadlines.due(now, self._records)
@@ -778,9 +787,11 @@ class KVSender:
         with self._lock:
             self._closed = True
             recs = list(self._records.values())
-            self._lock.notify_all()
         for r in recs:
             self._end(r, "closed")
+        with self._lock:   # only now may the sweeper stop: ends above may have left frees to it
+            self._ended_all = True
+            self._lock.notify_all()
         self._workers.close()
         end = time.monotonic() + self.timeout.transfer
         with self._lock:   # reads (their connections shut) and pushes in flight end: their blocks go first
