@@ -25,19 +25,28 @@ from ..errors import ConfigError
 __all__ = ["credentials_dir", "save_password", "forget_password", "with_password", "address_of", "sweep"]
 
 
-def credentials_dir() -> str:
-    """This user's private folder (created 0700; refused if anyone else could use it)."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    path = os.path.join(base, f"kvbridge-leases-{os.getuid()}")
+def private_folder(path: str, purpose: str, close_readable: bool = False) -> str:
+    """``path``, created 0700 if missing; refused unless it is a folder (not a link) of this user
+    that nobody else may use -- in a shared temp directory anyone may have made it first. With
+    ``close_readable``, one of this user's that others could only read and enter (e.g. 0755:
+    nobody else can have put anything in it) is closed to them (0700) instead."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & (0o022 if close_readable else 0o077):
         raise ConfigError(f"{path} must be a folder owned by this user with mode 0700; refusing to keep "
-                          "lease server passwords there")
+                          f"{purpose} there")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
     return path
+
+
+def credentials_dir() -> str:
+    """This user's private folder for lease server passwords."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    return private_folder(os.path.join(base, f"kvbridge-leases-{os.getuid()}"), "lease server passwords")
 
 
 def address_of(url: str) -> Optional[str]:

@@ -32,6 +32,7 @@ from typing import Any, Optional, TextIO
 
 from ..errors import ConfigError
 from ..lease import EmbeddedRedis
+from ..lease.credentials import private_folder
 from .proxy import Proxy, ProxyConfig
 from .http import bind_socket, get_json
 from .signals import StopSignals
@@ -42,9 +43,15 @@ from .tokenizer import load_tokenizer
 __all__ = ["UpConfig", "Cluster", "state_path", "running_states", "default_log_dir", "worker_command"]
 
 
+def _user_dir() -> str:
+    """``$TMPDIR/kvbridge-<uid>``: where ``kvbridge up`` keeps its state and default logs."""
+    return os.path.join(tempfile.gettempdir(), f"kvbridge-{os.getuid()}")
+
+
 def default_log_dir(pid: Optional[int] = None) -> str:
-    """Where ``kvbridge up`` of process ``pid`` writes worker logs unless told otherwise."""
-    return os.path.join(tempfile.gettempdir(), f"kvbridge-{os.getuid()}", f"up-{pid or os.getpid()}")
+    """Where ``kvbridge up`` of process ``pid`` writes worker logs unless told otherwise (in
+    :func:`_user_dir`, which must be this user's alone: checked when it is used)."""
+    return os.path.join(_user_dir(), f"up-{pid or os.getpid()}")
 
 
 def worker_command() -> list[str]:
@@ -58,18 +65,32 @@ def worker_command() -> list[str]:
 
 def state_path(pid: Optional[int] = None) -> str:
     """Where the ``kvbridge up`` of process ``pid`` records its URLs and pids."""
-    return os.path.join(tempfile.gettempdir(), f"kvbridge-up-{os.getuid()}-{pid or os.getpid()}.json")
+    return os.path.join(_user_dir(), f"up-{pid or os.getpid()}.json")
 
 
 def running_states() -> list[dict[str, Any]]:
-    """States of the ``kvbridge up`` deployments of this user that are still running, newest first."""
+    """States of the ``kvbridge up`` deployments of this user that are still running, newest
+    first. Only this user's private folder is read; the states of deployments whose parent is
+    gone (killed) are removed."""
+    try:
+        folder = private_folder(_user_dir(), "kvbridge up's state", close_readable=True)
+    except (ConfigError, OSError):
+        return []
     found = []
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"kvbridge-up-{os.getuid()}-*.json")):
+    for path in glob.glob(os.path.join(folder, "up-*.json")):
         try:
             with open(path) as f:
                 state = json.load(f)
-            os.kill(int(state["parent_pid"]), 0)
+            pid = int(state["parent_pid"])
         except (OSError, ValueError, KeyError, TypeError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            continue
+        except OSError:
             continue
         found.append((os.path.getmtime(path), state))
     return [s for _, s in sorted(found, key=lambda x: x[0], reverse=True)]
@@ -192,6 +213,7 @@ class Cluster:
         t0 = time.monotonic()
         self._sock = bind_socket(c.host, c.port)  # before anything starts: a busy --port fails here
         try:
+            private_folder(_user_dir(), "kvbridge up's logs and state", close_readable=True)
             os.makedirs(self.log_dir, exist_ok=True)
             self._say(f"logs in {self.log_dir}" + ("" if self.keep_logs else " (removed on a clean exit; "
                                                                             "--keep-logs keeps them)"))
@@ -266,7 +288,8 @@ class Cluster:
                 f"goodput {s['goodput_fraction'] * 100:.0f}%")
 
     def wait(self, progress: bool = True, interval: float = 5.0) -> None:
-        """Block until SIGINT/SIGTERM; report workers that exit and show progress when it changes.
+        """Block until SIGINT/SIGTERM/SIGHUP; report workers (and the embedded lease server) that
+        exit, and show progress when it changes.
 
         A dead worker is not restarted: the proxy routes around it (decode) or answers with a
         clear error (prefill, colocated), and ``/health`` says ``degraded``.
@@ -283,6 +306,11 @@ class Cluster:
                         self.clean = False
                         self._say(f"{ch.role} worker pid {ch.proc.pid} exited with code {ch.proc.returncode} "
                                   f"(log: {ch.log_path})")
+                if self.redis is not None and not self.redis.running and -1 not in reported:
+                    reported.add(-1)
+                    self.clean = False
+                    self._say("the embedded lease server exited: every publish and fetch fails until "
+                              "kvbridge up is restarted")
                 if progress and self.proxy is not None and time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + interval
                     line = self.progress_line()
