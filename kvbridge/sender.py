@@ -541,7 +541,11 @@ class KVSender:
         t = Transfer(res.request_id, L.num_layers, lambda t: self._run_push(t, h, res))
         t.handle = h
         self.stats.add(pushes=1)
-        return self._workers.submit(t)
+        with self._lock:   # submitted before close() stops the workers; else it fails here, at once
+            if not self._closed:
+                return self._workers.submit(t)
+        t._run()           # close() ended its handle: it fails and tells the receiver (WABORT)
+        return t
 
     def _run_push(self, t: Transfer, h: KVHandle, res: KVHandle) -> FetchResult:
         """A push reads its blocks for the wire until it ends: it holds them in flight, as a read

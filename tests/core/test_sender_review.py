@@ -176,3 +176,27 @@ def test_close_with_the_lease_server_down_does_not_wait_on_each_handle() -> None
         assert time.monotonic() - t0 < 3.0
         assert freed == [] and pool.num_free == 24       # Redis may still hold the leases: kept until the deadline
         assert wait_until(lambda: pool.num_free == 64, 10.0) and freed == ["closed"] * 40
+
+
+def test_a_push_that_close_overtakes_fails_in_its_transfer() -> None:
+    """close() landing between a push's publish and the hand-over to the sender's workers: the
+    push returns its Transfer, failed (its handle ended "closed", on_free told once), never a raw
+    RuntimeError("workers are closed") after the blocks were already freed -- a caller taking
+    that for a refusal freed them again."""
+    lay = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
+    spool, rpool = KVPool.allocate(lay, 8), KVPool.allocate(lay, 8)
+    freed: list[str] = []
+    with KVReceiver(rpool, listen="tcp://127.0.0.1:0", leases=False) as rcv:
+        snd = KVSender(spool, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: freed.append(why))
+        rt = rcv.reserve(rpool.alloc(2), "p")
+        real = snd.stats.add
+
+        def closing(**kw: Any) -> None:
+            if "pushes" in kw:
+                snd.close()            # close() lands between the push's publish and its submit
+            real(**kw)
+        snd.stats.add = closing        # type: ignore[method-assign]
+        t = snd.push(rt.reservation, spool.alloc(2))   # type: ignore[arg-type]
+        res = t.result(10)
+        assert res is not None and not res.ok and res.error is not None
+        assert freed == ["closed"] and spool.num_free == 8
