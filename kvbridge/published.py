@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
@@ -12,13 +13,16 @@ from .errors import BadHandle
 from .frames import FrameStore
 from .handle import KVHandle
 from .lease import Claim
+from .pool import KVPool
 from .transports.base import Spans
 from .transports.wire import Vouch
 
 if TYPE_CHECKING:
     from .sender import KVSender
 
-__all__ = ["Record", "Grant", "Deadlines", "parse_ticket"]
+__all__ = ["Record", "Grant", "Deadlines", "parse_ticket", "still_ours"]
+
+log = logging.getLogger("kvbridge.sender")
 
 
 @dataclass
@@ -119,6 +123,19 @@ class Grant:
         if not self.closed:
             self.closed = True
             self.sender._read_done(self.rec)
+
+
+def still_ours(pool: KVPool, rec: Record) -> list[int]:
+    """The blocks to free of an ended record: in a kvbridge-allocated pool, not those whose
+    generation moved on -- the caller freed them behind the handle's back, and another request
+    may hold them now: freed again, its block would go back to the free list under it."""
+    if pool.engine_allocated or pool.same_generations(rec.block_ids, rec.handle.generations):
+        return rec.block_ids
+    gens = pool.live_generations
+    ours = [b for b, g in zip(rec.block_ids, rec.handle.generations) if gens[b] == g]
+    log.error("blocks of %s were freed behind its back (%d of %d); not freed again",
+              rec.handle.request_id, len(rec.block_ids) - len(ours), len(rec.block_ids))
+    return ours
 
 
 def parse_ticket(ticket: Union[KVHandle, bytes, dict[str, Any]]) -> KVHandle:

@@ -47,7 +47,7 @@ from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout
 from .pool import KVPool
-from .published import Deadlines, Grant, parse_ticket, Record
+from .published import Deadlines, Grant, parse_ticket, Record, still_ours
 from .pushing import run_push
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
@@ -657,7 +657,7 @@ class KVSender:
     def _release_blocks(self, rec: Record) -> None:
         """Give a record's blocks back (once: the caller set ``rec.freed`` under the lock)."""
         try:
-            self.pool.free(self._still_ours(rec))
+            self.pool.free(still_ours(self.pool, rec))
         except PoolError as exc:   # the engine freed them behind our back
             log.error("freeing blocks of %s: %s", rec.handle.request_id, exc)
         if rec.frames is not None:
@@ -669,11 +669,11 @@ class KVSender:
         """:meth:`_release_blocks` of records that ended together (all for the same reason):
         their blocks freed in one pass, one by one only if that pass is refused."""
         try:
-            self.pool.free([b for r in recs for b in self._still_ours(r)])
+            self.pool.free([b for r in recs for b in still_ours(self.pool, r)])
         except PoolError:          # some were freed behind our back: find which, free the rest
             for r in recs:
                 try:
-                    self.pool.free(self._still_ours(r))
+                    self.pool.free(still_ours(self.pool, r))
                 except PoolError as exc:
                     log.error("freeing blocks of %s: %s", r.handle.request_id, exc)
         for r in recs:
@@ -682,18 +682,6 @@ class KVSender:
         self.stats.ended(recs[0].reason, sum(len(r.block_ids) for r in recs), len(recs))
         for r in recs:
             self._tell_engine(r)
-
-    def _still_ours(self, rec: Record) -> list[int]:
-        """The blocks to free of an ended record: in a kvbridge-allocated pool, not those whose
-        generation moved on -- the caller freed them behind the handle's back, and another request
-        may hold them now: freed again, its block would go back to the free list under it."""
-        if self.pool.engine_allocated or self.pool.same_generations(rec.block_ids, rec.handle.generations):
-            return rec.block_ids
-        gens = self.pool.live_generations
-        ours = [b for b, g in zip(rec.block_ids, rec.handle.generations) if gens[b] == g]
-        log.error("blocks of %s were freed behind its back (%d of %d); not freed again",
-                  rec.handle.request_id, len(rec.block_ids) - len(ours), len(rec.block_ids))
-        return ours
 
     def _tell_engine(self, rec: Record) -> None:
         """``on_free``: the engine may reuse the blocks now."""
