@@ -686,9 +686,26 @@ class KVReceiver:
             self.retry.call(lambda: store.renew(h.lease_id, claim.claimer, self.claim_ttl if ttl is None else ttl,
                                                 claim.fence), self._on_retry)
 
-    def release(self, handle: KVHandle, wait: bool = True) -> bool:
-        """Tell the sender the KV is consumed (for handles without a lease). Failure is logged:
-        the sender frees at expiry. ``wait=False`` sends without waiting for the answer."""
+    def release(self, handle: HandleLike, wait: bool = True) -> bool:
+        """Tell the sender the KV is consumed -- after ``fetch(..., release=False)`` -- or that this
+        side will not read it (a request aborted before its fetch): the sender's blocks come
+        back now rather than at the handle's TTL. A leased handle is released through its lease
+        on this thread (claimed first where this receiver had not: claims are re-entrant); an
+        unleased one through its sender (``wait=False``: without waiting for the answer).
+        Returns False, with a log line, where that failed (the sender then frees at expiry)."""
+        handle = self._parse(handle)
+        store = self.lease_store(handle)
+        if store is not None:
+            h = handle
+            try:
+                c = self._claim(store, h)
+                assert c is not None
+                self.retry.call(lambda: store.release(h.lease_id, c.claimer, c.fence), self._on_retry)
+            except KVBridgeError as exc:
+                log.warning("release of %s through its lease failed: %s", h.request_id, exc)
+                return False
+            self.stats.add(released=1)
+            return True
         for url in handle.urls:
             try:
                 self.transport(url).release(url, handle, wait)
