@@ -45,7 +45,7 @@ from .integrity import block_checksums, layer_checksums, pack_sums
 from .logs import RateLimitedLog
 from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
-from .policy import Retry, Timeout
+from .policy import Retry, Timeout, _seconds
 from .pool import KVPool
 from .published import Deadlines, Grant, parse_ticket, Record, still_ours
 from .pushing import run_push
@@ -85,6 +85,7 @@ class KVSender:
                  lease_namespace: str = "kvb", clock_margin: float = 1.0, retry: Retry = Retry(),
                  claim_ttl: float = 30.0, codec: str = "raw", link_gbps: Optional[float] = None,
                  allow_lossy: bool = False) -> None:
+        _seconds("KVSender", "ttl", ttl)
         if codec != "auto":
             check_codec(codec)
         elif link_gbps is None:
@@ -208,6 +209,7 @@ class KVSender:
         if layerwise and not 0 <= int(layers_ready) <= L.num_layers:  # type: ignore[arg-type]
             raise ConfigError(f"layers_ready={layers_ready} outside 0..{L.num_layers}")
         ttl = self.ttl if ttl is None else ttl
+        _seconds("publish", "ttl", ttl)   # nan, inf, 0 or less: refused, not a raw error or a dead handle
         check_codec(codec)
         if self.pool.engine_allocated:
             self.pool.pin(ids)
@@ -763,6 +765,7 @@ class KVSender:
             rec = self._records.get(handle.handle_id)
         if rec is None:
             raise HandleNotFound(f"handle {handle.id} is not live")
+        _seconds("renew", "ttl", ttl)
         sent_at = time.monotonic()
         if self.leases is not None and rec.handle.lease_id:
             self.leases.renew(rec.handle.lease_id, self.owner, ttl)

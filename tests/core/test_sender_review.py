@@ -200,3 +200,21 @@ def test_a_push_that_close_overtakes_fails_in_its_transfer() -> None:
         res = t.result(10)
         assert res is not None and not res.ok and res.error is not None
         assert freed == ["closed"] and spool.num_free == 8
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), 0.0, -1.0])
+def test_a_ttl_that_means_nothing_is_refused_before_anything_is_taken(ttl: float) -> None:
+    """publish(ttl=nan or inf) raised a raw ValueError or OverflowError; without leases a TTL of 0
+    or less was taken, handing out a handle already expired (leased ones refused it). Now each is
+    a ConfigError, the blocks stay the caller's; KVSender(ttl=...) and renew() check it too."""
+    pool = KVPool.allocate(L, 4)
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False) as snd:
+        ids = pool.alloc(1)
+        with pytest.raises(ConfigError, match="ttl"):
+            snd.publish("r", ids, 4, ttl=ttl)
+        assert pool.refcount(ids[0]) == 1 and snd.num_live == 0
+        h = snd.publish("r", ids, 4)
+        with pytest.raises(ConfigError, match="ttl"):
+            snd.renew(h, ttl)
+    with pytest.raises(ConfigError, match="ttl"):
+        KVSender(pool, "tcp://127.0.0.1:0", leases=False, ttl=ttl)
