@@ -27,6 +27,7 @@ from __future__ import annotations
 import ctypes
 import math
 import mmap
+import operator
 import os
 import re
 import secrets
@@ -37,14 +38,14 @@ import threading
 import warnings
 import weakref
 from collections import deque
-from typing import Callable, Iterable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
-from .errors import ConfigError, LayoutMismatch, PoolError, ProtocolError
+from .errors import ConfigError, LayoutMismatch, PoolError, ProtocolError, TransferCancelled
 from .layout import KVLayout, KVOrder
 
-__all__ = ["KVPool", "SharedSegment", "retired_during", "sweep_dead_segments"]
+__all__ = ["KVPool", "SharedSegment", "block_id_list", "retired_during", "sweep_dead_segments"]
 
 _ALIGN = 4096
 GEN_SIZE = 4   # bytes per block in a shared pool's generation table (native-endian u32)
@@ -194,9 +195,22 @@ class SharedSegment:
             self._finalizer()
 
 
-def retired_during(request_id: str) -> PoolError:
-    """The error of a transfer whose destination blocks were freed or retired while it ran."""
-    return PoolError(f"destination blocks of {request_id!r} were freed or retired during the transfer; their "
+def block_id_list(block_ids: Iterable[Any], what: str) -> list[int]:
+    """``block_ids`` as a list of ints: Python, numpy or 0-d tensor integers (``operator.index``);
+    anything else -- a float, a string -- is refused, not rounded into another block."""
+    out = []
+    for b in block_ids:
+        try:
+            out.append(operator.index(b))
+        except TypeError:
+            raise PoolError(f"{what}: block ids must be integers, got {b!r}") from None
+    return out
+
+
+def retired_during(request_id: str) -> TransferCancelled:
+    """The error of a transfer whose destination blocks were freed or retired while it ran: the
+    engine gave them up (a preempted or aborted request), nothing in the call to fix."""
+    return TransferCancelled(f"destination blocks of {request_id!r} were freed or retired during the transfer; their "
                      "contents are not this request's KV")
 
 

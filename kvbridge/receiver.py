@@ -49,7 +49,7 @@ from .integrity import StreamVerifier, block_checksums, layer_checksums, unpack_
 from .lease import Claim, LeaseStore
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout
-from .pool import KVPool, retired_during
+from .pool import KVPool, block_id_list, retired_during
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Paced, Transfer, Workers
 from .releases import AfterRead, Recent, Releaser, claim_batch, release_batch
@@ -180,7 +180,7 @@ class KVReceiver:
         return handle
 
     def _check_dst(self, dst_block_ids: Sequence[int], want: int) -> list[int]:
-        dst = list(map(int, dst_block_ids))
+        dst = block_id_list(dst_block_ids, "destination")
         n = len(dst)
         if n != want:
             raise PoolError(f"{want} blocks to move but {n} destination block ids")

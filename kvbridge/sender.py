@@ -46,7 +46,7 @@ from .logs import RateLimitedLog
 from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout, _seconds
-from .pool import KVPool
+from .pool import KVPool, block_id_list
 from .published import Deadlines, Grant, parse_ticket, Record, still_ours
 from .pushing import run_push
 from .stores import LeasesArg, StoreCache
@@ -193,7 +193,7 @@ class KVSender:
                  layers_ready: Optional[int], leased: bool, codec: str = "raw") -> KVHandle:
         if self._closed:     # refused before anything: the blocks stay the caller's, as on any refusal
             raise ConfigError("sender is closed")
-        ids = [int(b) for b in block_ids]
+        ids = block_id_list(block_ids, "publish")
         if len(set(ids)) != len(ids):
             raise PoolError("publish: duplicate block ids")
         self.pool._check_ids(ids)
@@ -214,6 +214,7 @@ class KVSender:
         if self.pool.engine_allocated:
             self.pool.pin(ids)
         frames: Optional[FrameStore] = None
+        lease_id = ""
         try:
             if codec != "raw":   # frames carry their own body hashes: no per-block checksums
                 frames = FrameStore(codec, self.pool, ids, layerwise,
@@ -230,23 +231,25 @@ class KVSender:
             expires_at_ms = int((time.time() + ttl) * 1000)
             if self.leases is not None and leased:
                 lease = self.leases.publish(bare.lease_digest(), self.owner, ttl, num_blocks=len(ids))
+                lease_id = lease.lease_id
                 bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
                                fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
+            # signed here, inside the undo: a field the encoding refuses (a request id over its
+            # limit) is a refusal like any other, not pins and a lease left behind
+            handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
+            raw = handle.to_bytes()
         except BaseException:
-            self._give_back(ids, frames)
+            self._give_back(ids, frames, lease_id)
             raise
-        handle = replace(bare, expires_at_ms=expires_at_ms).signed(self._key)
         deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
         # the whole-read spans are made now, with the record: a read allocates nothing that
         # outlives it (survivors of the read path would wake the collector over the whole heap)
-        rec = Record(handle, handle.to_bytes(), ids, deadline, ready=0 if layerwise else L.num_layers,
+        rec = Record(handle, raw, ids, deadline, ready=0 if layerwise else L.num_layers,
                      spans=Spans(self.pool, None, ids), frames=frames,
                      alive_until=holds_until(sent_at, ttl, margin_s=self.clock_margin))
         with self._lock:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
+            refusal = ConfigError("sender is closed") if self._closed else self._held_by_others(ids)
+            if refusal is None:
                 self._records[handle.handle_id] = rec
                 if not layerwise and frames is None:   # under the lock: never after its end
                     self._index_small(rec)
@@ -254,17 +257,31 @@ class KVSender:
                         srv.published(handle.handle_id, rec.raw)
                 if handle.lease_id:
                     self._by_lease[self._lease_ref(handle.lease_id)] = rec
-                if self.pool.engine_allocated:
-                    for b in ids:
-                        self._by_block.setdefault(b, {})[id(rec)] = rec
+                for b in ids:
+                    self._by_block.setdefault(b, {})[id(rec)] = rec
                 self._schedule(rec)
-        if closed:           # closed while this publish ran: refused, the blocks stay the caller's
+        if refusal is not None:   # closed while this publish ran, or shared blocks without a reference
             self._give_back(ids, frames, handle.lease_id)
-            raise ConfigError("sender is closed")
+            raise refusal
         self.stats.add(published=1, blocks_published=len(ids))
         if layerwise and layers_ready:
             self.mark_ready(handle, int(layers_ready))
         return handle
+
+    def _held_by_others(self, ids: list[int]) -> Optional[PoolError]:
+        """(Under the lock.) On a kvbridge-allocated pool a handle owns one reference of each of its
+        blocks: a block that live handles already hold every reference of would be freed under
+        one of them when the other ends."""
+        if self.pool.engine_allocated:
+            return None              # the engine's blocks are pinned per handle
+        for b in ids:
+            held = self._by_block.get(b)
+            if held and self.pool.refcount(b) <= len(held):
+                return PoolError(f"publish: block {b} is already published in {len(held)} live handle(s) and "
+                                 "has no reference left for another",
+                                 hint="pool.ref() shared (prefix) blocks once for each further handle that "
+                                      "names them; engine-allocated pools pin per handle themselves")
+        return None
 
     def _give_back(self, ids: list[int], frames: Optional[FrameStore], lease_id: str = "") -> None:
         """Undo a refused publish: what it took goes, the caller's blocks stay the caller's (no

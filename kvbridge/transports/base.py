@@ -326,8 +326,9 @@ SpansFor = Callable[[int, int, int], Spans]   # destination of layers [first, en
 def generations_held(pool: "KVPool", block_ids: list[int], gens: list[int], request_id: str,
                      read: Callable[[], T]) -> T:
     """``read()``, unless a block of ``block_ids`` no longer has its generation in ``gens`` when
-    it ends: then PoolError, whatever ``read`` returned or the error it raised (the bytes
-    landed are not the caller's, and a retry would write into a block that is not)."""
+    it ends: then TransferCancelled (:func:`~kvbridge.pool.retired_during`), whatever ``read``
+    returned or the error it raised (the bytes landed are not the caller's, and a retry would
+    write into a block that is not)."""
     try:
         out = read()
     except Exception:
@@ -381,7 +382,7 @@ class Transport(abc.ABC):
         check -- with ``verify``, every block's checksum as it landed equals the handle's --
         or, where one differs, each block's checksum as it landed (see :func:`unverified`);
         None where this transport has no such path for this read (:meth:`read` then). Raises
-        as :meth:`read` does, and PoolError (:func:`~kvbridge.pool.retired_during`) where a
+        as :meth:`read` does, and TransferCancelled (:func:`~kvbridge.pool.retired_during`) where a
         destination block's generation is no longer the one in ``gens`` (the caller's snapshot,
         taken before) when it ends (:func:`generations_held`)."""
         return None

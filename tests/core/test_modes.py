@@ -87,7 +87,7 @@ def test_retired_destination_fails_the_transfer(make_sender, make_receiver):
     pool.retire([6])                                     # the engine reused a destination block
     snd.mark_ready(h.id, 4)
     res = t.result(10)
-    assert not res.ok and isinstance(res.error, PoolError) and res.failed_block_ids == [5, 6]
+    assert not res.ok and isinstance(res.error, TransferCancelled) and res.failed_block_ids == [5, 6]
 
 
 def test_kvbridge_pool_refuses_engine_calls():

@@ -399,8 +399,8 @@ def test_a_fallback_holds_to_the_generations_of_the_fetch_start(monkeypatch: pyt
 
 def test_generations_held_and_unverified() -> None:
     """The two helpers of Transport.read_small: a moved generation turns any outcome but an
-    interrupt into PoolError; a read that did not hash never counts as verified."""
-    from kvbridge.errors import PoolError
+    interrupt into TransferCancelled; a read that did not hash never counts as verified."""
+    from kvbridge.errors import TransferCancelled
     from kvbridge.integrity import block_checksums
     from kvbridge.transports.base import generations_held, unverified
     src, dst = _pools()
@@ -420,7 +420,7 @@ def test_generations_held_and_unverified() -> None:
             return 7
         return read
     for exc in (None, ValueError("read failed")):
-        with pytest.raises(PoolError, match="freed or retired"):
+        with pytest.raises(TransferCancelled, match="freed or retired"):
             generations_held(dst, [5, 6], dst.generations([5, 6]), "r", moved(exc))
     with pytest.raises(KeyboardInterrupt):
         generations_held(dst, [5, 6], dst.generations([5, 6]), "r", moved(KeyboardInterrupt()))

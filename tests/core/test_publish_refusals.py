@@ -1,0 +1,75 @@
+"""Publish refusals that leave nothing behind, block ids that must be integers, and the error of
+a fetch whose destination the engine gave up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
+from kvbridge.errors import Action, BadHandle, PoolError, TransferCancelled
+from kvbridge.lease import RedisLeaseStore
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+L = KVLayout.vllm_flash(3, 2, 8, block_size=12, dtype="float16")
+
+
+def test_prefix_blocks_in_a_second_handle_need_their_own_reference() -> None:
+    """On a kvbridge-allocated pool a handle owns one reference of each block. Publishing shared
+    (prefix) blocks in a second handle without ``pool.ref`` was accepted, and ending the first
+    handle freed them under the second (which then failed as stale, or read reused blocks)."""
+    src, dst = KVPool.allocate(L, 8), KVPool.allocate(L, 8)
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst) as rcv:
+        prefix = src.alloc(2)
+        a = snd.publish("a", prefix + src.alloc(1), 36)
+        tail = src.alloc(1)
+        with pytest.raises(PoolError, match="pool.ref"):
+            snd.publish("b", prefix + tail, 36)
+        assert [src.refcount(b) for b in prefix + tail] == [1, 1, 1]     # nothing taken, nothing freed
+        src.ref(prefix)
+        b = snd.publish("b", prefix + tail, 36)
+        assert rcv.fetch(a, dst.alloc(3)).ok                          # a released: its reference goes
+        assert wait_until(lambda: src.refcount(prefix[0]) == 1, 5)
+        assert rcv.fetch(b, dst.alloc(3)).ok                          # b's blocks were not freed under it
+
+
+def test_a_request_id_the_handle_cannot_carry_leaves_no_pin_and_no_lease(valkey_url: str) -> None:
+    src = KVPool.allocate(L, 8, allocator="engine")
+    with RedisLeaseStore(valkey_url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd:
+        with pytest.raises(BadHandle):
+            snd.publish("x" * (1 << 17), [1, 2], 24)
+        assert src.refcount(1) == 0 and src.refcount(2) == 0
+        assert [x for x in ls.list(snd.owner) if x.state.name in ("PUBLISHED", "CLAIMED")] == []   # revoked
+    src = KVPool.allocate(L, 8, allocator="engine")
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+        with pytest.raises(BadHandle):
+            snd.publish("x" * (1 << 17), [1, 2], 24)
+        assert src.refcount(1) == 0 and src.refcount(2) == 0
+
+
+def test_block_ids_must_be_integers_not_rounded() -> None:
+    src, dst = KVPool.allocate(L, 8, allocator="engine"), KVPool.allocate(L, 8, allocator="engine")
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst) as rcv:
+        with pytest.raises(PoolError, match="integers"):
+            snd.publish("f", [1.9, 2.2], 24)
+        assert src.refcount(1) == 0 and src.refcount(2) == 0
+        h = snd.publish("n", [np.int64(1), torch.tensor(2)], 24)      # numpy and tensor integers are ids
+        assert h.block_ids == (1, 2)
+        with pytest.raises(PoolError, match="integers"):
+            rcv.fetch(h, [1.9, 2.9])
+        assert rcv.fetch(h, [np.int32(4), 5]).ok
+
+
+def test_a_destination_the_engine_retires_mid_fetch_is_a_cancel_not_a_call_to_fix() -> None:
+    src, dst = KVPool.allocate(L, 4, allocator="engine"), KVPool.allocate(L, 4, allocator="engine")
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst) as rcv:
+        h = snd.publish("p", [0, 1], 20, layers_ready=1)
+        t = rcv.start_fetch(h, [2, 3])
+        assert t.wait_layer(0, 5)
+        dst.retire([3])
+        snd.mark_ready(h, 3)
+        res = t.result(10)
+        assert isinstance(res.error, TransferCancelled) and res.action is Action.REPREFILL, repr(res.error)
+        assert "freed or retired" in str(res.error)
