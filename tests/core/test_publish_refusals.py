@@ -73,3 +73,15 @@ def test_a_destination_the_engine_retires_mid_fetch_is_a_cancel_not_a_call_to_fi
         res = t.result(10)
         assert isinstance(res.error, TransferCancelled) and res.action is Action.REPREFILL, repr(res.error)
         assert "freed or retired" in str(res.error)
+
+
+def test_with_a_persistent_secret_a_handle_from_before_a_restart_is_not_found() -> None:
+    from kvbridge.errors import HandleNotFound
+    key = b"k" * 32
+    src, dst = KVPool.allocate(L, 4, allocator="engine"), KVPool.allocate(L, 4, allocator="engine")
+    first = KVSender(src, "tcp://127.0.0.1:0", leases=False, secret=key)
+    h = first.publish("r", [1, 2], 20)
+    first.close()
+    with KVSender(src, first.url, leases=False, secret=key), KVReceiver(dst, leases=False, secret=key) as rcv:
+        res = rcv.fetch(h, [0, 3])
+    assert isinstance(res.error, HandleNotFound) and res.action is Action.REPREFILL, repr(res.error)
