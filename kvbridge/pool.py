@@ -45,7 +45,7 @@ import torch
 from .errors import ConfigError, LayoutMismatch, PoolError, ProtocolError, TransferCancelled
 from .layout import KVLayout, KVOrder
 
-__all__ = ["KVPool", "SharedSegment", "block_id_list", "retired_during", "sweep_dead_segments"]
+__all__ = ["KVPool", "SharedSegment", "block_id_list", "whole_number", "retired_during", "sweep_dead_segments"]
 
 _ALIGN = 4096
 GEN_SIZE = 4   # bytes per block in a shared pool's generation table (native-endian u32)
@@ -195,6 +195,16 @@ class SharedSegment:
             self._finalizer()
 
 
+def whole_number(x: Any) -> Optional[int]:
+    """``x`` as an int where it is one (Python, numpy or 0-d tensor integers); None otherwise."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 def block_id_list(block_ids: Iterable[Any], what: str) -> list[int]:
     """``block_ids`` as a list of ints: Python, numpy or 0-d tensor integers (``operator.index``);
     anything else -- a float, a string -- is refused, not rounded into another block."""
@@ -263,8 +273,10 @@ class KVPool:
                  shared: bool = False, zero: bool = True, allocator: str = "kvbridge") -> "KVPool":
         """Allocate a pool. ``shared=True`` puts it in POSIX shared memory (needed by ``shm://``).
         ``allocator="engine"``: the memory is kvbridge's, the block table the caller's."""
-        if num_blocks <= 0:
-            raise ConfigError("num_blocks must be positive")
+        n = whole_number(num_blocks)
+        if n is None or n <= 0:
+            raise ConfigError(f"num_blocks must be a positive whole number, not {num_blocks!r}")
+        num_blocks = n
         device = torch.device(device)
         shape = layout.buffer_shape(num_blocks)
         if not shared:
@@ -314,6 +326,8 @@ class KVPool:
             raise LayoutMismatch(f"KV buffers must have {len(layout.buffer_shape(1))} dimensions, "
                                  f"got shape {tuple(first.shape)}")
         num_blocks = first.shape[1] if layout.kv_order is KVOrder.KV_FIRST else first.shape[0]
+        if num_blocks <= 0:
+            raise LayoutMismatch("the KV buffers hold no blocks")
         want = layout.buffer_shape(num_blocks)
         for i, b in enumerate(bufs):
             if tuple(b.shape) != want:

@@ -46,7 +46,7 @@ from .logs import RateLimitedLog
 from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout, _seconds
-from .pool import KVPool, block_id_list
+from .pool import KVPool, block_id_list, whole_number
 from .published import Deadlines, Grant, parse_ticket, Record, still_ours
 from .pushing import run_push
 from .stores import LeasesArg, StoreCache
@@ -309,8 +309,10 @@ class KVSender:
         if rec is None:
             return False
         L = self.pool.layout.num_layers
-        if not 0 <= layers <= L:
-            raise ConfigError(f"mark_ready: {layers} layers outside 0..{L}")
+        n = whole_number(layers)
+        if n is None or not 0 <= n <= L:
+            raise ConfigError(f"mark_ready: {layers!r} layers: a whole number in 0..{L}")
+        layers = n
         start = rec.ready
         if layers <= start:
             return rec.live

@@ -85,3 +85,17 @@ def test_with_a_persistent_secret_a_handle_from_before_a_restart_is_not_found() 
     with KVSender(src, first.url, leases=False, secret=key), KVReceiver(dst, leases=False, secret=key) as rcv:
         res = rcv.fetch(h, [0, 3])
     assert isinstance(res.error, HandleNotFound) and res.action is Action.REPREFILL, repr(res.error)
+
+
+def test_counts_that_are_not_whole_numbers_are_refused_clearly() -> None:
+    from kvbridge.errors import ConfigError, LayoutMismatch
+    with pytest.raises(ConfigError, match="whole number"):
+        KVPool.allocate(L, 2.5)                                          # type: ignore[arg-type]
+    with pytest.raises(LayoutMismatch, match="no blocks"):
+        KVPool.wrap(L, [torch.empty(L.buffer_shape(0)) for _ in range(L.num_layers)], allocator="engine")
+    src = KVPool.allocate(L, 4, allocator="engine")
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("m", [1], 12, layers_ready=1)
+        with pytest.raises(ConfigError, match="whole number"):
+            snd.mark_ready(h, 1.5)                                       # type: ignore[arg-type]
+        assert snd.mark_ready(h, 2) is True
