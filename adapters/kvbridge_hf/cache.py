@@ -326,9 +326,9 @@ class HFKVExporter:
             write_blocks(pool, ids, layers, n, batch_index)
             h = self.sender.publish(request_id, ids, n, ttl=ttl)
         except BaseException:
-            # A refused publish leaves the blocks ours; one that ended as it was made (the sender
-            # closed meanwhile) already freed them: free only the blocks still ours.
-            pool.free([b for b in ids if pool.refcount(b) > 1])
+            # a refused publish (one that close() overtook too) leaves the blocks ours: both
+            # references go, the alloc's and the hold's
+            pool.free(ids)
             pool.free(ids)
             raise
         pool.free(ids)         # the sender owns them now
