@@ -140,6 +140,8 @@ class SharedSegment:
         try:
             if create:
                 os.ftruncate(fd, size)
+                if size:    # its pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS at a write
+                    os.posix_fallocate(fd, 0, size)
             st = os.fstat(fd)
             if owner_uid is not None and (not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid):
                 raise ProtocolError(f"shared memory {path} is not the peer's own (owner uid {st.st_uid}, "
