@@ -17,11 +17,12 @@ from typing import Any, Callable, Optional, cast
 import torch
 
 from .. import blockcopy
-from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError
+from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError, TransferTimeout
 from ..handle import KVHandle
 from ..logs import RateLimitedLog
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
+from .deadline import WATCHDOG
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, Paced, RateGuard, decode_error,
                    decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
@@ -53,6 +54,7 @@ _MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its tr
 
 
 _NO_FENCE = FENCE.pack(0, 0)    # the reply to a read that was not leased
+_arm, _disarm = WATCHDOG.arm, WATCHDOG.disarm   # bound once: every pooled exchange calls both
 
 
 def tune(sock: socket.socket) -> None:
@@ -520,7 +522,13 @@ def connector(family: int, address: Any, url: str) -> Callable[[float], socket.s
 
 
 class SocketClient:
-    """Pooled connections to frame servers, keyed by address."""
+    """Pooled connections to frame servers, keyed by address.
+
+    Every exchange on a connection it hands out may be held to a whole-reply deadline
+    (:mod:`.deadline`): :meth:`arm` it, end it with :meth:`put_back` (pooled again, unless the
+    deadline cut it) or :meth:`fail` (closed; the error to raise, a cut one a
+    ``TransferTimeout``). ``expect=`` on :meth:`prepare`, :meth:`send` and :meth:`call` arms it
+    there; without it the caller bounds the exchange itself."""
 
     def __init__(self, connect: Callable[[float], socket.socket], timeout: Timeout) -> None:
         self._connect = connect
@@ -543,12 +551,42 @@ class SocketClient:
         set_os_timeouts(sock, self.timeout.transfer)
         return sock
 
+    def deadline(self, expect: int, start: Optional[float] = None) -> float:
+        """When an exchange begun at ``start`` (now) whose reply (and request data) is ``expect``
+        bytes must have ended: ``Timeout.transfer`` plus those bytes at ``MIN_RATE``."""
+        return (time.monotonic() if start is None else start) + self.timeout.transfer + expect / MIN_RATE
+
+    def arm(self, sock: socket.socket, expect: int, start: Optional[float] = None) -> None:
+        """Hold the exchange on ``sock`` to :meth:`deadline` (re-arming moves it)."""
+        _arm(sock, self.deadline(expect, start))
+
     def put_back(self, sock: socket.socket) -> None:
+        """The exchange on ``sock`` ended well: pooled again (closed if its deadline cut it)."""
+        if _disarm(sock):
+            sock.close()
+            return
         with self._lock:
             if len(self._idle) < 8:
                 self._idle.append(sock)
                 return
         sock.close()
+
+    def drop(self, sock: socket.socket) -> None:
+        """The exchange on ``sock`` ended and the connection is not to be reused: closed."""
+        _disarm(sock)
+        sock.close()
+
+    def fail(self, sock: socket.socket, exc: BaseException, what: str) -> KVBridgeError:
+        """The exchange on ``sock`` failed with ``exc``: the connection closed and the error to
+        raise (as :func:`.wire.map_os_error`; a lost connection that the deadline cut is a
+        ``TransferTimeout``)."""
+        cut = _disarm(sock)
+        sock.close()
+        if cut and isinstance(exc, (OSError, ConnectionLost)):
+            return TransferTimeout(f"{what}: the whole reply did not come within Timeout.transfer "
+                                   f"({self.timeout.transfer:g} s) plus its bytes at the minimum rate: "
+                                   "the peer trickles it")
+        return map_os_error(exc, what)
 
     def next_id(self) -> int:
         with self._lock:
@@ -604,61 +642,67 @@ class SocketClient:
         except KVBridgeError as exc:
             log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
             return True
+        frames = encode_releases(pending)
+        self.arm(sock, len(frames))
         try:
-            sock.sendall(encode_releases(pending))
+            sock.sendall(frames)
         except OSError as exc:
-            sock.close()
-            log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
+            log.info("deferred release of %d handle(s) not sent: %s", len(pending), self.fail(sock, exc, "release"))
             return True
         self.put_back(sock)
         return True
 
     def control(self, kind: Kind, payload: bytes, what: str) -> tuple[Kind, bytes]:
-        """One control round trip: the reply's kind and body; an ERROR reply is raised."""
-        sock, k, _, length = self.call(kind, payload, what)
+        """One control round trip: the reply's kind and body; an ERROR reply is raised. The
+        deadline grows with the body the reply declares (``MAX_CONTROL`` at most)."""
+        start = time.monotonic()
+        sock, k, _, length = self.call(kind, payload, what, 0)
         try:
+            if length:
+                self.arm(sock, length, start)
             body = recv_exact(sock, length) if length else b""
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, what) from None
+            raise self.fail(sock, exc, what) from None
         self.put_back(sock)
         if k is Kind.ERROR:
             raise decode_error(body)
         return k, body
 
-    def prepare(self, kind: Kind, payload: bytes) -> tuple[socket.socket, int, bytes]:
+    def prepare(self, kind: Kind, payload: bytes, expect: Optional[int] = None) -> tuple[socket.socket, int, bytes]:
         """A connection, a request id and the bytes to send on it: one frame and the deferred
-        releases behind it (the caller sends them, or closes the connection)."""
+        releases behind it (the caller sends them, then :meth:`put_back` or :meth:`fail`). With
+        ``expect`` (the reply's bytes) the exchange is armed, from now."""
         with self._lock:
             sock = self._idle.pop() if self._idle else None
             self._req = rid = (self._req + 1) & 0xFFFFFFFF
         if sock is None:
             sock = self.acquire()
-        return sock, rid, self.frames(pack(kind, rid, payload))
+        frame = self.frames(pack(kind, rid, payload))
+        if expect is not None:
+            _arm(sock, time.monotonic() + self.timeout.transfer + (expect + len(frame)) / MIN_RATE)
+        return sock, rid, frame
 
-    def send(self, kind: Kind, payload: bytes, what: str) -> tuple[socket.socket, int]:
+    def send(self, kind: Kind, payload: bytes, what: str,
+             expect: Optional[int] = None) -> tuple[socket.socket, int]:
         """Send one frame (and the deferred releases behind it); the caller reads the reply."""
-        sock, rid, frame = self.prepare(kind, payload)
+        sock, rid, frame = self.prepare(kind, payload, expect)
         try:
             sock.sendall(frame)
             return sock, rid
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, what) from None
+            raise self.fail(sock, exc, what) from None
 
-    def call(self, kind: Kind, payload: bytes, what: str) -> tuple[socket.socket, Kind, int, int]:
+    def call(self, kind: Kind, payload: bytes, what: str,
+             expect: Optional[int] = None) -> tuple[socket.socket, Kind, int, int]:
         """Send one control frame and read the reply header (the caller reads the body)."""
-        sock, rid = self.send(kind, payload, what)
+        sock, rid = self.send(kind, payload, what, expect)
         try:
             k, got_id, length = unpack_header(recv_exact(sock, HEADER.size), data_ok=kind is Kind.READ)
             if got_id != rid and k is not Kind.ERROR:
                 raise ProtocolError(f"{what}: reply for request {got_id}, expected {rid}")
             return sock, k, got_id, length
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, what) from None
-
-
+            raise self.fail(sock, exc, what) from None
 
 
 class _Flusher:

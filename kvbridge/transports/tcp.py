@@ -18,13 +18,17 @@ or ``KVSender.serve_small``; any other: a C gather,
 private buffer before copying it into place, hashing each block as it lands (one C call,
 :func:`_read_small_native`; its Python twin :func:`_read_small`). Connections are pooled;
 ``read_many`` pipelines requests on one connection; the server's worker threads serve active
-connections only (:mod:`.sockets`).
+connections only (:mod:`.sockets`). Every exchange -- a read (small, large, layers, a pipeline
+of them), a write and its answer, a ping, a release -- must end within Timeout.transfer plus
+its bytes at the minimum rate: past that :mod:`.deadline`'s watchdog shuts the connection
+down, whichever receive (Python or C) it blocks in, and the caller gets a TransferTimeout.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any, NoReturn, Optional
 from urllib.parse import urlsplit
 
@@ -38,7 +42,7 @@ from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport, generations
 from .sockets import SocketClient, SocketServer, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
-                   decode_layers, encode_request, map_os_error, pack, recv_exact, recv_iter, send_iter, unpack_header)
+                   decode_layers, encode_request, pack, recv_exact, recv_iter, send_iter, unpack_header)
 
 if TYPE_CHECKING:
     from ..pool import KVPool
@@ -49,6 +53,7 @@ PIPELINE_WINDOW = 16
 SMALL_READ = 64 << 10   # host reads up to this take their whole reply in one receive
 _NO_FENCE = (0, 0)      # a reply's fence when the read was not leased
 _VOUCHED = (Vouch.OK, 0, 0)   # the trailer of a reply the owner vouched for
+_REPLY = HEADER.size + FENCE.size + TRAILER.size   # a DATA reply's bytes besides the blocks'
 _RINGS = RingPool()
 
 
@@ -269,21 +274,19 @@ class TCPTransport(Transport):
                 if dst.watched:
                     dst.landed(dst.nbytes)
                 return dst.nbytes
-            sock, rid = client.send(Kind.READ, payload, what)
+            sock, rid = client.send(Kind.READ, payload, what, _REPLY + dst.nbytes)
             try:
                 n = _read_small(sock, rid, dst, what, claim)
             except BaseException as exc:
-                sock.close()
-                raise map_os_error(exc, f"read from {url}") from None
+                raise client.fail(sock, exc, f"read from {url}") from None
             client.put_back(sock)
             return n
         sock, kind, _, length = client.call(Kind.READ, encode_request(handle.to_bytes(), indices, claim),
-                                            f"read {url}")
+                                            f"read {url}", _REPLY + dst.nbytes)
         try:
             n = _read_reply_data(sock, kind, length, dst, f"read {url}", claim)
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, f"read from {url}") from None
+            raise client.fail(sock, exc, f"read from {url}") from None
         client.put_back(sock)
         return n
 
@@ -301,12 +304,11 @@ class TCPTransport(Transport):
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,
                want_digests: bool, claim: Optional[Claim]) -> tuple[Optional[Claim], Optional[list[int]]]:
         """One small read in C (:func:`_read_small_native`) on a pooled connection."""
-        sock, rid, frame = client.prepare(Kind.READ, payload)
+        sock, rid, frame = client.prepare(Kind.READ, payload, _REPLY + nbytes)
         try:
             out = _read_small_native(sock, rid, frame, pool, block_ids, nbytes, want_digests, "read " + url, claim)
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, f"read from {url}") from None
+            raise client.fail(sock, exc, f"read from {url}") from None
         client.put_back(sock)
         return out
 
@@ -314,8 +316,11 @@ class TCPTransport(Transport):
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
         client = self._client(url)
         what = f"read layers of {url}"
+        nb = len(indices) if indices is not None else handle.num_blocks
+        start = time.monotonic()     # until the reply's size is known: its prefix, checksums and trailer
         sock, kind, _, length = client.call(
-            Kind.READ, encode_request(handle.to_bytes(), indices, claim, (first, end)), what)
+            Kind.READ, encode_request(handle.to_bytes(), indices, claim, (first, end)), what,
+            _REPLY + LAYERS.size + 8 * (end - first) * nb)
         try:
             if kind is Kind.ERROR:
                 raise decode_error(recv_exact(sock, length))
@@ -325,7 +330,6 @@ class TCPTransport(Transport):
             got_claim = _claim_of(pre, claim)
             head = pre[FENCE.size:]
             nsums = int.from_bytes(head[4:8], "big")
-            nb = len(indices) if indices is not None else handle.num_blocks
             if nsums > (end - first) * nb:     # checked before anything is received for them
                 raise ProtocolError(f"{what}: {nsums} checksums for at most {end - first} layers of {nb} blocks")
             if FENCE.size + LAYERS.size + 8 * nsums > length:
@@ -339,11 +343,11 @@ class TCPTransport(Transport):
             dst = spans_for(lo, hi, length - used)
             if length - used != dst.nbytes:
                 raise ProtocolError(f"{what}: sender offers {length - used} bytes, destination holds {dst.nbytes}")
+            client.arm(sock, HEADER.size + length, start)    # the whole reply, now that its size is ours
             n = _recv_into(sock, dst)
             check_trailer(recv_exact(sock, TRAILER.size), got_claim or claim, what)
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, what) from None
+            raise client.fail(sock, exc, what) from None
         client.put_back(sock)
         return Chunk(lo, hi, sums, n, got_claim)
 
@@ -360,6 +364,7 @@ class TCPTransport(Transport):
             return ops
         ids: list[int] = []
         sent = 0
+        client.arm(sock, sum(_REPLY + o.dst.nbytes for o in ops))   # the whole pipeline
         try:
             for i, op in enumerate(ops):
                 while sent < len(ops) and sent < i + PIPELINE_WINDOW:
@@ -381,8 +386,7 @@ class TCPTransport(Transport):
                         raise
                     op.result = exc
         except BaseException as exc:
-            sock.close()
-            err = map_os_error(exc, f"pipelined read from {url}")
+            err = client.fail(sock, exc, f"pipelined read from {url}")
             for op in ops:
                 if op.result is None:
                     op.result = err
@@ -395,6 +399,7 @@ class TCPTransport(Transport):
         client = self._client(url)
         what = f"write to {url}"
         sock = client.acquire()
+        client.arm(sock, src.nbytes + len(sums) + _REPLY)   # its bytes out, the answer back
         try:
             head = pack(Kind.WRITE, client.next_id(), encode_request(
                 ticket.to_bytes(), None, claim, layers, last=last, nbytes=src.nbytes, sums=sums))
@@ -412,13 +417,12 @@ class TCPTransport(Transport):
             kind, _, length = unpack_header(recv_exact(sock, HEADER.size), data_ok=False)
             body = recv_exact(sock, length) if length else b""
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, what) from None
+            raise client.fail(sock, exc, what) from None
         if kind is Kind.ERROR:
-            sock.close()   # the server may have dropped the connection after a refusal
+            client.drop(sock)   # the server may have dropped the connection after a refusal
             raise decode_error(body)
         if kind is not Kind.OK:
-            sock.close()
+            client.drop(sock)
             raise ProtocolError(f"{what}: unexpected {kind.name} reply")
         client.put_back(sock)
         return src.nbytes

@@ -334,7 +334,9 @@ def map_os_error(exc: BaseException, what: str) -> KVBridgeError:
 
 def set_os_timeouts(sock: socket.socket, seconds: float) -> None:
     """Make a blocking socket give up after ``seconds`` without progress, in the kernel
-    (SO_RCVTIMEO/SO_SNDTIMEO): one syscall per recv/send instead of poll + call."""
+    (SO_RCVTIMEO/SO_SNDTIMEO): one syscall per recv/send instead of poll + call. This bounds
+    each receive alone (a byte now and then never trips it): a client's whole exchange is held
+    to its deadline by :mod:`.deadline`."""
     sock.settimeout(None)
     tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1_000_000))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
