@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import socket
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvbridge.transports.wire import Kind
 
 
 class Listener:
@@ -33,3 +37,31 @@ class Listener:
         self.stop.set()
         self._thread.join(2)
         self.sock.close()
+
+
+class FakeSender(Listener):
+    """A tcp:// peer on 127.0.0.1 that reads each kvbridge frame a receiver sends and answers it
+    with :meth:`answer` (a hostile sender's script), until the receiver hangs up or ``close()``."""
+
+    def __init__(self) -> None:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", 0))
+        super().__init__(s)
+
+    @property
+    def url(self) -> str:
+        return f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def answer(self, c: socket.socket, kind: "Kind", rid: int) -> None:
+        raise NotImplementedError
+
+    def _conn(self, c: socket.socket) -> None:
+        from kvbridge.transports.wire import HEADER, recv_exact, unpack_header
+        with c:
+            try:
+                while not self.stop.is_set():
+                    kind, rid, length = unpack_header(recv_exact(c, HEADER.size))
+                    recv_exact(c, length)
+                    self.answer(c, kind, rid)
+            except Exception:                      # the receiver hung up
+                pass

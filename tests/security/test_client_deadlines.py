@@ -15,12 +15,12 @@ from typing import Callable
 
 import pytest
 
-from loopback import Listener
+from loopback import FakeSender
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout, TransferTimeout, blockcopy
 from kvbridge.transports.deadline import WATCHDOG
 from kvbridge.transports.tcp import TCPTransport
-from kvbridge.transports.wire import FENCE, HEADER, LAYERS, TRAILER, Kind, pack, recv_exact, unpack_header
+from kvbridge.transports.wire import FENCE, HEADER, LAYERS, TRAILER, Kind, pack
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")    # 64 KiB blocks: one is a small read
@@ -29,38 +29,25 @@ LIMIT = TRANSFER + 3.0          # what every fetch here must end within
 BYTE_EVERY = 0.2                # the trickle: one byte this often, well inside the 1 s receive timeout
 
 
-class Trickler(Listener):
+class Trickler(FakeSender):
     """Answers every request with ``reply(kind, request id)``: ``sent`` bytes at once, then the rest
     of ``whole`` one byte every ``BYTE_EVERY`` seconds, until closed."""
 
     def __init__(self, reply: Callable[[Kind, int], tuple[bytes, int]]) -> None:
         self.reply = reply
         self.trickled = 0
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("127.0.0.1", 0))
-        super().__init__(s)
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-
-    def _conn(self, c: socket.socket) -> None:
-        with c:
-            try:
-                while not self.stop.is_set():
-                    kind, rid, length = unpack_header(recv_exact(c, HEADER.size))
-                    recv_exact(c, length)
-                    if kind is Kind.RELEASES:
-                        continue
-                    whole, at_once = self.reply(kind, rid)
-                    c.sendall(whole[:at_once])
-                    for i in range(at_once, len(whole)):
-                        if self.stop.wait(BYTE_EVERY):
-                            return
-                        c.sendall(whole[i:i + 1])
-                        self.trickled += 1
-            except Exception:                      # the receiver hung up
-                pass
+    def answer(self, c: socket.socket, kind: Kind, rid: int) -> None:
+        if kind is Kind.RELEASES:
+            return
+        whole, at_once = self.reply(kind, rid)
+        c.sendall(whole[:at_once])
+        for i in range(at_once, len(whole)):
+            if self.stop.wait(BYTE_EVERY):
+                return
+            c.sendall(whole[i:i + 1])
+            self.trickled += 1
 
 
 def _handle(url: str, nblocks: int, layerwise: bool = False) -> KVHandle:

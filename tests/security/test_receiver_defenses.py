@@ -12,38 +12,25 @@ from typing import Callable
 
 import pytest
 
-from loopback import Listener
+from loopback import FakeSender
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout, TransferTimeout
-from kvbridge.transports.wire import FENCE, HEADER, LAYERS, TRAILER, Kind, pack, recv_exact, unpack_header
+from kvbridge.transports.wire import FENCE, LAYERS, TRAILER, Kind, pack
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")    # 64 KiB blocks: past the small-read path
 
 
-class Scripted(Listener):
+class Scripted(FakeSender):
     """Answers every READ with ``script(conn, request id, stop)``."""
 
     def __init__(self, script: Callable[[socket.socket, int, threading.Event], None]) -> None:
         self.script = script
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("127.0.0.1", 0))
-        super().__init__(s)
+        super().__init__()
 
-    @property
-    def url(self) -> str:
-        return f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-
-    def _conn(self, c: socket.socket) -> None:
-        with c:
-            try:
-                while not self.stop.is_set():
-                    kind, rid, length = unpack_header(recv_exact(c, HEADER.size))
-                    recv_exact(c, length)
-                    if kind is Kind.READ:
-                        self.script(c, rid, self.stop)
-            except Exception:                      # the receiver hung up
-                pass
+    def answer(self, c: socket.socket, kind: Kind, rid: int) -> None:
+        if kind is Kind.READ:
+            self.script(c, rid, self.stop)
 
 
 def _handle(url: str, layerwise: bool) -> KVHandle:
