@@ -57,18 +57,25 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from ..pool import KVPool, SharedSegment, peer_cred, peer_segment, retired_during
 from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs, generations_held, unverified
+from .deadline import WATCHDOG
 from .shmcopy import copy_into
 from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
 from .sockets import SocketClient, SocketServer, connector
 from .staging import copy_slices, device_slices
 from .tcp import _claim_of
 from .wire import (FENCE, HEADER, LAYERS, FrameReader, Kind, decode_error, decode_layers, decode_request,
-                   encode_layers, encode_request, map_os_error, pack, recv_exact, unpack_header)
+                   encode_layers, encode_request, pack, recv_exact, unpack_header)
 
 __all__ = ["ShmTransport"]
 
+_disarm = WATCHDOG.disarm
+
 _RUN = struct.Struct("!QQ")
 MAX_MAPPED = 16
+# An OPEN reply (shmtable.open_info: a layout and one offset per buffer) held to this before its
+# body is read: the reader builds a plane per layer and part from it (a 7.6 MiB one naming
+# 4 million layers took 3.3 GB and 8 s)
+MAX_OPEN_REPLY = 256 << 10
 MAX_GRANTS = 16   # mappings (MAP/WMAP without their DONE/WDONE yet) one control connection may hold
 
 
@@ -244,6 +251,11 @@ class ShmServer(SocketServer):
         return super().handle(conn, reader, kind, req_id, payload)
 
 
+def _cut(client: SocketClient, what: str) -> TransferTimeout:
+    return TransferTimeout(f"{what}: the whole reply did not come within Timeout.transfer "
+                           f"({client.timeout.transfer:g} s) plus its bytes at the minimum rate: the peer trickles it")
+
+
 def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]:
     try:
         (nl,) = struct.unpack_from("!H", payload, pos)
@@ -287,7 +299,7 @@ class ShmTransport(Transport):
         self._maps: OrderedDict[tuple[str, bool, int], SharedSegment] = OrderedDict()
         self._senders: dict[str, Optional[SenderMap]] = {}   # url -> mapped sender (None: MAP/DONE only)
         self._lock = threading.Lock()
-        self._open_lock = threading.Lock()
+        self._open_locks: dict[str, threading.Lock] = {}
         self.after_copy: Optional[Callable[[KVHandle], None]] = None   # fault injection: runs between copy and re-check
 
     @classmethod
@@ -349,29 +361,40 @@ class ShmTransport(Transport):
     def _exchange(self, url: str, kind: Kind, payload: bytes, move: Any, done: Kind, what: str) -> Any:
         """MAP/WMAP -> copy -> DONE/WDONE on one connection. ``move(body, peer)`` copies (from or
         into segments of the peer, ``peer`` its (pid, uid)) and returns (result, DONE payload)."""
+        # Each half (MAP and its reply; DONE and its reply) must end within Timeout.transfer plus
+        # its bytes at the minimum rate (the watchdog of .deadline, as on tcp://); the copy between
+        # them is local memory, not the peer's pace, and is not held to it.
         client = self._client(url)
-        sock, k, rid, length = client.call(kind, payload, what)
+        start = time.monotonic()
+        sock, k, rid, length = client.call(kind, payload, what, 0)
         try:
+            if length:
+                client.arm(sock, length, start)
             body = recv_exact(sock, length) if length else b""
             if k is Kind.ERROR:
                 client.put_back(sock)
                 raise decode_error(body)
             if k is not Kind.MAPPED:
                 raise ProtocolError(f"{what}: unexpected {k.name} reply")
+            if _disarm(sock):                  # cut as the reply's last byte came
+                raise _cut(client, what)
             result, done_payload = move(body, peer_cred(sock))
+            start = time.monotonic()
+            client.arm(sock, len(done_payload), start)
             sock.sendall(pack(done, rid, done_payload))
             k2, _, l2 = unpack_header(recv_exact(sock, HEADER.size), data_ok=False)
+            if l2:
+                client.arm(sock, len(done_payload) + l2, start)
             reply = recv_exact(sock, l2) if l2 else b""
         except KVBridgeError as exc:
-            if k is not Kind.ERROR:
-                sock.close()
-            raise exc from None
+            if k is Kind.ERROR:
+                raise exc from None
+            raise client.fail(sock, exc, what) from None
         except RuntimeError as exc:    # the copy itself failed (torch, CUDA): closing ends the grant
-            sock.close()
+            client.drop(sock)
             raise PoolError(f"{what}: the copy failed: {exc}") from exc
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, what) from None
+            raise client.fail(sock, exc, what) from None
         client.put_back(sock)
         if k2 is Kind.ERROR:
             raise decode_error(reply)   # validate-after-copy failed: the bytes must not be used
@@ -399,25 +422,34 @@ class ShmTransport(Transport):
             return self._senders[url]
         except KeyError:
             pass
-        with self._open_lock:          # one OPEN per sender, even when reads race
-            if url in self._senders:
+        with self._lock:
+            lock = self._open_locks.setdefault(url, threading.Lock())
+        with lock:                     # one OPEN per sender, even when reads race (a sender slow to
+            if url in self._senders:   # answer holds up only reads from itself)
                 return self._senders[url]
             return self._open_sender(url, handle, claim)
 
     def _open_sender(self, url: str, handle: KVHandle, claim: Optional[Claim]) -> Optional[SenderMap]:
         client = self._client(url)
         what = f"open {url}"
-        sock, k, _, length = client.call(Kind.OPEN, encode_request(handle.to_bytes(), None, claim), what)
+        start = time.monotonic()     # the OPEN and its whole reply: Timeout.transfer plus its bytes at the minimum rate
+        sock, k, _, length = client.call(Kind.OPEN, encode_request(handle.to_bytes(), None, claim), what, 0)
         try:
+            if k is Kind.MAPPED and length > MAX_OPEN_REPLY:     # a real one is a few KB
+                raise ProtocolError(f"{what}: an OPEN reply of {length} bytes (at most {MAX_OPEN_REPLY})")
+            if length:
+                client.arm(sock, length, start)
             body = recv_exact(sock, length) if length else b""
         except BaseException as exc:
-            sock.close()
-            raise map_os_error(exc, what) from None
+            raise client.fail(sock, exc, what) from None
         if k is Kind.ERROR:
             client.put_back(sock)
             raise decode_error(body)
         m: Optional[SenderMap] = None
         if k is Kind.MAPPED:
+            if _disarm(sock):                  # kept as the liveness watch, never pooled: disarmed here
+                sock.close()
+                raise _cut(client, what)
             try:
                 info = json.loads(body)
                 uid = peer_cred(sock)[1]

@@ -159,6 +159,8 @@ class SenderMap:
                 or gen_offset + GEN_SIZE * self.num_blocks > segment.size
                 or any(not 0 <= o <= segment.size - buf_nbytes for o in self.offsets)):
             raise ProtocolError("OPEN reply names memory outside the segment")
+        if table.size < HEAD_SIZE:
+            raise ProtocolError("peer's handle table is malformed (shorter than its header)")
         magic, n = HEAD.unpack_from(table.view, 0)
         if magic != MAGIC or n <= 0 or n & (n - 1) or HEAD_SIZE + n * SLOT > table.size:
             raise ProtocolError("peer's handle table is malformed")

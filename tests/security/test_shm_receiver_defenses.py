@@ -1,0 +1,217 @@
+"""A hostile shm:// sender, seen from the receiver: a fake sender on a unix control socket (in
+Linux's abstract namespace) speaks kvbridge frames and lies -- it trickles its OPEN, MAPPED or
+DONE reply, declares an OPEN reply of megabytes, or names a handle table shorter than its own
+header. Every fetch ends with a kvbridge error in its result, in time."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Iterator
+
+import pytest
+
+from loopback import Listener
+
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Retry, Timeout, TransferTimeout
+from kvbridge.transports.shmtable import HandleTable, open_info
+from kvbridge.transports.wire import FENCE, HEADER, Kind, encode_layers, pack, recv_exact, unpack_header
+
+pytestmark = pytest.mark.timeout(60)
+L = KVLayout.vllm_flash(2, 1, 8, block_size=2, dtype="float16")
+TRANSFER = 1.0
+BYTE_EVERY = 0.2     # a trickle: one byte this often, well inside the receive timeout
+
+
+class FakeShmSender(Listener):
+    """An shm:// control socket answering each frame with ``reply(kind, request id)``: (the reply's
+    bytes, how many of them to send at once; the rest one byte every ``BYTE_EVERY``)."""
+
+    def __init__(self, reply: Callable[[Kind, int], tuple[bytes, int]]) -> None:
+        self.reply = reply
+        self.name = f"kvbtest-{secrets.token_hex(6)}"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind("\0" + self.name)
+        super().__init__(s)
+
+    @property
+    def url(self) -> str:
+        return f"shm://@{self.name}"
+
+    def _conn(self, c: socket.socket) -> None:
+        c.settimeout(None)
+        with c:
+            try:
+                while not self.stop.is_set():
+                    kind, rid, length = unpack_header(recv_exact(c, HEADER.size))
+                    recv_exact(c, length)
+                    if kind is Kind.RELEASES:
+                        continue
+                    whole, at_once = self.reply(kind, rid)
+                    c.sendall(whole[:at_once])
+                    for i in range(at_once, len(whole)):
+                        if self.stop.wait(BYTE_EVERY):
+                            return
+                        c.sendall(whole[i:i + 1])
+            except Exception:                      # the receiver hung up
+                pass
+
+
+def _handle(url: str, nblocks: int = 2) -> KVHandle:
+    with KVSender(KVPool.allocate(L, 8), "inproc://", leases=False) as snd:
+        h = snd.publish("real", snd.pool.alloc(nblocks), 2 * nblocks)
+    return dataclasses.replace(h, urls=(url,))
+
+
+def _receiver(transfer: float = TRANSFER) -> KVReceiver:
+    return KVReceiver(KVPool.allocate(L, 8), leases=False, timeout=Timeout(connect=2, transfer=transfer),
+                      retry=Retry(attempts=1))
+
+
+def _error(rid: int) -> bytes:
+    return pack(Kind.ERROR, rid, (12).to_bytes(2, "big") + b"refused")
+
+
+@pytest.fixture
+def shared_pool() -> Iterator[KVPool]:
+    pool = KVPool.allocate(L, 4, shared=True)
+    yield pool
+    pool.close()
+
+
+def _mapped(pool: KVPool, rid: int, nbytes: int) -> bytes:
+    """A MAPPED reply naming ``nbytes`` of ``pool``'s (real, this user's) segment."""
+    assert pool.segment is not None
+    name = pool.segment.name.encode()
+    return pack(Kind.MAPPED, rid, FENCE.pack(0, 0) + encode_layers(0, 0, b"") + struct.pack("!H", len(name)) + name
+                + struct.pack("!I", 1) + struct.pack("!QQ", pool.buffer_offsets[0], nbytes))
+
+
+@pytest.mark.parametrize("stage", ["OPEN", "MAP", "DONE"])
+def test_a_trickled_open_map_or_done_reply_ends_in_time(stage: str, shared_pool: KVPool) -> None:
+    """Each byte of the reply comes inside the socket's receive timeout: only a deadline on the
+    whole exchange (Timeout.transfer plus its bytes at the minimum rate) ends the fetch. Before,
+    shm://'s OPEN, MAP and DONE were not held to one and such a fetch took hours."""
+    body = b" " * 4000                                  # 800 s at BYTE_EVERY
+
+    def reply(kind: Kind, rid: int) -> tuple[bytes, int]:
+        if kind.name == stage:
+            whole = pack(Kind.OK if kind is Kind.DONE else Kind.MAPPED, rid, body)
+            return whole, 2
+        if kind is Kind.OPEN:
+            return pack(Kind.OK, rid), HEADER.size       # one-sided reads not offered: MAP/DONE
+        if kind is Kind.MAP:
+            whole = _mapped(shared_pool, rid, 2 * L.block_nbytes)
+            return whole, len(whole)
+        whole = _error(rid)
+        return whole, len(whole)
+    fake = FakeShmSender(reply)
+    rcv = _receiver()
+    try:
+        t0 = time.monotonic()
+        res = rcv.fetch(_handle(fake.url), rcv.pool.alloc(2), release=False)
+        took = time.monotonic() - t0
+        assert not res.ok and isinstance(res.error, TransferTimeout), repr(res.error)
+        assert took < TRANSFER + 3.0, took
+    finally:
+        rcv.close()
+        fake.close()
+
+
+def test_a_sender_slow_to_open_holds_up_no_other_senders_reads() -> None:
+    """One OPEN at a time per sender, not per receiver: a sender trickling its OPEN reply (up to
+    its deadline) does not hold up the first read from another sender."""
+    fake = FakeShmSender(lambda kind, rid: (pack(Kind.MAPPED, rid, b" " * 4000), 2))
+    src = KVPool.allocate(L, 4, shared=True)
+    rcv = _receiver(transfer=4.0)
+    try:
+        with KVSender(src, "shm://", leases=False) as snd:
+            h = snd.publish("honest", src.alloc(2), 4)
+            stuck = threading.Thread(target=rcv.fetch, args=(_handle(fake.url), rcv.pool.alloc(2)),
+                                     kwargs={"release": False}, daemon=True)
+            stuck.start()
+            time.sleep(0.3)                                  # its OPEN is trickling now
+            t0 = time.monotonic()
+            res = rcv.fetch(h, rcv.pool.alloc(2), release=False)
+            took = time.monotonic() - t0
+            assert res.ok, res.error
+            assert took < 1.5, took                          # not behind the other's 4 s deadline
+            stuck.join(10)
+            assert not stuck.is_alive()
+    finally:
+        rcv.close()
+        fake.close()
+        src.close()
+
+
+@pytest.fixture
+def table() -> Iterator[HandleTable]:
+    t = HandleTable(4)
+    yield t
+    t.close()
+
+
+def _open_reply(pool: KVPool, table: HandleTable, table_name: str, **change: object) -> dict[str, object]:
+    info: dict[str, object] = json.loads(open_info(pool, table))
+    info["table"] = table_name
+    info.update(change)
+    return info
+
+
+@pytest.mark.parametrize("size", [0, 4])
+def test_an_open_reply_naming_a_table_shorter_than_its_header_is_refused(size: int, shared_pool: KVPool,
+                                                                        table: HandleTable) -> None:
+    """A handle table (a segment of the sender's user, named as kvbridge names them) too short to
+    hold its header: a ProtocolError in the fetch's result (a raw struct.error escaped fetch())."""
+    name = f"kvb-1-{secrets.token_hex(6)}"
+    with open(os.open("/dev/shm/" + name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "wb") as f:
+        f.write(bytes(size))
+    info = json.dumps(_open_reply(shared_pool, table, name)).encode()
+
+    def reply(kind: Kind, rid: int) -> tuple[bytes, int]:
+        whole = pack(Kind.MAPPED, rid, info) if kind is Kind.OPEN else _error(rid)
+        return whole, len(whole)
+    fake = FakeShmSender(reply)
+    rcv = _receiver()
+    try:
+        ids = rcv.pool.alloc(2)
+        res = rcv.fetch(_handle(fake.url), ids, release=False)
+        assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
+        assert "table is malformed" in str(res.error)
+    finally:
+        rcv.close()
+        fake.close()
+        os.unlink("/dev/shm/" + name)
+
+
+def test_an_open_reply_of_megabytes_is_refused_before_its_body(shared_pool: KVPool, table: HandleTable) -> None:
+    """An OPEN reply is a layout and one offset per buffer (a few KB): one naming 500,000 layers
+    (about 1 MB) made the reader build a million planes (hundreds of MB; 16 MiB: gigabytes). Refused
+    from its header, before the body is read."""
+    assert shared_pool.segment is not None
+    layout = dict(L.to_dict(), num_layers=500_000)
+    info = _open_reply(shared_pool, table, table.segment.name, layout=layout, num_blocks=0,
+                       gen_offset=0, buffer_offsets=[0] * 500_000)
+    body = json.dumps(info, separators=(",", ":")).encode()
+    assert len(body) > 900_000
+
+    def reply(kind: Kind, rid: int) -> tuple[bytes, int]:
+        whole = pack(Kind.MAPPED, rid, body) if kind is Kind.OPEN else _error(rid)
+        return whole, len(whole)
+    fake = FakeShmSender(reply)
+    rcv = _receiver()
+    try:
+        t0 = time.monotonic()
+        res = rcv.fetch(_handle(fake.url), rcv.pool.alloc(2), release=False)
+        assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
+        assert "OPEN reply of" in str(res.error)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        rcv.close()
+        fake.close()
