@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from kvbridge.transports.wire import Kind
@@ -40,16 +40,24 @@ class Listener:
 
 
 class FakeSender(Listener):
-    """A tcp:// peer on 127.0.0.1 that reads each kvbridge frame a receiver sends and answers it
-    with :meth:`answer` (a hostile sender's script), until the receiver hangs up or ``close()``."""
+    """A peer that reads each kvbridge frame a receiver sends and answers it with :meth:`answer`
+    (a hostile sender's script), until the receiver hangs up or ``close()``: a tcp:// one on
+    127.0.0.1, or with ``shm_name`` an shm:// control socket in Linux's abstract namespace."""
 
-    def __init__(self) -> None:
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind(("127.0.0.1", 0))
+    def __init__(self, shm_name: str = "") -> None:
+        self.shm_name = shm_name
+        if shm_name:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.bind("\0" + shm_name)
+        else:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
         super().__init__(s)
 
     @property
     def url(self) -> str:
+        if self.shm_name:
+            return f"shm://@{self.shm_name}"
         return f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
 
     def answer(self, c: socket.socket, kind: "Kind", rid: int) -> None:
@@ -57,6 +65,7 @@ class FakeSender(Listener):
 
     def _conn(self, c: socket.socket) -> None:
         from kvbridge.transports.wire import HEADER, recv_exact, unpack_header
+        c.settimeout(None)
         with c:
             try:
                 while not self.stop.is_set():
@@ -65,3 +74,27 @@ class FakeSender(Listener):
                     self.answer(c, kind, rid)
             except Exception:                      # the receiver hung up
                 pass
+
+
+class Trickler(FakeSender):
+    """Answers every request but RELEASES with ``reply(kind, request id)`` -- (the reply's bytes,
+    how many of them to send at once) -- and the rest one byte every ``every`` seconds."""
+
+    def __init__(self, reply: "Callable[[Kind, int], tuple[bytes, int]]", every: float,
+                 shm_name: str = "") -> None:
+        self.reply = reply
+        self.every = every
+        self.trickled = 0
+        super().__init__(shm_name)
+
+    def answer(self, c: socket.socket, kind: "Kind", rid: int) -> None:
+        from kvbridge.transports.wire import Kind
+        if kind is Kind.RELEASES:
+            return
+        whole, at_once = self.reply(kind, rid)
+        c.sendall(whole[:at_once])
+        for i in range(at_once, len(whole)):
+            if self.stop.wait(self.every):
+                return
+            c.sendall(whole[i:i + 1])
+            self.trickled += 1

@@ -8,14 +8,13 @@ cancel that returns."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from typing import Callable
 
 import pytest
 
-from loopback import FakeSender
+import loopback
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout, TransferTimeout, blockcopy
 from kvbridge.transports.deadline import WATCHDOG
@@ -29,25 +28,9 @@ LIMIT = TRANSFER + 3.0          # what every fetch here must end within
 BYTE_EVERY = 0.2                # the trickle: one byte this often, well inside the 1 s receive timeout
 
 
-class Trickler(FakeSender):
-    """Answers every request with ``reply(kind, request id)``: ``sent`` bytes at once, then the rest
-    of ``whole`` one byte every ``BYTE_EVERY`` seconds, until closed."""
-
-    def __init__(self, reply: Callable[[Kind, int], tuple[bytes, int]]) -> None:
-        self.reply = reply
-        self.trickled = 0
-        super().__init__()
-
-    def answer(self, c: socket.socket, kind: Kind, rid: int) -> None:
-        if kind is Kind.RELEASES:
-            return
-        whole, at_once = self.reply(kind, rid)
-        c.sendall(whole[:at_once])
-        for i in range(at_once, len(whole)):
-            if self.stop.wait(BYTE_EVERY):
-                return
-            c.sendall(whole[i:i + 1])
-            self.trickled += 1
+def Trickler(reply: Callable[[Kind, int], tuple[bytes, int]]) -> loopback.Trickler:
+    """A tcp:// sender answering with ``reply`` (bytes, how many at once), the rest trickled."""
+    return loopback.Trickler(reply, BYTE_EVERY)
 
 
 def _handle(url: str, nblocks: int, layerwise: bool = False) -> KVHandle:

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import os
 import secrets
-import socket
 import struct
 import threading
 import time
@@ -17,11 +16,11 @@ from typing import Callable, Iterator
 
 import pytest
 
-from loopback import Listener
+from loopback import Trickler
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Retry, Timeout, TransferTimeout
 from kvbridge.transports.shmtable import HandleTable, open_info
-from kvbridge.transports.wire import FENCE, HEADER, Kind, encode_layers, pack, recv_exact, unpack_header
+from kvbridge.transports.wire import FENCE, HEADER, Kind, encode_layers, pack
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 1, 8, block_size=2, dtype="float16")
@@ -29,38 +28,10 @@ TRANSFER = 1.0
 BYTE_EVERY = 0.2     # a trickle: one byte this often, well inside the receive timeout
 
 
-class FakeShmSender(Listener):
+def FakeShmSender(reply: Callable[[Kind, int], tuple[bytes, int]]) -> Trickler:
     """An shm:// control socket answering each frame with ``reply(kind, request id)``: (the reply's
     bytes, how many of them to send at once; the rest one byte every ``BYTE_EVERY``)."""
-
-    def __init__(self, reply: Callable[[Kind, int], tuple[bytes, int]]) -> None:
-        self.reply = reply
-        self.name = f"kvbtest-{secrets.token_hex(6)}"
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind("\0" + self.name)
-        super().__init__(s)
-
-    @property
-    def url(self) -> str:
-        return f"shm://@{self.name}"
-
-    def _conn(self, c: socket.socket) -> None:
-        c.settimeout(None)
-        with c:
-            try:
-                while not self.stop.is_set():
-                    kind, rid, length = unpack_header(recv_exact(c, HEADER.size))
-                    recv_exact(c, length)
-                    if kind is Kind.RELEASES:
-                        continue
-                    whole, at_once = self.reply(kind, rid)
-                    c.sendall(whole[:at_once])
-                    for i in range(at_once, len(whole)):
-                        if self.stop.wait(BYTE_EVERY):
-                            return
-                        c.sendall(whole[i:i + 1])
-            except Exception:                      # the receiver hung up
-                pass
+    return Trickler(reply, BYTE_EVERY, shm_name=f"kvbtest-{secrets.token_hex(6)}")
 
 
 def _handle(url: str, nblocks: int = 2) -> KVHandle:
