@@ -69,7 +69,6 @@ HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 # a device pool is hashed in the host slot its bytes pass through, never read back).
 HASH_AFTER = 256 << 10
 RELEASED_KEPT = 4096    # released handles remembered (far longer than a deferred release takes to land)
-_Recent = Recent         # its name before it moved to releases.py
 
 
 @dataclass(slots=True)

@@ -114,7 +114,8 @@ class KVSender:
         # reads C answers by itself (serve_small): raw, complete, unleased, a few host blocks
         self._small: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]] = {}
         self._by_lease: dict[str, Record] = {}
-        # engine pools: the live handles pinning each block (prefix caching shares blocks), by id
+        # the live handles naming each block (prefix caching shares blocks), by id: an engine pool's
+        # retire ends them all; a kvbridge pool's publish checks each holds a reference of its own
         self._by_block: dict[int, dict[int, Record]] = {}
         self._pending: list[Record] = []
         self._deadlines = Deadlines()   # local deadlines, earliest first (the sweeper's)

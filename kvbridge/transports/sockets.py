@@ -24,7 +24,7 @@ from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
 from .deadline import WATCHDOG
 from .staging import RingPool, copy_slices, device_slices, send_staged
-from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, Paced, RateGuard, decode_error,
+from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, PacedSender, RateGuard, decode_error,
                    decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
                    map_os_error, pack, recv_exact, send_all, send_iter, set_os_timeouts, unpack_header, vouch_of)
 
@@ -400,7 +400,7 @@ class SocketServer(Server):
                 return True
             # a reader that pauses is waited out; one slower than MIN_RATE after RATE_GRACE (or
             # taking nothing for Timeout.transfer) is dropped, its read no longer in flight
-            out = cast(socket.socket, Paced(conn, RateGuard(MIN_RATE, RATE_GRACE), self.timeout.transfer))
+            out = cast(socket.socket, PacedSender(conn, RateGuard(MIN_RATE, RATE_GRACE), self.timeout.transfer))
             if spans.pool.is_host:
                 send_iter(out, head, spans.iter_views(), None,
                           _MORE if conn.family in (socket.AF_INET, socket.AF_INET6) else 0)

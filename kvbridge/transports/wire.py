@@ -52,7 +52,7 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS", "FENCE",
            "CLAIM_ME", "TRAILER", "Vouch", "encode_trailer", "check_trailer", "vouch_of", "settle_vouch",
            "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
-           "RateGuard", "Paced", "MAX_RELEASES", "encode_releases", "decode_releases"]
+           "RateGuard", "PacedSender", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
 VERSION = 4
@@ -666,7 +666,7 @@ class RateGuard:
                                   f"{self.min_rate:.0f} B/s")
 
 
-class Paced:
+class PacedSender:
     """A server's socket as the senders of a reply see it (``sendmsg`` only): a reader that pauses
     is waited out -- the socket's own send timeout is a short tick -- and ``guard`` (a
     :class:`RateGuard`) is told the reply's bytes sent so far after every send and every timeout,

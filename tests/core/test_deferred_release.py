@@ -227,8 +227,8 @@ def test_the_flusher_is_woken_only_from_waiting() -> None:
 def test_the_released_set_keeps_the_latest_and_turns_over_whole():
     """A receiver remembers at least the latest keep // 2 handles it released, at most keep;
     the oldest go a generation at once."""
-    from kvbridge.receiver import _Recent
-    r = _Recent(8)
+    from kvbridge.releases import Recent
+    r = Recent(8)
     ids = [bytes([i]) * 16 for i in range(20)]
     for n, i in enumerate(ids, 1):
         r.add(i)
