@@ -251,11 +251,6 @@ class ShmServer(SocketServer):
         return super().handle(conn, reader, kind, req_id, payload)
 
 
-def _cut(client: SocketClient, what: str) -> TransferTimeout:
-    return TransferTimeout(f"{what}: the whole reply did not come within Timeout.transfer "
-                           f"({client.timeout.transfer:g} s) plus its bytes at the minimum rate: the peer trickles it")
-
-
 def _parse_mapped(payload: bytes, pos: int) -> tuple[str, list[tuple[int, int]]]:
     try:
         (nl,) = struct.unpack_from("!H", payload, pos)
@@ -377,7 +372,7 @@ class ShmTransport(Transport):
             if k is not Kind.MAPPED:
                 raise ProtocolError(f"{what}: unexpected {k.name} reply")
             if _disarm(sock):                  # cut as the reply's last byte came
-                raise _cut(client, what)
+                raise client.cut_error(what)
             result, done_payload = move(body, peer_cred(sock))
             start = time.monotonic()
             client.arm(sock, len(done_payload), start)
@@ -449,7 +444,7 @@ class ShmTransport(Transport):
         if k is Kind.MAPPED:
             if _disarm(sock):                  # kept as the liveness watch, never pooled: disarmed here
                 sock.close()
-                raise _cut(client, what)
+                raise client.cut_error(what)
             try:
                 info = json.loads(body)
                 uid = peer_cred(sock)[1]

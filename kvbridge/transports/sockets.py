@@ -583,10 +583,14 @@ class SocketClient:
         cut = _disarm(sock)
         sock.close()
         if cut and isinstance(exc, (OSError, ConnectionLost)):
-            return TransferTimeout(f"{what}: the whole reply did not come within Timeout.transfer "
-                                   f"({self.timeout.transfer:g} s) plus its bytes at the minimum rate: "
-                                   "the peer trickles it")
+            return self.cut_error(what)
         return map_os_error(exc, what)
+
+    def cut_error(self, what: str) -> TransferTimeout:
+        """The error of an exchange the deadline cut."""
+        return TransferTimeout(f"{what}: the whole reply did not come within Timeout.transfer "
+                               f"({self.timeout.transfer:g} s) plus its bytes at the minimum rate: "
+                               "the peer trickles it")
 
     def next_id(self) -> int:
         with self._lock:

@@ -18,7 +18,8 @@ import pytest
 
 from loopback import Trickler
 
-from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Retry, Timeout, TransferTimeout
+from kvbridge import (FetchResult, KVHandle, KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Retry, Timeout,
+                      TransferTimeout)
 from kvbridge.transports.shmtable import HandleTable, open_info
 from kvbridge.transports.wire import FENCE, HEADER, Kind, encode_layers, pack
 
@@ -32,6 +33,20 @@ def FakeShmSender(reply: Callable[[Kind, int], tuple[bytes, int]]) -> Trickler:
     """An shm:// control socket answering each frame with ``reply(kind, request id)``: (the reply's
     bytes, how many of them to send at once; the rest one byte every ``BYTE_EVERY``)."""
     return Trickler(reply, BYTE_EVERY, shm_name=f"kvbtest-{secrets.token_hex(6)}")
+
+
+def _fetch_from(reply: Callable[[Kind, int], tuple[bytes, int]]) -> tuple[FetchResult, float]:
+    """One fetch of two blocks from a fake shm:// sender answering with ``reply``: its result and
+    how long it took (receiver and sender closed after)."""
+    fake = FakeShmSender(reply)
+    rcv = _receiver()
+    try:
+        t0 = time.monotonic()
+        res = rcv.fetch(_handle(fake.url), rcv.pool.alloc(2), release=False)
+        return res, time.monotonic() - t0
+    finally:
+        rcv.close()
+        fake.close()
 
 
 def _handle(url: str, nblocks: int = 2) -> KVHandle:
@@ -82,17 +97,9 @@ def test_a_trickled_open_map_or_done_reply_ends_in_time(stage: str, shared_pool:
             return whole, len(whole)
         whole = _error(rid)
         return whole, len(whole)
-    fake = FakeShmSender(reply)
-    rcv = _receiver()
-    try:
-        t0 = time.monotonic()
-        res = rcv.fetch(_handle(fake.url), rcv.pool.alloc(2), release=False)
-        took = time.monotonic() - t0
-        assert not res.ok and isinstance(res.error, TransferTimeout), repr(res.error)
-        assert took < TRANSFER + 3.0, took
-    finally:
-        rcv.close()
-        fake.close()
+    res, took = _fetch_from(reply)
+    assert not res.ok and isinstance(res.error, TransferTimeout), repr(res.error)
+    assert took < TRANSFER + 3.0, took
 
 
 def test_a_sender_slow_to_open_holds_up_no_other_senders_reads() -> None:
@@ -148,16 +155,11 @@ def test_an_open_reply_naming_a_table_shorter_than_its_header_is_refused(size: i
     def reply(kind: Kind, rid: int) -> tuple[bytes, int]:
         whole = pack(Kind.MAPPED, rid, info) if kind is Kind.OPEN else _error(rid)
         return whole, len(whole)
-    fake = FakeShmSender(reply)
-    rcv = _receiver()
     try:
-        ids = rcv.pool.alloc(2)
-        res = rcv.fetch(_handle(fake.url), ids, release=False)
+        res, _ = _fetch_from(reply)
         assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
         assert "table is malformed" in str(res.error)
     finally:
-        rcv.close()
-        fake.close()
         os.unlink("/dev/shm/" + name)
 
 
@@ -175,14 +177,7 @@ def test_an_open_reply_of_megabytes_is_refused_before_its_body(shared_pool: KVPo
     def reply(kind: Kind, rid: int) -> tuple[bytes, int]:
         whole = pack(Kind.MAPPED, rid, body) if kind is Kind.OPEN else _error(rid)
         return whole, len(whole)
-    fake = FakeShmSender(reply)
-    rcv = _receiver()
-    try:
-        t0 = time.monotonic()
-        res = rcv.fetch(_handle(fake.url), rcv.pool.alloc(2), release=False)
-        assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
-        assert "OPEN reply of" in str(res.error)
-        assert time.monotonic() - t0 < 1.0
-    finally:
-        rcv.close()
-        fake.close()
+    res, took = _fetch_from(reply)
+    assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
+    assert "OPEN reply of" in str(res.error)
+    assert took < 1.0
