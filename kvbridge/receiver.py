@@ -583,7 +583,7 @@ class KVReceiver:
         dst, gens = got_dst
         url = h.urls[0]
         t0 = time.perf_counter()
-        tr = self.transport(url)
+        tr = self._by_url.get(url) or self.transport(url)
         try:
             got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
         except KVBridgeError as exc:

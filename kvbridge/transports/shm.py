@@ -593,7 +593,7 @@ class ShmTransport(Transport):
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
         if code == 3:
             raise retired_during(handle.request_id)
-        if code == 1 or not self._alive(url, m):
+        if code == 1 or (time.monotonic() >= m.poll_after and not self._alive(url, m)):
             return False, None
         return True, sums
 
@@ -646,7 +646,9 @@ class ShmTransport(Transport):
         m = self._senders.get(url)
         if m is None or not ONE_SIDED or handle.layerwise or handle.codec != "raw":
             return None
-        lane = self._lane(m, pool)
+        lane = m.lane
+        if lane is None or lane[0] is not pool or lane[1] is not pool.buffers:
+            lane = self._lane(m, pool)
         if lane[2] and len(block_ids) == len(handle.block_ids):
             done, sums = self._shm_read(url, m, handle, lane, block_ids, verify, handle.checksums if verify else None,
                                         gens)
@@ -702,7 +704,7 @@ class ShmTransport(Transport):
         self._client(url).control(Kind.WABORT, encode_request(ticket.to_bytes(), None, claim), f"abort write to {url}")
 
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
-        self._client(url).release(handle, wait, url)
+        (self._by_url.get(url) or self._client(url)).release(handle, wait, url)
 
     def close(self) -> None:
         with self._lock:
