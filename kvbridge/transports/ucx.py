@@ -62,7 +62,7 @@ except ImportError as exc:   # mapped by the registry to BackendUnavailable nami
 
 
 from ..errors import (ConfigError, ConnectionLost, FrameTooLarge, KVBridgeError, PeerUnavailable, ProtocolError,
-                      TransferTimeout)
+                      TransferCancelled, TransferTimeout)
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
@@ -127,6 +127,21 @@ class _Peer:
         except OSError:
             self.broken = True
             raise ConnectionLost(f"{self.url}: the sender's process closed the connection") from None
+
+
+def _watched(p: _Peer, dst: Optional[Spans]) -> Callable[[], None]:
+    """What a wait for ``dst``'s bytes checks at every NAP: the peer's liveness and ``dst.cancel``
+    (a Transfer's cancel flag, and the receiver's whole-reply deadline against a sender that
+    trickles): a cancel ends the wait at once, not after ``Timeout.transfer`` of silence."""
+    flag = dst.cancel if dst is not None else None
+    if flag is None:
+        return p.alive
+
+    def check() -> None:
+        p.alive()
+        if flag.is_set():
+            raise TransferCancelled("transfer cancelled")
+    return check
 
 
 class UCXTransport(Transport):
@@ -268,25 +283,28 @@ class UCXTransport(Transport):
         send completes: a rendezvous send reads it from the peer long after posting)."""
         return p.ep.send(msg, tag)
 
-    def _recv_header(self, p: _Peer, rid: int, limit: int, what: str, tag: Optional[int] = None) -> bytes:
+    def _recv_header(self, p: _Peer, rid: int, limit: int, what: str, tag: Optional[int] = None,
+                     alive: Optional[Callable[[], None]] = None) -> bytes:
         return _recv_probed(self._w(), _tag(T_HDR, p.cid, rid) if tag is None else tag, limit,
-                            self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
+                            self.timeout.transfer, what, alive or p.alive, (p.sock.fileno(),), p.ring)
 
     def _exchange(self, url: str, op: int, payload: bytes, what: str,
                   body: Callable[[_Peer, int, bytes], Any], limit: int = MAX_CONTROL + INLINE,
-                  hello: Optional[bytes] = None) -> Any:
+                  hello: Optional[bytes] = None, dst: Optional[Spans] = None) -> Any:
         """Send one request; ``body(peer, rid, reply)`` handles an OK/GO reply. Errors that
         leave the connection in an unknown state drop it (so no late message of an abandoned
-        request can match a later one: a new connection has a new key)."""
+        request can match a later one: a new connection has a new key). ``dst``: the read's
+        destination, whose cancel flag the waits check."""
         if len(payload) + 1 > MAX_CONTROL:
             raise FrameTooLarge(f"{what}: request of {len(payload)} bytes exceeds {MAX_CONTROL}")
         p = self._peer(url, payload if hello is None else hello)
         rid = self._next()
         clean = False
         try:
+            check = _watched(p, dst)
             sreq = self._send(p, _tag(T_REQ, p.cid, rid), _REQ_HEAD.pack(op) + payload)
-            reply = self._recv_header(p, rid, limit, what)
-            _wait_reqs(self._w(), [sreq], self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
+            reply = self._recv_header(p, rid, limit, what, alive=check)
+            _wait_reqs(self._w(), [sreq], self.timeout.transfer, what, check, (p.sock.fileno(),), p.ring)
             if reply[0] == ST_ERROR:
                 clean = True
                 raise decode_error(reply[1:])
@@ -305,6 +323,7 @@ class UCXTransport(Transport):
         if n != dst.nbytes:
             raise ProtocolError(f"{what}: sender offers {n} bytes, destination holds {dst.nbytes}")
         stream = _Stream(dst)
+        check = _watched(p, dst)
         if n <= INLINE:
             if len(reply) - pos != n:
                 raise ProtocolError(f"{what}: reply carries {len(reply) - pos} bytes, expected {n}")
@@ -321,9 +340,9 @@ class UCXTransport(Transport):
 
         def post(view: memoryview, k: int) -> Any:
             return p.ep.recv(view, dtag)
-        _recv_stream(w, post, stream, self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring,
+        _recv_stream(w, post, stream, self.timeout.transfer, what, check, (p.sock.fileno(),), p.ring,
                      cancel=lambda: self._drop(p))     # nothing lands in the destination after a failure
-        trailer = self._recv_header(p, rid, 8192, what, _tag(T_DONE, p.cid, rid))
+        trailer = self._recv_header(p, rid, 8192, what, _tag(T_DONE, p.cid, rid), check)
         if trailer[0] != ST_OK:
             raise decode_error(trailer[1:]) if trailer[0] == ST_ERROR else ProtocolError(f"{what}: bad trailer")
         stream.stage_in()
@@ -338,7 +357,8 @@ class UCXTransport(Transport):
             if len(reply) < 1 + _N.size:
                 raise ProtocolError(f"{what}: truncated reply")
             return self._take_data(p, rid, reply, 1 + _N.size, dst, what)
-        return int(self._exchange(url, OP_READ, encode_request(handle.to_bytes(), indices, claim), what, body))
+        return int(self._exchange(url, OP_READ, encode_request(handle.to_bytes(), indices, claim), what, body,
+                                  dst=dst))
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:

@@ -1,0 +1,172 @@
+"""ucx:// seen from its client against a hostile or broken peer: a fake ucx:// sender (a TCP
+socket that answers the hello as a server would, and a real UCX worker that answers each
+tagged request as its script says) that goes silent, trickles, never reads its liveness
+socket, or lives at ever new URLs; and a fake receiver that takes a push's bytes slowly.
+Real UCX workers over loopback/shared memory; every fetch and push ends in time."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import struct
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import pytest
+
+pytest.importorskip("ucxx", reason="ucx:// needs ucxx: pip install 'kvbridge[ucx]'")
+
+from loopback import Listener  # noqa: E402
+
+from kvbridge import (KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout,  # noqa: E402
+                      TransferCancelled)
+from kvbridge.transports import ucx as U  # noqa: E402
+from kvbridge.transports import ucx_core  # noqa: E402
+from kvbridge.transports.base import Spans  # noqa: E402
+from kvbridge.transports.ucx_server import _value  # noqa: E402
+from kvbridge.transports.wire import HEADER, Kind, pack, recv_exact, unpack_header  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+L = KVLayout.vllm_flash(2, 2, 64, block_size=16, dtype="float16")    # 16 KiB a block (8 KiB a layer)
+
+Script = Callable[["FakeUCX", int, bytes], None]
+
+
+class FakeUCX(Listener):
+    """A ucx:// "sender" on 127.0.0.1: the hello is answered with a key and this worker's
+    address, then each tagged request of that key goes to ``script(fake, rid, request)`` (on a
+    thread of its own). ``reads_socket=False``: the liveness socket is never read after the
+    hello (doorbells pile up in it)."""
+
+    def __init__(self, script: Script, reads_socket: bool = True, rcvbuf: int = 0) -> None:
+        self.script, self.reads_socket, self.rcvbuf = script, reads_socket, rcvbuf
+        self.w = U._Worker()
+        self.key = 0x5EED
+        self.eps: list[Any] = []
+        self.held: list[Any] = []
+        self.requests: list[tuple[int, bytes]] = []
+        self.conns: list[socket.socket] = []
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if rcvbuf:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+        s.bind(("127.0.0.1", 0))
+        super().__init__(s)
+        self._loop = threading.Thread(target=self._ucx_loop, daemon=True)
+        self._loop.start()
+
+    @property
+    def url(self) -> str:
+        return f"ucx://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def _conn(self, c: socket.socket) -> None:
+        self.conns.append(c)
+        c.settimeout(None)
+        _, rid, n = unpack_header(recv_exact(c, HEADER.size))
+        body = recv_exact(c, n)[len(U.HELLO):]
+        (alen,) = struct.unpack_from("!H", body)
+        self.eps.append(self.w.endpoint(bytes(body[2:2 + alen])))
+        c.sendall(pack(Kind.MAPPED, rid, struct.pack("!Q", self.key) + self.w.address))
+        while self.reads_socket and not self.stop.is_set():
+            try:
+                if not c.recv(4096):
+                    return
+            except OSError:
+                return
+        self.stop.wait()
+
+    def send(self, kind: int, rid: int, msg: bytes) -> None:
+        buf = bytearray(msg)
+        with self.w.lock:
+            self.held.append((self.eps[-1].tag_send(U.Array(buf), U._ucx.UCXXTag(U._tag(kind, self.key, rid))), buf))
+
+    def _ucx_loop(self) -> None:
+        mask = U._ucx.UCXXTagMask(0xF << ucx_core.KIND_SHIFT | ucx_core.KEY_MASK << ucx_core.RID_BITS)
+        want = U._ucx.UCXXTag(U._tag(U.T_REQ, self.key, 0))
+        while not self.stop.is_set():
+            with self.w.lock:
+                self.w.w.progress()
+                pr = self.w.w.tag_probe(want, mask, True)
+                if pr.matched:
+                    buf = bytearray(pr.length)
+                    req = self.w.w.tag_recv_with_handle(U.Array(buf), pr)
+            if not pr.matched:
+                time.sleep(0.0005)
+                continue
+            while not req.completed:
+                self.w.progress()
+            rid = ucx_core._untag(_value(pr.sender_tag))[2]
+            self.requests.append((rid, bytes(buf)))
+            threading.Thread(target=self.script, args=(self, rid, bytes(buf)), daemon=True).start()
+
+    def close(self) -> None:
+        super().close()
+        self._loop.join(2)
+        for c in self.conns:
+            c.close()
+
+
+def _handle(url: str, nblocks: int, **kw: Any) -> KVHandle:
+    with KVSender(KVPool.allocate(L, 64), "inproc://", leases=False) as snd:
+        h = snd.publish("real", snd.pool.alloc(nblocks), 16 * nblocks, **kw)
+    return dataclasses.replace(h, urls=(url,))
+
+
+def _receiver(transfer: float, attempts: int = 3) -> KVReceiver:
+    return KVReceiver(KVPool.allocate(L, 64), leases=False, timeout=Timeout(connect=2, transfer=transfer),
+                      retry=Retry(attempts=attempts))
+
+
+def _nbytes(nblocks: int) -> int:
+    return Spans.of_blocks(KVPool.allocate(L, nblocks), list(range(nblocks))).nbytes
+
+
+def _header_then(after: Optional[Callable[[FakeUCX, int, int], None]] = None) -> Script:
+    """A script: an OK header declaring the bytes a read asks for, then ``after(fake, rid, n)``."""
+    def script(fake: FakeUCX, rid: int, req: bytes) -> None:
+        n = int(fake.nbytes)
+        fake.send(U.T_HDR, rid, bytes([U.ST_OK]) + U._N.pack(n))
+        if after is not None:
+            after(fake, rid, n)
+    return script
+
+
+def _seen(pool: KVPool, ids: list[int]) -> set[int]:
+    return set(b"".join(bytes(v) for v in Spans.of_blocks(pool, ids).views()))
+
+
+# -- a sender that goes silent: a cancel ends the read at once, and nothing lands after it --------------
+@pytest.mark.parametrize("how", ["no header", "header then silence", "bytes after the cancel"])
+def test_cancel_of_a_read_from_a_silent_sender_returns_at_once(how):
+    """Before, the waits looked only at the liveness socket: cancel() returned after every retry
+    had waited out Timeout.transfer (3 x 2 s here), and the result was TransferTimeout (RETRY)."""
+    nb = 16                                                         # 256 KiB: DATA messages
+    late: list[float] = []
+
+    def bytes_later(fake: FakeUCX, rid: int, n: int) -> None:
+        time.sleep(1.2)
+        late.append(time.monotonic())
+        fake.send(U.T_DATA, rid, b"\x41" * n)
+        fake.send(U.T_DONE, rid, bytes([U.ST_OK]))
+    script: Script = {"no header": lambda f, r, q: None, "header then silence": _header_then(None),
+                      "bytes after the cancel": _header_then(bytes_later)}[how]
+    fake = FakeUCX(script)
+    fake.nbytes = _nbytes(nb)
+    rcv = _receiver(2.0)
+    try:
+        dst = rcv.pool.alloc(nb)
+        t = rcv.start_fetch(_handle(fake.url, nb), dst, release=False)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        assert t.cancel(timeout=10)
+        took = time.monotonic() - t0
+        res = t.result()
+        assert took < 0.5, f"cancel took {took:.1f} s"
+        assert isinstance(res.error, TransferCancelled), repr(res.error)
+        assert len(fake.requests) == 1
+        if late or how == "bytes after the cancel":
+            time.sleep(1.3)
+            assert late and _seen(rcv.pool, dst) == {0}, "bytes landed after cancel() returned"
+    finally:
+        rcv.close()
+        fake.close()
