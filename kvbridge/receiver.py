@@ -69,6 +69,7 @@ HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 # a device pool is hashed in the host slot its bytes pass through, never read back).
 HASH_AFTER = 256 << 10
 RELEASED_KEPT = 4096    # released handles remembered (far longer than a deferred release takes to land)
+MAX_URLS = 4096         # sender URLs whose transport is remembered (a cache)
 
 
 @dataclass(slots=True)
@@ -161,6 +162,8 @@ class KVReceiver:
             t = self._transports.get(scheme)
             if t is None:
                 t = self._transports[scheme] = get_transport_class(scheme)(self.timeout, self.secret)
+            if len(self._by_url) >= MAX_URLS:    # a cache: handles naming ever new URLs do not grow it
+                self._by_url.clear()
             self._by_url[url] = t
         return t
 

@@ -60,7 +60,7 @@ from .base import Chunk, Server, Spans, SpansFor, Transport, copy_runs, generati
 from .deadline import WATCHDOG
 from .shmcopy import copy_into
 from .shmtable import ONE_SIDED, HandleTable, SenderMap, open_info
-from .sockets import SocketClient, SocketServer, connector
+from .sockets import MAX_PEERS, SocketClient, SocketServer, client_for, connector
 from .staging import copy_slices, device_slices
 from .tcp import _claim_of
 from .wire import (FENCE, HEADER, LAYERS, FrameReader, Kind, decode_error, decode_layers, decode_request,
@@ -72,6 +72,7 @@ _disarm = WATCHDOG.disarm
 
 _RUN = struct.Struct("!QQ")
 MAX_MAPPED = 16
+OPEN_LOCKS = 64          # locks that keep OPENs of one sender from racing, shared by URL hash
 # An OPEN reply (shmtable.open_info: a layout and one offset per buffer) held to this before its
 # body is read: the reader builds a plane per layer and part from it (a 7.6 MiB one naming
 # 4 million layers took 3.3 GB and 8 s)
@@ -293,8 +294,9 @@ class ShmTransport(Transport):
         self._by_url: dict[str, SocketClient] = {}          # the same clients by URL: no parse per release
         self._maps: OrderedDict[tuple[str, bool, int], SharedSegment] = OrderedDict()
         self._senders: dict[str, Optional[SenderMap]] = {}   # url -> mapped sender (None: MAP/DONE only)
+        self._by_path: dict[str, Optional[SenderMap]] = {}   # the same by control socket (one per sender)
         self._lock = threading.Lock()
-        self._open_locks: dict[str, threading.Lock] = {}
+        self._open_locks = [threading.Lock() for _ in range(OPEN_LOCKS)]   # by the URL's hash: a fixed set
         self.after_copy: Optional[Callable[[KVHandle], None]] = None   # fault injection: runs between copy and re-check
 
     @classmethod
@@ -328,11 +330,8 @@ class ShmTransport(Transport):
             return c
         path = _path_of(url, self.scheme)
         with self._lock:
-            c = self._clients.get(path)
-            if c is None:
-                c = self._clients[path] = SocketClient(connector(socket.AF_UNIX, path, url), self.timeout)
-            self._by_url[url] = c
-        return c
+            return client_for(self._clients, self._by_url, path, url,
+                              lambda: SocketClient(connector(socket.AF_UNIX, path, url), self.timeout))
 
     def _segment(self, name: str, writable: bool, uid: int) -> SharedSegment:
         """The peer's segment, mapped once (read-only to read from, writable to push into); only
@@ -417,14 +416,28 @@ class ShmTransport(Transport):
             return self._senders[url]
         except KeyError:
             pass
-        with self._lock:
-            lock = self._open_locks.setdefault(url, threading.Lock())
-        with lock:                     # one OPEN per sender, even when reads race (a sender slow to
-            if url in self._senders:   # answer holds up only reads from itself)
-                return self._senders[url]
-            return self._open_sender(url, handle, claim)
+        path = _path_of(url, self.scheme)
+        with self._open_locks[hash(path) % OPEN_LOCKS]:   # one OPEN per sender, even when reads race (a
+            with self._lock:                                # sender slow to answer holds up only its lock's)
+                if path in self._by_path:                   # another URL of a sender mapped already
+                    return self._keep(url, path, self._by_path[path])
+            return self._open_sender(url, path, handle, claim)
 
-    def _open_sender(self, url: str, handle: KVHandle, claim: Optional[Claim]) -> Optional[SenderMap]:
+    def _keep(self, url: str, path: str, m: Optional[SenderMap]) -> Optional[SenderMap]:
+        """``m`` is the sender at ``url`` (its socket ``path``), this transport's lock held. At most
+        ``MAX_PEERS`` URLs and senders are kept (handles naming ever new URLs -- unsigned ones
+        from a hostile source, one socket under many spellings -- neither grow them nor map a
+        sender twice): the oldest are forgotten."""
+        self._senders[url] = self._by_path[path] = m
+        while len(self._senders) > MAX_PEERS:
+            del self._senders[next(iter(self._senders))]
+        while len(self._by_path) > MAX_PEERS:
+            old = self._by_path.pop(next(iter(self._by_path)))
+            if old is not None:
+                old.watch.close()          # any URL still naming it finds it gone at its next read
+        return m
+
+    def _open_sender(self, url: str, path: str, handle: KVHandle, claim: Optional[Claim]) -> Optional[SenderMap]:
         client = self._client(url)
         what = f"open {url}"
         start = time.monotonic()     # the OPEN and its whole reply: Timeout.transfer plus its bytes at the minimum rate
@@ -477,8 +490,7 @@ class ShmTransport(Transport):
         else:
             client.put_back(sock)
         with self._lock:
-            self._senders[url] = m
-        return m
+            return self._keep(url, path, m)
 
     def _forget(self, url: str, m: SenderMap) -> None:
         """Stop reading one-sided from a sender that went away. The mapping is left to the
@@ -486,6 +498,8 @@ class ShmTransport(Transport):
         with self._lock:
             if self._senders.get(url) is m:
                 del self._senders[url]
+            for path in [p for p, v in self._by_path.items() if v is m]:
+                del self._by_path[path]
         m.watch.close()
 
     def _read_one_sided(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans,
@@ -714,6 +728,7 @@ class ShmTransport(Transport):
             self._by_url.clear()
             self._maps.clear()
             self._senders.clear()
+            self._by_path.clear()
         for c in clients:
             c.close()
         for m in maps:

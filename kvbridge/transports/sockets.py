@@ -42,6 +42,7 @@ CONTROL_BUDGET = 64 << 20  # control-frame bytes all connections of a server may
 MAX_PING = 64              # PING payload echoed back, at most
 ACCEPT_BACKOFF = 0.05     # seconds the accept loop waits after a failed accept (no fds left)
 LINGER = 1.0               # seconds a connection closed on an error reply goes on discarding input
+MAX_PEERS = 1024           # clients a transport keeps (one per sender address); the oldest beyond it retired
 MIN_RATE = 1 << 20         # bytes/s a transfer must keep up after RATE_GRACE seconds
 RATE_GRACE = 2.0
 RELEASE_LINGER = 0.002  # seconds a deferred release waits for a request to ride on
@@ -540,6 +541,7 @@ class SocketClient:
         self._pending: list[bytes] = []   # handles released without a reply: a RELEASES frame to send
         self._scheduled = False           # the flusher will visit this client
         self._waited = False              # ... and has already put its sending off once
+        self._retired = False             # dropped from its transport's table: pools nothing more
 
     def acquire(self) -> socket.socket:
         with self._lock:
@@ -566,7 +568,7 @@ class SocketClient:
             sock.close()
             return
         with self._lock:
-            if len(self._idle) < 8:
+            if len(self._idle) < 8 and not self._retired:
                 self._idle.append(sock)
                 return
         sock.close()
@@ -599,10 +601,17 @@ class SocketClient:
 
     def close(self) -> None:
         self.flush()
+        self.retire()
+
+    def retire(self) -> None:
+        """Its transport forgot it (:func:`remember`): idle connections closed now, those in use
+        as they come back; deferred releases still go (the flusher holds the client)."""
         with self._lock:
+            self._retired = True
             idle, self._idle = self._idle, []
         for s in idle:
             s.close()
+
 
     def release(self, handle: KVHandle, wait: bool, url: str) -> None:
         """RELEASE (and read the answer), or a release without a reply and without a send of its
@@ -707,6 +716,24 @@ class SocketClient:
             return sock, k, got_id, length
         except BaseException as exc:
             raise self.fail(sock, exc, what) from None
+
+
+def client_for(clients: dict[Any, SocketClient], by_url: dict[str, SocketClient], key: Any, url: str,
+               make: Callable[[], SocketClient]) -> SocketClient:
+    """The client of the sender at ``key`` (made by ``make`` the first time), remembered under
+    ``url`` too; the transport's lock held. At most ``MAX_PEERS`` clients and four times as many
+    URLs are kept: handles naming ever new addresses or spellings (unsigned ones from a hostile
+    source) retire the oldest clients and empty the URL cache instead of growing them."""
+    c = clients.get(key)
+    if c is None:
+        c = clients[key] = make()
+        while len(clients) > MAX_PEERS:
+            clients.pop(next(iter(clients))).retire()
+            by_url.clear()
+    if len(by_url) >= 4 * MAX_PEERS:
+        by_url.clear()
+    by_url[url] = c
+    return c
 
 
 class _Flusher:

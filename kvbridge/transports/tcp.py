@@ -39,7 +39,7 @@ from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport, generations_held, unverified
-from .sockets import SocketClient, SocketServer, connector
+from .sockets import SocketClient, SocketServer, client_for, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
                    decode_layers, encode_request, pack, recv_exact, recv_iter, send_iter, unpack_header)
@@ -252,13 +252,10 @@ class TCPTransport(Transport):
         if c is not None:
             return c
         addr = parse_tcp_url(url)
+        family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
         with self._lock:
-            c = self._clients.get(addr)
-            if c is None:
-                family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
-                c = self._clients[addr] = SocketClient(connector(family, addr, url), self.timeout)
-            self._by_url[url] = c
-        return c
+            return client_for(self._clients, self._by_url, addr, url,
+                              lambda: SocketClient(connector(family, addr, url), self.timeout))
 
     def read(self, url: str, handle: KVHandle, dst: Spans, indices: Optional[list[int]] = None,
              claim: Optional[Claim] = None) -> int:
