@@ -20,6 +20,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, AsyncGenerator, Optional
 
 import httpcore
@@ -27,11 +28,12 @@ import httpx
 import uvicorn
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from ..errors import Action, ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, TransferTimeout, \
     error_from_code
 
-__all__ = ["HTTPServer", "bind_socket", "error_body", "BodyError", "read_json", "WorkerClient", "get_json",
+__all__ = ["HTTPServer", "Deadlines", "bind_socket", "error_body", "BodyError", "read_json", "WorkerClient", "get_json",
            "MAX_WORKER_BODY", "wait_or_disconnect"]
 
 log = logging.getLogger("kvbridge.workers")
@@ -62,19 +64,143 @@ def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
     return sock
 
 
+@dataclass(frozen=True)
+class Deadlines:
+    """How long a client of an :class:`HTTPServer` may take over its side of a connection.
+
+    ``idle``: a connection that opened (or got its last answer) and has not begun a request
+    since is closed (stray bytes that begin none, such as blank lines, do not count).
+    ``request``: a request must arrive whole -- head and body -- within this many seconds of
+    its first byte, plus 1 s per ``body_rate`` bytes of body received; else it is answered
+    408 (when no answer was started) and the connection closed. ``write``: a client that takes
+    no bytes of an answer for this long while more wait is dropped (its request then ends as
+    a client that left). uvicorn alone bounds none of these.
+    """
+
+    idle: float = 30.0
+    request: float = 10.0
+    body_rate: float = float(1 << 20)
+    write: float = 30.0
+
+
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s")
+
+
+class _GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol held to :class:`Deadlines` (set on a subclass per server)."""
+
+    deadlines = Deadlines()
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._timer: Optional[asyncio.TimerHandle] = None
+        self._stall: Optional[asyncio.TimerHandle] = None
+        self._receiving = self._headers_done = False
+        self._begun = 0.0
+        self._body_bytes = 0
+        self._set(self.deadlines.idle, self._expired_idle)
+
+    def _set(self, delay: float, fn: Any) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(max(0.0, delay), fn)
+
+    def _clear(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired_idle(self) -> None:
+        self._timer = None
+        if not self._receiving and (self.cycle is None or self.cycle.response_complete):
+            self.transport.close()
+
+    def _expired_request(self) -> None:
+        self._timer = None
+        if not self._receiving:
+            return
+        left = self._begun + self.deadlines.request + self._body_bytes / self.deadlines.body_rate - time.monotonic()
+        if left > 0:  # body bytes came since the timer was set
+            self._set(left, self._expired_request)
+            return
+        log.info("HTTP client %s did not send its whole request in time; closing", self.client)
+        cycle = self.cycle
+        answered = cycle is not None and (cycle.response_started if self._headers_done else not cycle.response_complete)
+        if not answered and not self.transport.is_closing():
+            body = json.dumps({"error": {"message": "the request did not arrive whole in time", "type":
+                                         "invalid_request_error", "code": "request_timeout", "action": "fix",
+                                         "status": 408}}).encode()
+            self.transport.write(_TIMEOUT_408 % (len(body), body))
+        if cycle is not None and self._headers_done:
+            cycle.keep_alive = False
+        self._receiving = False
+        self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._receiving, self._headers_done, self._body_bytes = True, False, 0
+        self._begun = time.monotonic()
+        self._set(self.deadlines.request, self._expired_request)
+
+    def on_headers_complete(self) -> None:
+        self._headers_done = True
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._receiving = False
+        self._clear()
+        super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self._receiving and not self.transport.is_closing():
+            self._set(self.deadlines.idle, self._expired_idle)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._stall is None:
+            self._stall = self.loop.call_later(self.deadlines.write, self._expired_write)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+
+    def _expired_write(self) -> None:
+        self._stall = None
+        log.info("HTTP client %s took no bytes for %.0fs; dropping it", self.client, self.deadlines.write)
+        self.transport.abort()
+
+    def connection_lost(self, exc: Optional[Exception]) -> None:
+        self._clear()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        super().connection_lost(exc)
+
+
 class HTTPServer:
-    """uvicorn serving ``app`` on its own thread and event loop, on an already bound socket."""
+    """uvicorn serving ``app`` on its own thread and event loop, on an already bound socket; its
+    clients are held to ``deadlines`` (slow or silent clients cannot hold connections for good)."""
 
     def __init__(self, app: Any, sock: socket.socket, name: str = "http", graceful: float = 5.0,
-                 start_timeout: float = 30.0) -> None:
+                 start_timeout: float = 30.0, deadlines: Deadlines = Deadlines()) -> None:
         self.sock = sock
         host, port = sock.getsockname()[:2]
         self.host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
         self.port = int(port)
         fmt_host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{fmt_host}:{self.port}"
-        cfg = uvicorn.Config(self._wrap(app), log_config=None, log_level="warning", access_log=False,
-                             lifespan="on", timeout_graceful_shutdown=max(1, round(graceful)), timeout_keep_alive=30)
+        protocol = type("GuardedProtocol", (_GuardedProtocol,), {"deadlines": deadlines})
+        cfg = uvicorn.Config(self._wrap(app), log_config=None, log_level="warning", access_log=False, http=protocol,
+                             lifespan="on", timeout_graceful_shutdown=max(1, round(graceful)),
+                             timeout_keep_alive=max(1, round(deadlines.idle)))
         self.server = uvicorn.Server(cfg)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self._error: Optional[BaseException] = None
