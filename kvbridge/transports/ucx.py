@@ -120,13 +120,20 @@ class _Peer:
                 raise ConnectionLost(f"{self.url}: the sender's process closed the connection")
 
     def ring(self) -> None:
-        """Wake the server's UCX side (a doorbell frame on the liveness socket)."""
+        """Wake the server's UCX side (a doorbell frame on the liveness socket). Never blocks: a
+        server that does not read its socket (its buffers full of doorbells) is not rung again,
+        and one that took part of a doorbell has lost the socket's framing (dropped)."""
         try:
             with self._ring_lock:
-                self.sock.sendall(_DOORBELL)
+                sent = self.sock.send(_DOORBELL, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
         except OSError:
             self.broken = True
             raise ConnectionLost(f"{self.url}: the sender's process closed the connection") from None
+        if sent != len(_DOORBELL):
+            self.broken = True
+            raise ConnectionLost(f"{self.url}: the sender does not read its connection")
 
 
 def _watched(p: _Peer, dst: Optional[Spans]) -> Callable[[], None]:

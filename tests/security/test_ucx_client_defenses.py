@@ -19,13 +19,13 @@ pytest.importorskip("ucxx", reason="ucx:// needs ucxx: pip install 'kvbridge[ucx
 
 from loopback import Listener  # noqa: E402
 
-from kvbridge import (KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout,  # noqa: E402
-                      TransferCancelled)
+from kvbridge import (ConnectionLost, HandleNotFound, KVHandle, KVLayout, KVPool, KVReceiver, KVSender,  # noqa: E402
+                      Retry, Timeout, TransferCancelled, TransferTimeout)
 from kvbridge.transports import ucx as U  # noqa: E402
 from kvbridge.transports import ucx_core  # noqa: E402
 from kvbridge.transports.base import Spans  # noqa: E402
 from kvbridge.transports.ucx_server import _value  # noqa: E402
-from kvbridge.transports.wire import HEADER, Kind, pack, recv_exact, unpack_header  # noqa: E402
+from kvbridge.transports.wire import HEADER, Kind, encode_error, pack, recv_exact, unpack_header  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 2, 64, block_size=16, dtype="float16")    # 16 KiB a block (8 KiB a layer)
@@ -170,3 +170,34 @@ def test_cancel_of_a_read_from_a_silent_sender_returns_at_once(how):
     finally:
         rcv.close()
         fake.close()
+
+
+# -- a sender that never reads its liveness socket: doorbells never block the client --------------------
+def test_a_sender_that_never_reads_its_socket_cannot_block_a_read_past_its_deadline(monkeypatch):
+    """Doorbells went out with a blocking sendall: once a server that never reads its socket had
+    let them fill both buffers (minutes of waits at the real sizes; here the buffers are shrunk and
+    the doorbells rung every 0.2 ms), a read hung in sendall with no deadline, holding the peer's
+    ring lock. Now a doorbell that cannot go is not sent, and the read ends at Timeout.transfer."""
+    monkeypatch.setattr(ucx_core, "NAP", 0.0002)
+
+    def script(fake: FakeUCX, rid: int, req: bytes) -> None:
+        if len(fake.requests) == 1:                  # the first read: a clean refusal (the peer is kept)
+            fake.send(U.T_HDR, rid, bytes([U.ST_ERROR]) + encode_error(HandleNotFound("not here")))
+    fake = FakeUCX(script, reads_socket=False, rcvbuf=4096)
+    rcv = _receiver(2.0, attempts=1)
+    out: dict[str, Any] = {}
+    try:
+        h = _handle(fake.url, 2)
+        assert isinstance(rcv.fetch(h, rcv.pool.alloc(2), release=False).error, HandleNotFound)
+        rcv.transport(fake.url)._peers[fake.url].sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        dst = rcv.pool.alloc(2)
+        th = threading.Thread(target=lambda: out.setdefault("res", rcv.fetch(h, dst, release=False)), daemon=True)
+        t0 = time.monotonic()
+        th.start()
+        th.join(5)
+        assert not th.is_alive(), "the read is still blocked 5 s into a 2 s deadline"
+        assert time.monotonic() - t0 < 3.5
+        assert isinstance(out["res"].error, (TransferTimeout, ConnectionLost)), repr(out["res"].error)
+    finally:
+        fake.close()           # (unblocks a read stuck in sendall)
+        rcv.close()
