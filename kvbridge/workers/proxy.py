@@ -384,7 +384,8 @@ class Proxy(StatusRoutes):
                 await asyncio.sleep(0.2)
 
     async def _tokens(self, job: Job) -> AsyncIterator[list[int]]:
-        """``_generate``, stopped with :class:`ShuttingDown` as soon as the proxy is closing.
+        """``_generate``, stopped with :class:`ShuttingDown` as soon as the proxy is closing, and
+        with ``TransferTimeout`` at ``request_timeout`` whatever the workers are doing.
 
         While it waits for the next tokens a request is in ``_waiting``; closing cancels
         those waits (and only those: a request busy writing to its client checks the flag
@@ -395,13 +396,17 @@ class Proxy(StatusRoutes):
         gen = self._generate(job.ids, job.params, job.rid, job.m, deadline)
         task = asyncio.current_task()
         assert task is not None
+        loop = asyncio.get_running_loop()
         try:
             while True:
                 if self._stopping.is_set():
                     raise ShuttingDown("the server is shutting down; send the request again")
                 self._waiting.add(task)
-                try:
-                    new = await gen.__anext__()
+                try:  # the deadline holds also while a worker only says the request waits in its queue
+                    async with asyncio.timeout_at(loop.time() + deadline - time.monotonic()):
+                        new = await gen.__anext__()
+                except TimeoutError:
+                    raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s") from None
                 except StopAsyncIteration:
                     return
                 except _Done as d:

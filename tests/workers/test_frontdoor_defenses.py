@@ -19,6 +19,8 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from waiting import wait_until
+
 from kvbridge.workers.http import BodyError, Deadlines, HTTPServer, bind_socket, read_json
 
 SHORT = Deadlines(idle=1.0, request=1.0, write=1.0)
@@ -89,9 +91,10 @@ def _closed_within(s: socket.socket, seconds: float) -> tuple[bool, bytes]:
     return False, got
 
 
-def _post(path: str, body: bytes, length: int | None = None) -> bytes:
-    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
-            % (path.encode(), len(body) if length is None else length) + body)
+def _post(path: str, body: bytes, length: int | None = None, close: bool = False) -> bytes:
+    return (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n"
+            % (path.encode(), len(body) if length is None else length, b"Connection: close\r\n" if close else b"")
+            + body)
 
 
 @pytest.mark.timeout(20)
@@ -143,3 +146,65 @@ def test_a_client_that_stops_reading_a_stream_is_dropped(served: tuple[_App, HTT
         s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
         assert s.recv(100).startswith(b"HTTP/1.1 200")
         assert app.stream_ended.wait(8.0), "the stream still runs for a client that stopped reading"
+
+
+class _QueuedForever:
+    """A worker whose every request stays queued: it sends an SSE keep-alive comment every
+    0.2 s, never an event (what a worker does while a request waits for its slot)."""
+
+    def __init__(self) -> None:
+        self.streams_open = 0
+        self.streams_ended = 0
+
+    async def health(self, request: HTTPRequest) -> Response:
+        return JSONResponse({"status": "ok", "role": "prefill", "max_model_len": 4096})
+
+    async def queued(self, request: HTTPRequest) -> Response:
+        await request.body()
+
+        async def comments() -> AsyncIterator[bytes]:
+            self.streams_open += 1
+            try:
+                while True:
+                    yield b": queued\n\n"
+                    await asyncio.sleep(0.2)
+            finally:
+                self.streams_ended += 1
+        return StreamingResponse(comments(), media_type="text/event-stream")
+
+    def starlette(self) -> Starlette:
+        return Starlette(routes=[Route("/health", self.health, methods=["GET"]),
+                                 Route("/prefill", self.queued, methods=["POST"]),
+                                 Route("/generate", self.queued, methods=["POST"])])
+
+
+@pytest.mark.timeout(30)
+def test_request_timeout_holds_while_a_worker_keeps_the_request_queued() -> None:
+    """``--request-timeout`` ends a request (504, or a last error event) also while its worker
+    says it is queued, and the worker's stream is closed (so the worker aborts the request).
+    Before, only tokens moved the deadline check: the request waited for as long as the worker."""
+    from kvbridge.workers.proxy import Proxy, ProxyConfig
+
+    fake = _QueuedForever()
+    worker = HTTPServer(fake.starlette(), bind_socket("127.0.0.1", 0), name="fake-worker")
+    proxy = Proxy(ProxyConfig(prefill=[worker.url], decode=[worker.url], model_name="m", worker_timeout=1.0,
+                              request_timeout=1.5))
+    proxy.serve("127.0.0.1", 0)
+    try:
+        for stream in (False, True):
+            s = socket.create_connection((proxy.http.host, proxy.http.port), timeout=10)  # type: ignore[union-attr]
+            body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": stream}).encode()
+            t0 = time.monotonic()
+            s.sendall(_post("/v1/completions", body, close=True))
+            closed, got = _closed_within(s, 6.0)
+            s.close()
+            assert closed and time.monotonic() - t0 < 4.0, (stream, got[:300])
+            if stream:
+                assert b'"code": "transfer_timeout"' in got, got[-400:]
+            else:
+                assert got.startswith(b"HTTP/1.1 504"), got[:300]
+        assert wait_until(lambda: fake.streams_ended == fake.streams_open == 2, 5.0), vars(fake)
+        assert proxy.in_flight == 0
+    finally:
+        proxy.close()
+        worker.close(timeout=5)
