@@ -67,7 +67,7 @@ from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, Server, Spans, SpansFor, Transport
-from .sockets import connector, tune
+from .sockets import MAX_PEERS, connector, tune
 from .wire import (HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, encode_request, map_os_error,
                    pack, unpack_header)
 from .ucx_core import (HELLO, HELLO_MAX, INLINE, OP_PING, RID_MASK,
@@ -228,7 +228,9 @@ class UCXTransport(Transport):
         with self._lock:
             if self._closed:
                 raise ConnectionLost(f"{url}: this transport is closed")
-            p = self._peers.get(url)
+            p = self._peers.pop(url, None)
+            if p is not None:
+                self._peers[url] = p           # the most recently used last: the oldest is forgotten first
         if p is not None:
             try:
                 p.alive()
@@ -254,14 +256,20 @@ class UCXTransport(Transport):
             sock.close()
             raise map_os_error(exc, f"connect to {url}") from None
         p = _Peer(url, sock, ep, cid)
+        gone: list[_Peer] = []
         with self._lock:
             closed = self._closed
             old = self._peers.get(url)
             if not closed and old is not None and not old.broken:
                 keep = old
             elif not closed:
+                self._peers.pop(url, None)
                 self._peers[url] = keep = p
                 self.opened += 1
+                while len(self._peers) > MAX_PEERS:   # handles naming ever new URLs (unsigned ones from a
+                    gone.append(self._peers.pop(next(iter(self._peers))))   # hostile source): the oldest go
+        for g in gone:
+            self._close_peer(g)
         if closed:
             self._close_peer(p)
             raise ConnectionLost(f"{url}: this transport is closed")

@@ -201,3 +201,36 @@ def test_a_sender_that_never_reads_its_socket_cannot_block_a_read_past_its_deadl
     finally:
         fake.close()           # (unblocks a read stuck in sendall)
         rcv.close()
+
+
+# -- handles naming ever new ucx:// URLs: the client keeps a bounded set of connections --------------------
+def test_handles_naming_ever_new_urls_do_not_grow_the_clients_connections(monkeypatch):
+    """Every URL a handle named kept its liveness socket and UCX endpoint for the transport's life
+    (unsigned handles from a hostile source: a descriptor and an endpoint each, without bound).
+    Now at most MAX_PEERS (3 here) are kept, the least recently used closed first."""
+    monkeypatch.setattr(U, "MAX_PEERS", 3)
+
+    def refuse(fake: FakeUCX, rid: int, req: bytes) -> None:
+        fake.send(U.T_HDR, rid, bytes([U.ST_ERROR]) + encode_error(HandleNotFound("not here")))
+    fakes = [FakeUCX(refuse) for _ in range(5)]
+    rcv = _receiver(2.0, attempts=1)
+    try:
+        tr = None
+        socks = []
+        for i, f in enumerate(fakes):
+            assert isinstance(rcv.fetch(_handle(f.url, 2), rcv.pool.alloc(2), release=False).error, HandleNotFound)
+            tr = rcv.transport(f.url)
+            socks.append(tr._peers[f.url].sock)
+            if i == 2:                 # the first one used again: the second is now the oldest
+                assert isinstance(rcv.fetch(_handle(fakes[0].url, 2), rcv.pool.alloc(2), release=False).error,
+                                  HandleNotFound)
+        assert tr is not None
+        assert list(tr._peers) == [fakes[0].url, fakes[3].url, fakes[4].url]
+        assert [s.fileno() == -1 for s in socks] == [False, True, True, False, False]
+        assert isinstance(rcv.fetch(_handle(fakes[1].url, 2), rcv.pool.alloc(2), release=False).error,
+                          HandleNotFound)      # a forgotten one connects again
+        assert len(tr._peers) == 3
+    finally:
+        rcv.close()
+        for f in fakes:
+            f.close()
