@@ -154,7 +154,12 @@ class EngineLoop:
         self._thread.start()
 
     def _register(self, req: Request, listener: Listener) -> None:
+        """Watch ``req``; a request id already in use here is refused (``ConfigError``): the second
+        request would take over the first's watch (which then waited for its timeout) and an
+        abort of either would end the other."""
         with self._cond:
+            if req.request_id in self._watch:
+                raise ConfigError(f"request_id {req.request_id[:80]!r} is already in use on this worker")
             self._watch[req.request_id] = _Watch(req, listener)
 
     def submit(self, req: Request, listener: Listener) -> Request:

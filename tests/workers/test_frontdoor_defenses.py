@@ -208,3 +208,44 @@ def test_request_timeout_holds_while_a_worker_keeps_the_request_queued() -> None
     finally:
         proxy.close()
         worker.close(timeout=5)
+
+
+def _post_json(url: str, path: str, body: dict[str, object], timeout: float = 20.0) -> tuple[int, dict[str, object]]:
+    host, port = url.split("//")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(_post(path, json.dumps(body).encode(), close=True))
+        closed, got = _closed_within(s, timeout)
+    assert closed, got[:200]
+    head, _, rest = got.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(rest)
+
+
+@pytest.mark.timeout(30)
+def test_a_request_id_in_use_on_a_worker_is_refused(tiny: object) -> None:
+    """Two requests under one id on a worker: the second took over the first's watch (the first
+    then waited out the whole request timeout, 20 s measured, and got 503) and was answered with
+    tokens the first made. Now the second is refused (400) and the first goes on untouched."""
+    from kvbridge.workers.colocated import ColocatedWorker
+    from kvbridge.workers.server import WorkerConfig
+
+    cw = ColocatedWorker(WorkerConfig(model="tiny", num_blocks=128, chunk_size=64, step_delay=0.005,
+                                      request_timeout=20.0), model=tiny)  # type: ignore[arg-type]
+    url = cw.serve().url
+    first: dict[str, object] = {}
+    body = {"prompt_ids": [65] * 20, "sampling": {"max_tokens": 150, "ignore_eos": True}, "request_id": "same",
+            "stream": False}
+    t = threading.Thread(target=lambda: first.update(zip(("status", "body"), _post_json(url, "/generate", body))))
+    try:
+        t.start()
+        assert wait_until(lambda: cw.loop.load["running"] == 1, 10.0)
+        st, err = _post_json(url, "/generate", {**body, "sampling": {"max_tokens": 5}})
+        assert st == 400 and "already in use" in str(err["error"]), err  # type: ignore[index]
+        t.join(15.0)
+        assert first.get("status") == 200, first
+        assert len(first["body"]["token_ids"]) == 150  # type: ignore[index]
+        assert wait_until(lambda: cw.pool.num_free == cw.pool.num_blocks and cw.loop.load["watched"] == 0, 5.0)
+        st, ok = _post_json(url, "/generate", {**body, "sampling": {"max_tokens": 3}})  # free again once it ended
+        assert st == 200 and len(ok["token_ids"]) == 3, ok  # type: ignore[arg-type]
+    finally:
+        t.join(5.0)
+        cw.close()
