@@ -68,8 +68,9 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, Server, Spans, SpansFor, Transport
 from .sockets import MAX_PEERS, connector, tune
-from .wire import (HEADER, LAYERS, MAX_CONTROL, Kind, decode_error, decode_layers, encode_request, map_os_error,
-                   pack, unpack_header)
+from .wire import (HEADER, LAYERS, MAX_CONTROL, Kind, RateGuard, decode_error, decode_layers, encode_request,
+                   map_os_error, pack, unpack_header)
+from . import ucx_core as _core
 from .ucx_core import (HELLO, HELLO_MAX, INLINE, OP_PING, RID_MASK,
                        OP_READ, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_WREQ, ST_ERROR,
                        ST_GO, ST_OK, T_DATA, T_DONE, T_HDR, T_REQ, _DOORBELL, _Ep, _N, _REQ_HEAD,
@@ -403,7 +404,8 @@ class UCXTransport(Transport):
             stream = _Stream(src)
             stream.stage_out()
             _send_stream(w, p.ep, _tag(T_DATA, p.cid, rid), stream, self.timeout.transfer, what, p.alive,
-                         (p.sock.fileno(),), p.ring)
+                         (p.sock.fileno(),), p.ring, RateGuard(_core.MIN_RATE, _core.RATE_GRACE))   # a receiver
+            # that takes the bytes slowly cannot hold the write (and its source blocks) for pieces x timeout
             done = self._send(p, _tag(T_DONE, p.cid, rid),
                               encode_request(b"", last=last, nbytes=0, sums=sums))
             final = self._recv_header(p, rid, MAX_CONTROL, what)

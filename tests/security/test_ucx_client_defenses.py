@@ -234,3 +234,47 @@ def test_handles_naming_ever_new_urls_do_not_grow_the_clients_connections(monkey
         rcv.close()
         for f in fakes:
             f.close()
+
+
+# -- push: a receiver that takes the bytes slowly -------------------------------------------------------------
+def test_a_receiver_taking_a_push_slowly_is_dropped(monkeypatch):
+    """The writer waited Timeout.transfer for each DATA message and no more: a receiver that said
+    GO and then took one 64 KiB piece every 0.6 s held the push (and its source blocks) for
+    pieces x 0.6 s (10 s here; a 64 MiB write at a 30 s timeout: 8 minutes). Now the writer holds
+    it to MIN_RATE after RATE_GRACE, as the server's paths are."""
+    monkeypatch.setattr(ucx_core, "CHUNK", 64 << 10)
+    monkeypatch.setattr(ucx_core, "RATE_GRACE", 0.3)
+    monkeypatch.setattr(ucx_core, "MIN_RATE", 1 << 20)
+    nb = 64                                                        # 1 MiB: 16 pieces
+    n = _nbytes(nb)
+    taken = [0]
+
+    def slow(fake: FakeUCX, rid: int, req: bytes) -> None:
+        if req[0] != U.OP_WREQ:
+            fake.send(U.T_HDR, rid, bytes([U.ST_OK]))
+            return
+        fake.send(U.T_HDR, rid, bytes([U.ST_GO]))
+        scratch = bytearray(64 << 10)
+        while taken[0] < n and not fake.stop.is_set():
+            time.sleep(0.6)
+            with fake.w.lock:
+                r = fake.eps[-1].tag_recv(U.Array(scratch), U._ucx.UCXXTag(U._tag(U.T_DATA, fake.key, rid)))
+            end = time.monotonic() + 2
+            while not r.completed and time.monotonic() < end:
+                time.sleep(0.001)
+            if not r.completed:
+                return
+            taken[0] += len(scratch)
+        fake.send(U.T_HDR, rid, bytes([U.ST_OK]))
+    fake = FakeUCX(slow)
+    src = KVPool.allocate(L, nb)
+    with KVSender(src, "inproc://", leases=False, timeout=Timeout(connect=2, transfer=2),
+                  retry=Retry(attempts=1)) as snd:
+        res = _handle(fake.url, nb)
+        tr = snd._transport(fake.url)
+        t0 = time.monotonic()
+        with pytest.raises(TransferTimeout):
+            tr.write(fake.url, res, Spans.of_blocks(src, list(range(nb))), (0, L.num_layers), None, b"", True)
+        took = time.monotonic() - t0
+    fake.close()
+    assert took < 2.5, f"the write went on for {took:.1f} s ({taken[0]} bytes taken)"
