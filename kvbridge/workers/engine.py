@@ -115,7 +115,7 @@ class Engine:
 
 
 def _stops(tok: int, params: SamplingParams, eos_id: Optional[int]) -> bool:
-    return tok in params.stop_token_ids or (not params.ignore_eos and eos_id is not None and tok == eos_id)
+    return tok in params.stop_set or (not params.ignore_eos and eos_id is not None and tok == eos_id)
 
 
 class RequestState(str, enum.Enum):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any, Optional, Sequence
 
 import torch
@@ -55,6 +56,13 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) for t in self.stop_token_ids):
             raise ConfigError("stop_token_ids must be a list of token ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        self.stop_set  # made here, when the request comes in, not on the engine thread
+
+    @cached_property
+    def stop_set(self) -> frozenset[int]:
+        """``stop_token_ids`` as a set: a request may name tens of thousands, and a tuple cost a
+        scan of them all for each token it made, on the engine thread every request shares."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
