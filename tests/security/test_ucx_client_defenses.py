@@ -278,3 +278,43 @@ def test_a_receiver_taking_a_push_slowly_is_dropped(monkeypatch):
         took = time.monotonic() - t0
     fake.close()
     assert took < 2.5, f"the write went on for {took:.1f} s ({taken[0]} bytes taken)"
+
+
+# -- replies that lie: refused, nothing outside the destination, nothing counted good ---------------------
+LIES = {   # name: (blocks, expected error)
+    "inline, wrong bytes": (2, "IntegrityError"), "inline, bytes past the declared size": (2, "ProtocolError"),
+    "declares a size the read did not ask for": (16, "ProtocolError"), "streamed, wrong bytes": (16, "IntegrityError"),
+    "streamed, DATA longer than its piece": (16, "ProtocolError"), "streamed, trailer says stale": (16, "StaleHandle"),
+    "streamed, unknown trailer status": (16, "ProtocolError")}
+
+
+@pytest.mark.parametrize("how", list(LIES))
+def test_a_lying_reply_is_refused_and_lands_nothing_outside_the_destination(how):
+    nb, want = LIES[how]
+    n = _nbytes(nb)
+
+    def script(fake: FakeUCX, rid: int, req: bytes) -> None:
+        head = bytes([U.ST_OK]) + U._N.pack(n + (1 if how.startswith("declares") else 0))
+        if how.startswith("inline"):
+            fake.send(U.T_HDR, rid, head + b"\x41" * (n + (100 if "past" in how else 0)))
+            return
+        fake.send(U.T_HDR, rid, head)
+        if how.startswith("declares"):
+            return
+        fake.send(U.T_DATA, rid, b"\x42" * (n + (100 if "longer" in how else 0)))
+        from kvbridge.errors import StaleHandle
+        fake.send(U.T_DONE, rid, bytes([U.ST_ERROR]) + encode_error(StaleHandle("retired")) if "stale" in how
+                  else bytes([7 if "unknown" in how else U.ST_OK]))
+    fake = FakeUCX(script)
+    rcv = _receiver(2.0, attempts=2)
+    try:
+        around = rcv.pool.alloc(1)
+        dst = rcv.pool.alloc(nb)
+        around += rcv.pool.alloc(1)
+        res = rcv.fetch(_handle(fake.url, nb), dst, release=False)
+        assert not res.ok and type(res.error).__name__ == want, repr(res.error)
+        assert res.failed_block_ids == dst
+        assert _seen(rcv.pool, around) == {0}
+    finally:
+        rcv.close()
+        fake.close()
