@@ -107,6 +107,8 @@ class Proxy(StatusRoutes):
         self._waiting: set[asyncio.Task[Any]] = set()
         self._stop_cancelled: set[asyncio.Task[Any]] = set()
         self._background: set[asyncio.Task[Any]] = set()
+        self._status_lock = asyncio.Lock()
+        self._status_cache: Optional[tuple[float, bytes, Optional[list[bytes]]]] = None
         self.http: Optional[HTTPServer] = None
         self.started = time.time()
 

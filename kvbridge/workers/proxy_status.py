@@ -19,6 +19,7 @@ from .openai_api import _ADDRESS, APIError
 from .proxy_config import ProxyConfig
 
 MAX_RECORDS = 10_000   # most records /metrics.json?records=N returns (the latest)
+STATUS_REUSE = 4.0     # one build of /metrics.json serves every caller for this many times as long as it took
 _INTERNAL_HEALTH_KEYS = frozenset({"url", "sender_urls", "transport"})
 
 
@@ -32,6 +33,8 @@ class StatusRoutes:
     started: float
     _inflight: dict[str, int]
     _max_len: Optional[int]
+    _status_lock: asyncio.Lock
+    _status_cache: Optional[tuple[float, bytes, Optional[list[bytes]]]]   # (reuse until, summary, records)
 
     async def _limits(self) -> int:
         raise NotImplementedError
@@ -106,7 +109,8 @@ class StatusRoutes:
         return Response(self.prom.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def _metrics_json(self, request: HTTPRequest) -> Response:
-        """The summary, computed on a thread (not on the event loop every request waits on);
+        """The summary, computed on a thread (not on the event loop every request waits on) and
+        reused while building it again would cost too much (see :meth:`_status_json`);
         ``?records=N`` adds the latest N records (``1``: the latest 1000), at most ``MAX_RECORDS``."""
         raw = request.query_params.get("records")
         n = 0
@@ -117,9 +121,25 @@ class StatusRoutes:
                 return self._refuse(APIError(400, "records must be a number of records", "records"))
             n = 1000 if n == 1 else min(max(0, n), MAX_RECORDS)
 
-        def build() -> bytes:
-            s = self.summary()
-            if n:
-                s["records"] = [r.to_dict() for r in self.metrics.records(last=n)]
-            return json.dumps(s).encode()
-        return Response(await asyncio.to_thread(build), media_type="application/json")
+        summary, records = await self._status_json(with_records=n > 0)
+        body = summary if not n else summary[:-1] + b', "records": [' + b", ".join(records[-n:]) + b"]}"
+        return Response(body, media_type="application/json")
+
+    async def _status_json(self, with_records: bool) -> tuple[bytes, list[bytes]]:
+        """The summary as JSON and the latest ``MAX_RECORDS`` records, each as JSON, built once at
+        a time and shared by every ``/metrics.json`` call for ``STATUS_REUSE`` times as long as the
+        build took (a few records: fresh each call; 20,000: a build holds the GIL for ~0.5 s, and
+        callers asking in a loop made every stream wait that long for the event loop)."""
+        async with self._status_lock:
+            now = time.monotonic()
+            cached = self._status_cache
+            if cached is None or now >= cached[0] or (with_records and cached[2] is None):
+                def build() -> tuple[bytes, Optional[list[bytes]]]:
+                    recs = [json.dumps(r.to_dict()).encode() for r in self.metrics.records(last=MAX_RECORDS)] \
+                        if with_records else None
+                    return json.dumps(self.summary()).encode(), recs
+                summary, recs = await asyncio.to_thread(build)
+                took = time.monotonic() - now
+                cached = (time.monotonic() + STATUS_REUSE * took, summary, recs)
+                self._status_cache = cached
+        return cached[1], cached[2] or []
