@@ -25,6 +25,7 @@ from typing import Any, Callable, Generator, Optional
 
 from .errors import Action, KVBridgeError, TransferCancelled, TransferTimeout
 from .handle import KVHandle
+from .transports.deadline import WATCHDOG, serving
 
 __all__ = ["Transfer", "TransferState", "FetchResult", "Workers", "Paced"]
 
@@ -76,6 +77,7 @@ class Flag:
 
     def set(self) -> None:
         self._set = True
+        WATCHDOG.cancel(self)      # its exchanges in flight cut now (a receive blocked in C returns)
 
     def is_set(self) -> bool:
         return self._set
@@ -152,7 +154,8 @@ class Transfer:
             return
         assert self._job is not None
         try:
-            res = self._job(self)
+            with serving(self.cancel_event):
+                res = self._job(self)
         except BaseException:   # a job reports failures in its result; this is a bug
             log.exception("transfer %s crashed", self.request_id)
             self._fail_crashed()

@@ -27,10 +27,30 @@ import threading
 import time
 from typing import Optional
 
-__all__ = ["Watchdog", "WATCHDOG", "TICK"]
+__all__ = ["Watchdog", "WATCHDOG", "TICK", "CANCELLED", "serving"]
 
 log = logging.getLogger("kvbridge.deadline")
 TICK = 0.25    # seconds between the watchdog's looks while a socket is armed, at most
+CANCELLED = 2  # disarm's verdict on a socket cut because the transfer it served was cancelled
+
+_local = threading.local()     # .flag: the cancel flag of the transfer this thread runs (:func:`serving`)
+
+
+class serving:
+    """``with serving(flag):`` exchanges armed on this thread serve the transfer whose cancel
+    flag is ``flag``: :meth:`Watchdog.cancel` of it cuts them at once."""
+
+    __slots__ = ("flag", "outer")
+
+    def __init__(self, flag: object) -> None:
+        self.flag = flag
+
+    def __enter__(self) -> None:
+        self.outer = getattr(_local, "flag", None)
+        _local.flag = self.flag
+
+    def __exit__(self, *exc: object) -> None:
+        _local.flag = self.outer
 
 
 class Watchdog:
@@ -39,7 +59,8 @@ class Watchdog:
     def __init__(self, tick: float = TICK) -> None:
         self.tick = tick
         self.due: dict[socket.socket, float] = {}      # armed sockets -> monotonic deadline
-        self.fired: dict[socket.socket, bool] = {}     # cut, their owner not yet told
+        self.fired: dict[socket.socket, int] = {}      # cut (True or CANCELLED), their owner not yet told
+        self.owners: dict[socket.socket, object] = {}  # armed sockets -> the cancel flag they serve
         self.sleeping = True                           # the thread waits for _wake (or is not started)
         self.cuts = 0                                  # sockets cut so far
         self._lock = threading.Lock()
@@ -49,18 +70,42 @@ class Watchdog:
     def arm(self, sock: socket.socket, deadline: float) -> None:
         """``sock``'s exchange must end by ``deadline`` (``time.monotonic()``); arming an armed
         socket moves its deadline."""
+        flag = getattr(_local, "flag", None)
+        if flag is not None:
+            self.owners[sock] = flag
         self.due[sock] = deadline
         if self.sleeping:
             self._rouse()
 
-    def disarm(self, sock: socket.socket) -> bool:
-        """The exchange on ``sock`` ended: True when the watchdog cut it (the socket is shut
-        down: close it, report a timeout), False otherwise (also for a socket never armed)."""
+    def disarm(self, sock: socket.socket) -> int:
+        """The exchange on ``sock`` ended: true when the watchdog cut it (the socket is shut
+        down: close it, report a timeout -- or, where the verdict is ``CANCELLED``, that the
+        transfer was cancelled), false otherwise (also for a socket never armed)."""
+        self.owners.pop(sock, None)
         if self.due.pop(sock, None) is not None and sock not in self.fired:
             return False                # ours: the watchdog can no longer take it
         with self._lock:                # taken (or being taken) by the watchdog: its verdict
             self.due.pop(sock, None)
             return self.fired.pop(sock, False)
+
+    def cancel(self, flag: object) -> None:
+        """The transfer whose cancel flag is ``flag`` was cancelled: the exchanges armed for it
+        (:class:`serving`) are cut now, not at their deadline."""
+        if not self.owners:
+            return
+        with self._lock:
+            for sock in [s for s, f in list(self.owners.items()) if f is flag]:
+                at = self.due.pop(sock, None)
+                if at is None:                           # its owner disarmed it meanwhile
+                    continue
+                if self.owners.get(sock) is not flag:    # ... and armed it again for another transfer
+                    self.due[sock] = at
+                    continue
+                self.fired[sock] = CANCELLED
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)       # wakes a receive or send blocked on it, in C too
+                except OSError:
+                    pass
 
     def _rouse(self) -> None:
         with self._lock:
@@ -111,7 +156,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread = None
-        self.due, self.fired, self.sleeping = {}, {}, True
+        self.due, self.fired, self.owners, self.sleeping = {}, {}, {}, True
 
 
 WATCHDOG = Watchdog()

@@ -370,8 +370,9 @@ class ShmTransport(Transport):
                 raise decode_error(body)
             if k is not Kind.MAPPED:
                 raise ProtocolError(f"{what}: unexpected {k.name} reply")
-            if _disarm(sock):                  # cut as the reply's last byte came
-                raise client.cut_error(what)
+            cut = _disarm(sock)
+            if cut:                            # cut as the reply's last byte came
+                raise client.cut_error(what, cut)
             result, done_payload = move(body, peer_cred(sock))
             start = time.monotonic()
             client.arm(sock, len(done_payload), start)
@@ -455,9 +456,10 @@ class ShmTransport(Transport):
             raise decode_error(body)
         m: Optional[SenderMap] = None
         if k is Kind.MAPPED:
-            if _disarm(sock):                  # kept as the liveness watch, never pooled: disarmed here
+            cut = _disarm(sock)
+            if cut:                            # kept as the liveness watch, never pooled: disarmed here
                 sock.close()
-                raise client.cut_error(what)
+                raise client.cut_error(what, cut)
             try:
                 info = json.loads(body)
                 uid = peer_cred(sock)[1]

@@ -17,12 +17,13 @@ from typing import Any, Callable, Optional, cast
 import torch
 
 from .. import blockcopy
-from ..errors import ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError, TransferTimeout
+from ..errors import (ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError, TransferCancelled,
+                      TransferTimeout)
 from ..handle import KVHandle
 from ..logs import RateLimitedLog
 from ..policy import Timeout
 from .base import BlockSink, BlockSource, Server
-from .deadline import WATCHDOG
+from .deadline import CANCELLED, WATCHDOG
 from .staging import RingPool, copy_slices, device_slices, send_staged
 from .wire import (FENCE, HEADER, MAX_CONTROL, TRAILER, Budget, FrameReader, Kind, PacedSender, RateGuard, decode_error,
                    decode_releases, decode_request, encode_error, encode_layers, encode_releases, encode_trailer,
@@ -585,11 +586,14 @@ class SocketClient:
         cut = _disarm(sock)
         sock.close()
         if cut and isinstance(exc, (OSError, ConnectionLost)):
-            return self.cut_error(what)
+            return self.cut_error(what, cut)
         return map_os_error(exc, what)
 
-    def cut_error(self, what: str) -> TransferTimeout:
-        """The error of an exchange the deadline cut."""
+    def cut_error(self, what: str, cut: int = True) -> KVBridgeError:
+        """The error of an exchange the watchdog cut (``cut``, its verdict): at the transfer's
+        cancel, or at its deadline."""
+        if cut == CANCELLED:
+            return TransferCancelled(f"{what}: transfer cancelled")
         return TransferTimeout(f"{what}: the whole reply did not come within Timeout.transfer "
                                f"({self.timeout.transfer:g} s) plus its bytes at the minimum rate: "
                                "the peer trickles it")

@@ -16,7 +16,8 @@ import pytest
 
 import loopback
 
-from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout, TransferTimeout, blockcopy
+from kvbridge import (KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout, TransferCancelled,
+                      TransferTimeout, blockcopy)
 from kvbridge.transports.deadline import WATCHDOG
 from kvbridge.transports.tcp import TCPTransport
 from kvbridge.transports.wire import FENCE, HEADER, LAYERS, TRAILER, Kind, pack
@@ -195,3 +196,27 @@ def test_a_well_behaved_sender_is_never_cut_and_the_watchdog_goes_idle() -> None
     while not WATCHDOG.sleeping and time.monotonic() < end:
         time.sleep(0.05)
     assert WATCHDOG.sleeping, "the watchdog still wakes with nothing in flight"
+
+
+@pytest.mark.parametrize("nblocks,at_once", [(1, 0), (1, HEADER.size + 5), (4, HEADER.size + FENCE.size + 4096)],
+                         ids=["small-silent", "small-half", "large-half"])
+def test_cancel_of_a_read_the_sender_stalls_returns_at_once(nblocks: int, at_once: int) -> None:
+    """A sender that sends part of its reply, or none, then nothing (each receive would wait out
+    the socket's timeout, Timeout.transfer = 30 s here): Transfer.cancel() cuts the connection
+    the transfer reads from and returns at once, TransferCancelled, no byte landing after."""
+    srv = loopback.Trickler(lambda kind, rid: (_data(rid, nblocks), at_once), 3600.0)
+    rcv = KVReceiver(KVPool.allocate(L, 8), leases=False, timeout=Timeout(connect=2, transfer=30),
+                     retry=Retry(attempts=3))
+    try:
+        t = rcv.start_fetch(_handle(srv.url, nblocks), list(range(nblocks)), release=False)
+        time.sleep(0.3)                  # in the read by now, blocked in a receive
+        assert not t.done()
+        t0 = time.monotonic()
+        assert t.cancel(10)
+        took = time.monotonic() - t0
+        assert took < 0.5, f"cancel() took {took:.2f} s"
+        assert isinstance(t.result(0).error, TransferCancelled), repr(t.result(0).error)
+        assert not WATCHDOG.owners                                 # nothing left armed for it
+    finally:
+        srv.close()
+        rcv.close()
