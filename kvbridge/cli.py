@@ -66,6 +66,9 @@ def _engine_args(p: argparse.ArgumentParser, threads: int) -> None:
     g.add_argument("--threads", type=_positive(int), default=threads, help="torch threads")
     g.add_argument("--request-timeout", type=_positive(float), default=300.0,
                    help="abort a request after this many seconds")
+    g.add_argument("--max-connections", type=_positive(int), default=None,
+                   help="HTTP connections open at once; one more is answered 503 and closed "
+                        "(None: 1024, or half the open-file limit when that is lower)")
     g.add_argument("--step-delay", type=float, default=0.0, help=argparse.SUPPRESS)  # fault drills
     g.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)   # set by `up`
 
@@ -81,6 +84,9 @@ def _proxy_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of silence from a worker before it counts as failed")
     p.add_argument("--max-body-bytes", type=_positive(int), default=8 << 20,
                    help="larger request bodies are refused with HTTP 413 before they are read")
+    p.add_argument("--max-connections", type=_positive(int), default=None,
+                   help="client connections open at once; one more is answered 503 and closed "
+                        "(None: 1024, or half the open-file limit when that is lower)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +164,7 @@ def _worker_cfg(a: argparse.Namespace) -> Any:
 
     return WorkerConfig(model=a.model, seed=a.seed, num_blocks=a.num_blocks, block_size=a.block_size,
                         chunk_size=a.chunk_size, max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout,
-                        step_delay=a.step_delay)
+                        step_delay=a.step_delay, max_connections=a.max_connections)
 
 
 def _run_worker(a: argparse.Namespace) -> int:
@@ -190,7 +196,8 @@ def _run_proxy(a: argparse.Namespace) -> int:
     proxy = Proxy(ProxyConfig(prefill=a.prefill, decode=a.decode, colocated=a.colocated, routing=a.routing,
                               on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
                               worker_timeout=a.worker_timeout, request_timeout=a.request_timeout,
-                              model_name=a.model, max_body_bytes=a.max_body_bytes),
+                              model_name=a.model, max_body_bytes=a.max_body_bytes,
+                              max_connections=a.max_connections),
                   tokenizer=load_tokenizer(a.model if os.path.isdir(a.model) else None))
     server = proxy.serve(a.host, a.port)
     from .workers.server import freeze_heap
@@ -218,7 +225,7 @@ def _run_up(a: argparse.Namespace) -> int:
                    on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
                    worker_timeout=a.worker_timeout, step_delay=a.step_delay,
                    max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes,
-                   log_dir=a.log_dir, keep_logs=a.keep_logs)
+                   max_connections=a.max_connections, log_dir=a.log_dir, keep_logs=a.keep_logs)
     cluster = Cluster(cfg)
     # Until wait() takes the signals over, SIGTERM and SIGHUP stop everything in order, as Ctrl-C
     # does (their default ended this process mid-start: workers SIGKILLed by their parent-death

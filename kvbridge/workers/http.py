@@ -34,7 +34,7 @@ from ..errors import Action, ConfigError, ConnectionLost, KVBridgeError, PeerUna
     error_from_code
 
 __all__ = ["HTTPServer", "Deadlines", "bind_socket", "error_body", "BodyError", "read_json", "WorkerClient", "get_json",
-           "MAX_WORKER_BODY", "wait_or_disconnect"]
+           "MAX_WORKER_BODY", "wait_or_disconnect", "default_max_connections", "LINGER"]
 
 log = logging.getLogger("kvbridge.workers")
 MAX_WORKER_BODY = 64 << 20   # bodies between proxy and workers (token ids, handles)
@@ -85,21 +85,67 @@ class Deadlines:
 
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                 b"content-length: %d\r\n\r\n%s")
+_FULL_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
+             b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s")
+LINGER = 1.0  # seconds a refused connection is kept (reading and dropping) so its client gets the 503
+
+
+def default_max_connections() -> int:
+    """The connection cap when none is given: 1024, or half this process's open-file limit when
+    that is lower (the rest is for worker connections, KV transports, logs)."""
+    try:
+        import resource
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+        return 1024
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return 1024
+    return max(16, min(1024, soft // 2))
 
 
 class _GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol held to :class:`Deadlines` (set on a subclass per server)."""
 
     deadlines = Deadlines()
+    max_connections = 1024
+    lingering = [0]  # refused connections not yet closed (one list per server: set with max_connections)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._timer: Optional[asyncio.TimerHandle] = None
         self._stall: Optional[asyncio.TimerHandle] = None
-        self._receiving = self._headers_done = False
+        self._receiving = self._headers_done = self._refused = self._lingers = False
         self._begun = 0.0
         self._body_bytes = 0
+        if len(self.connections) > self.max_connections:
+            self._refuse()
+            return
         self._set(self.deadlines.idle, self._expired_idle)
+
+    def _refuse(self) -> None:
+        """Past ``max_connections``: answer 503 at once and close. The connection leaves the
+        count; it lingers up to :data:`LINGER` seconds reading (and dropping) what the client
+        sends, so the close does not reset the 503 away. Past as many lingering as the cap
+        (at least 64), it is cut outright: open descriptors stay under twice the cap."""
+        self._refused = True
+        self.connections.discard(self)
+        if self.lingering[0] >= max(64, self.max_connections):
+            self.transport.abort()
+            return
+        self.lingering[0] += 1
+        self._lingers = True
+        log.warning("HTTP client %s refused: %d connections open, the limit", self.client, self.max_connections)
+        body = json.dumps({"error": {"message": f"the server has its limit of {self.max_connections} connections "
+                                                "open; try again shortly", "type": "server_error",
+                                     "code": "too_many_connections", "action": "retry", "status": 503}}).encode()
+        self.transport.write(_FULL_503 % (len(body), body))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._set(LINGER, self.transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:
+            super().data_received(data)
 
     def _set(self, delay: float, fn: Any) -> None:
         if self._timer is not None:
@@ -179,6 +225,9 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Optional[Exception]) -> None:
         self._clear()
+        if self._lingers:
+            self._lingers = False
+            self.lingering[0] -= 1
         if self._stall is not None:
             self._stall.cancel()
             self._stall = None
@@ -187,17 +236,26 @@ class _GuardedProtocol(HttpToolsProtocol):
 
 class HTTPServer:
     """uvicorn serving ``app`` on its own thread and event loop, on an already bound socket; its
-    clients are held to ``deadlines`` (slow or silent clients cannot hold connections for good)."""
+    clients are held to ``deadlines`` (slow or silent clients cannot hold connections for good),
+    and at most ``max_connections`` are open at once (None: :func:`default_max_connections`):
+    one past it is answered 503 (``code: "too_many_connections"``, ``Retry-After: 1``) and closed.
+    uvicorn's own ``limit_concurrency`` is not used: it keeps every connection past its limit open
+    (answering each request on it 503), so a flood still held a descriptor per connection."""
 
     def __init__(self, app: Any, sock: socket.socket, name: str = "http", graceful: float = 5.0,
-                 start_timeout: float = 30.0, deadlines: Deadlines = Deadlines()) -> None:
+                 start_timeout: float = 30.0, deadlines: Deadlines = Deadlines(),
+                 max_connections: Optional[int] = None) -> None:
         self.sock = sock
         host, port = sock.getsockname()[:2]
         self.host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
         self.port = int(port)
         fmt_host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{fmt_host}:{self.port}"
-        protocol = type("GuardedProtocol", (_GuardedProtocol,), {"deadlines": deadlines})
+        self.max_connections = default_max_connections() if max_connections is None else int(max_connections)
+        if self.max_connections < 1:
+            raise ConfigError(f"max_connections must be at least 1, not {max_connections}")
+        protocol = type("GuardedProtocol", (_GuardedProtocol,), {"deadlines": deadlines, "lingering": [0],
+                                                                 "max_connections": self.max_connections})
         cfg = uvicorn.Config(self._wrap(app), log_config=None, log_level="warning", access_log=False, http=protocol,
                              lifespan="on", timeout_graceful_shutdown=max(1, round(graceful)),
                              timeout_keep_alive=max(1, round(deadlines.idle)))

@@ -124,6 +124,7 @@ class UpConfig:
     step_delay: float = 0.0
     startup_timeout: float = 120.0
     max_body_bytes: int = 8 << 20
+    max_connections: Optional[int] = None  # the front door's (None: http.default_max_connections)
     log_dir: Optional[str] = None      # None: default_log_dir(), removed on a clean exit unless keep_logs
     keep_logs: bool = False
     extra_worker_args: list[str] = field(default_factory=list)
@@ -248,7 +249,7 @@ class Cluster:
                 colocated=urls["colocated"][0] if c.colocated else None, routing=c.routing,
                 on_decode_failure=c.on_decode_failure, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo,
                 worker_timeout=c.worker_timeout, request_timeout=c.request_timeout, model_name=c.model,
-                max_body_bytes=c.max_body_bytes, max_model_len=max_len),
+                max_body_bytes=c.max_body_bytes, max_model_len=max_len, max_connections=c.max_connections),
                 tokenizer=load_tokenizer(None if c.model in PRESETS or not os.path.isdir(c.model) else c.model))
             self.url = self.proxy.serve(c.host, c.port, sock=self._sock).url
             self._write_state()

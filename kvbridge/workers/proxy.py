@@ -145,7 +145,7 @@ class Proxy(StatusRoutes):
     def serve(self, host: str = "127.0.0.1", port: int = 8000, sock: Any = None) -> HTTPServer:
         """Serve on ``sock`` (already bound, as ``kvbridge up`` does) or on ``host:port``."""
         self.http = HTTPServer(self.app(), sock or bind_socket(host, port), name="proxy",
-                               graceful=self.cfg.shutdown_grace)
+                               graceful=self.cfg.shutdown_grace, max_connections=self.cfg.max_connections)
         return self.http
 
     @property

@@ -30,6 +30,7 @@ class ProxyConfig:
     health_internal: bool = False          # /health shows worker and KV listener URLs (trusted networks only)
     chat_max_tokens: int = 512             # a chat request's max_tokens when it names none (capped by the context)
     shutdown_grace: float = 5.0            # seconds for in-flight requests to get their error on close
+    max_connections: Optional[int] = None  # client connections open at once (None: http.default_max_connections)
 
     def __post_init__(self) -> None:
         self.prefill = [u.rstrip("/") for u in self.prefill]
@@ -46,6 +47,8 @@ class ProxyConfig:
             raise ConfigError(f"on_decode_failure must be retry or reprefill, not {self.on_decode_failure!r}")
         if self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be at least 1024")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError("max_connections must be at least 1")
         if self.chat_max_tokens < 1:
             raise ConfigError("chat_max_tokens must be at least 1")
 

@@ -293,6 +293,7 @@ class WorkerConfig:
     request_timeout: float = 300.0   # a request that has not finished by then is aborted
     step_delay: float = 0.0          # seconds slept after each engine step (fault drills)
     keepalive: float = 5.0           # a stream silent this long (request queued) gets an SSE comment
+    max_connections: Optional[int] = None  # HTTP connections open at once (None: http.default_max_connections)
 
 
 Handler = Callable[[HTTPRequest], Awaitable[Response]]
@@ -393,7 +394,8 @@ class EngineWorker:
         return body
 
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> HTTPServer:
-        self.http = HTTPServer(self.app(), bind_socket(host, port), name=self.role)
+        self.http = HTTPServer(self.app(), bind_socket(host, port), name=self.role,
+                               max_connections=self.cfg.max_connections)
         return self.http
 
     # -- waiting ---------------------------------------------------------------------------

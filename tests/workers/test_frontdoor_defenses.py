@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 from waiting import wait_until
 
-from kvbridge.workers.http import BodyError, Deadlines, HTTPServer, bind_socket, read_json
+from kvbridge.workers.http import LINGER, BodyError, Deadlines, HTTPServer, bind_socket, read_json
 
 SHORT = Deadlines(idle=1.0, request=1.0, write=1.0)
 
@@ -146,6 +146,67 @@ def test_a_client_that_stops_reading_a_stream_is_dropped(served: tuple[_App, HTT
         s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
         assert s.recv(100).startswith(b"HTTP/1.1 200")
         assert app.stream_ended.wait(8.0), "the stream still runs for a client that stopped reading"
+
+
+def _echo(s: socket.socket, n: int) -> bytes:
+    """One keep-alive ``POST /echo`` on ``s``; the whole answer."""
+    s.sendall(_post("/echo", b'{"n": %d}' % n))
+    got = b""
+    while not got.endswith(b'{"n":%d}' % n):
+        chunk = s.recv(65536)
+        assert chunk, got
+        got += chunk
+    return got
+
+
+@pytest.mark.timeout(20)
+def test_connections_past_the_cap_are_refused_at_once() -> None:
+    """Past ``max_connections`` a connection is answered 503 (JSON, ``too_many_connections``) and
+    closed at once, silent or not, so a flood cannot hold a descriptor each (before: no cap, every
+    connection held until its idle deadline; uvicorn's ``limit_concurrency`` also keeps them open).
+    The connections within the cap are served throughout; one that closes makes room. A refused
+    connection lingers (up to 1 s) so its 503 is not reset away; past 64 lingering, one is cut."""
+    app = _App()
+    server = HTTPServer(app.starlette(), bind_socket("127.0.0.1", 0), name="test",
+                        deadlines=Deadlines(idle=15.0, request=5.0, write=5.0), max_connections=4)
+    held = [_connect(server) for _ in range(4)]
+    flood: list[socket.socket] = []
+    try:
+        for i, s in enumerate(held):  # each one served: the server has counted all four
+            assert _echo(s, i).startswith(b"HTTP/1.1 200")
+        flood = [_connect(server) for _ in range(20)]
+        for s in flood[:10]:
+            s.sendall(_post("/echo", b'{"n": 99}'))
+        t0 = time.monotonic()
+        results = [_closed_within(s, 4.0) for s in flood]
+        assert all(closed for closed, _ in results), sum(closed for closed, _ in results)
+        assert time.monotonic() - t0 < 3.0  # refused at once, not at the 15 s idle deadline
+        for closed, got in results:
+            assert got.startswith(b"HTTP/1.1 503"), got[:200]
+            err = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
+            assert err["code"] == "too_many_connections" and err["status"] == 503, err
+        assert app.bodies == 4  # no refused request reached the app
+        for s in flood:
+            s.close()
+        time.sleep(LINGER + 0.2)  # every refused one is gone by now
+        flood = burst = [_connect(server) for _ in range(100)]  # more than linger (64): the rest are cut
+        results = [_closed_within(s, 4.0) for s in burst]
+        assert all(closed for closed, _ in results)
+        assert 64 <= sum(got.startswith(b"HTTP/1.1 503") for _, got in results) < 100
+        assert _echo(held[1], 7).startswith(b"HTTP/1.1 200")  # those within the cap go on
+        held.pop(0).close()
+
+        def one_more() -> bool:  # the closed one's place is free once the server saw it go
+            with _connect(server) as s:
+                try:
+                    return _echo(s, 8).startswith(b"HTTP/1.1 200")
+                except (AssertionError, OSError):
+                    return False
+        assert wait_until(one_more, 5.0)
+    finally:
+        for s in held + flood:
+            s.close()
+        server.close(timeout=5)
 
 
 class _QueuedForever:
