@@ -34,7 +34,7 @@ from ..errors import Action, ConfigError, ConnectionLost, KVBridgeError, PeerUna
     error_from_code
 
 __all__ = ["HTTPServer", "Deadlines", "bind_socket", "error_body", "BodyError", "read_json", "WorkerClient", "get_json",
-           "MAX_WORKER_BODY", "wait_or_disconnect", "default_max_connections", "LINGER"]
+           "MAX_WORKER_BODY", "wait_or_disconnect", "default_max_connections", "LINGER", "Overloaded"]
 
 log = logging.getLogger("kvbridge.workers")
 MAX_WORKER_BODY = 64 << 20   # bodies between proxy and workers (token ids, handles)
@@ -390,6 +390,13 @@ async def wait_or_disconnect(request: HTTPRequest, task: "asyncio.Future[Any]") 
 
 # -- client ----------------------------------------------------------------------------------
 
+class Overloaded(PeerUnavailable):
+    """Every connection of the caller's pool to its workers is in use and none came free in
+    time: the caller is at capacity, no worker failed (the front door answers 503)."""
+
+    hint = "retry with backoff; the proxy's worker_connections bounds the requests it serves at once"
+
+
 def _raise_for(status: int, data: bytes, url: str) -> None:
     try:
         err = json.loads(data)["error"]
@@ -408,18 +415,28 @@ class WorkerClient:
 
     ``timeout`` bounds every wait (connect, each read, each write); a worker that does not
     answer raises ``PeerUnavailable``, one that goes silent ``TransferTimeout``, a stream
-    that breaks ``ConnectionLost``, an error answer its own kvbridge error.
+    that breaks ``ConnectionLost``, an error answer its own kvbridge error. At most
+    ``max_connections`` are open at once; a call that finds none free within ``pool_timeout``
+    raises :class:`Overloaded` (the caller is at capacity, not the worker silent).
     """
 
-    def __init__(self, timeout: float = 30.0, connect_timeout: float = 5.0, max_connections: int = 512) -> None:
+    def __init__(self, timeout: float = 30.0, connect_timeout: float = 5.0, max_connections: int = 512,
+                 pool_timeout: float = 5.0) -> None:
         self.timeout = timeout
         self.connect_timeout = min(connect_timeout, timeout)
+        self.max_connections = max_connections
+        self.pool_timeout = min(pool_timeout, timeout)
         self.pool = httpcore.AsyncConnectionPool(max_connections=max_connections, max_keepalive_connections=64,
                                                  keepalive_expiry=20.0)
 
     def _ext(self, timeout: Optional[float]) -> dict[str, Any]:
         t = timeout or self.timeout
-        return {"timeout": {"connect": min(self.connect_timeout, t), "read": t, "write": t, "pool": t}}
+        return {"timeout": {"connect": min(self.connect_timeout, t), "read": t, "write": t,
+                            "pool": min(self.pool_timeout, t)}}
+
+    def _overloaded(self) -> Overloaded:
+        return Overloaded(f"the server is at capacity: its {self.max_connections} connections to the workers "
+                          f"are all in use and none came free within {self.pool_timeout:g}s")
 
     @staticmethod
     def _headers(url: str, body: bytes, accept: bytes = b"application/json") -> list[tuple[bytes, bytes]]:
@@ -432,6 +449,8 @@ class WorkerClient:
         try:
             r = await self.pool.request(b"POST", url, headers=self._headers(url, data), content=data,
                                         extensions=self._ext(timeout))
+        except httpcore.PoolTimeout:
+            raise self._overloaded() from None
         except httpcore.TimeoutException:
             raise TransferTimeout(f"POST {url} got no answer within {timeout or self.timeout:.0f}s") from None
         except _HTTP_ERRORS as exc:
@@ -444,6 +463,8 @@ class WorkerClient:
         try:
             r = await self.pool.request(b"GET", url, headers=[(b"Host", url.split("/", 3)[2].encode())],
                                         extensions=self._ext(timeout))
+        except httpcore.PoolTimeout:
+            raise self._overloaded() from None
         except httpcore.TimeoutException:
             raise TransferTimeout(f"GET {url} got no answer within {timeout:.0f}s") from None
         except _HTTP_ERRORS as exc:
@@ -474,6 +495,8 @@ class WorkerClient:
                 raise ConnectionLost(f"stream from {url} ended before [DONE]")
         except httpcore.ConnectError as exc:
             raise PeerUnavailable(f"POST {url} failed: {type(exc).__name__}: {exc}") from None
+        except httpcore.PoolTimeout:
+            raise self._overloaded() from None
         except httpcore.TimeoutException:
             raise TransferTimeout(f"stream from {url} was silent for {self.timeout:.0f}s") from None
         except _HTTP_ERRORS as exc:

@@ -40,7 +40,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..errors import Action, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code
-from .http import BodyError, HTTPServer, WorkerClient, bind_socket, read_json, wait_or_disconnect
+from .http import BodyError, HTTPServer, Overloaded, WorkerClient, bind_socket, read_json, wait_or_disconnect
 from .metrics import MetricsLog, PromMetrics, RequestMetrics
 from .openai_api import (APIError, ChatRequest, CompletionRequest, Job, chunk_response, error_from_kvbridge,
                          error_json, parse_request, prompt_ids, render_chat, sampling_params, usage,
@@ -134,7 +134,8 @@ class Proxy(StatusRoutes):
 
         @contextlib.asynccontextmanager
         async def lifespan(app: Starlette) -> AsyncIterator[None]:
-            self.client = WorkerClient(timeout=self.cfg.worker_timeout)
+            self.client = WorkerClient(timeout=self.cfg.worker_timeout, max_connections=self.cfg.worker_connections,
+                                       pool_timeout=self.cfg.worker_pool_timeout)
             self._stopping = asyncio.Event()
             try:
                 yield
@@ -236,7 +237,7 @@ class Proxy(StatusRoutes):
                     return pr
             except KVBridgeError as exc:
                 last = exc
-                if exc.action is not Action.RETRY:
+                if exc.action is not Action.RETRY or isinstance(exc, Overloaded):  # not the worker's fault
                     break
                 self._mark_down(url)
                 m.retries += 1
@@ -328,7 +329,7 @@ class Proxy(StatusRoutes):
                                     raise TransferTimeout(
                                         f"request did not finish within {self.cfg.request_timeout:.0f}s")
                 except KVBridgeError as exc:
-                    if attempts >= self.cfg.max_attempts or exc.action is Action.FIX:
+                    if attempts >= self.cfg.max_attempts or exc.action is Action.FIX or isinstance(exc, Overloaded):
                         raise _with_context(exc, f"decode on {url} failed (attempt {attempts})")
                     if exc.action is Action.RETRY:  # the worker died, hung or is unreachable
                         failed.add(url)
@@ -380,7 +381,7 @@ class Proxy(StatusRoutes):
                         if time.monotonic() > deadline:
                             raise TransferTimeout(f"request did not finish within {self.cfg.request_timeout:.0f}s")
             except KVBridgeError as exc:
-                if out or attempt == 1 or exc.action is not Action.RETRY:
+                if out or attempt == 1 or exc.action is not Action.RETRY or isinstance(exc, Overloaded):
                     raise _with_context(exc, f"colocated worker {url} failed")
                 m.retries += 1
                 await asyncio.sleep(0.2)

@@ -31,6 +31,8 @@ class ProxyConfig:
     chat_max_tokens: int = 512             # a chat request's max_tokens when it names none (capped by the context)
     shutdown_grace: float = 5.0            # seconds for in-flight requests to get their error on close
     max_connections: Optional[int] = None  # client connections open at once (None: http.default_max_connections)
+    worker_connections: int = 512          # connections to the workers open at once (all workers together)
+    worker_pool_timeout: float = 5.0       # a call that finds none free this long gets 503 (overloaded)
 
     def __post_init__(self) -> None:
         self.prefill = [u.rstrip("/") for u in self.prefill]
@@ -49,6 +51,8 @@ class ProxyConfig:
             raise ConfigError("max_body_bytes must be at least 1024")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError("max_connections must be at least 1")
+        if self.worker_connections < 1 or not self.worker_pool_timeout > 0:
+            raise ConfigError("worker_connections must be at least 1 and worker_pool_timeout above 0")
         if self.chat_max_tokens < 1:
             raise ConfigError("chat_max_tokens must be at least 1")
 

@@ -271,6 +271,42 @@ def test_request_timeout_holds_while_a_worker_keeps_the_request_queued() -> None
         worker.close(timeout=5)
 
 
+@pytest.mark.timeout(30)
+def test_a_full_worker_pool_is_reported_as_overload() -> None:
+    """With every connection of the proxy's pool to its workers in use, one more request waited
+    ``worker_timeout`` per attempt (a prefill is tried twice: 8.4 s at 4 s) and got 504 blaming a
+    silent worker, which was also marked down. Now it waits ``worker_pool_timeout`` and gets 503
+    ``overloaded``; no worker is blamed, and a connection that comes free is used again."""
+    from kvbridge.workers.proxy import Proxy, ProxyConfig
+
+    fake = _QueuedForever()
+    worker = HTTPServer(fake.starlette(), bind_socket("127.0.0.1", 0), name="fake-worker")
+    proxy = Proxy(ProxyConfig(prefill=[worker.url], decode=[worker.url], model_name="m", worker_timeout=5.0,
+                              request_timeout=20.0, max_model_len=4096, worker_connections=1,
+                              worker_pool_timeout=0.5))
+    http = proxy.serve("127.0.0.1", 0)
+    body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True}).encode()
+    first = socket.create_connection((http.host, http.port), timeout=10)
+    try:
+        first.sendall(_post("/v1/completions", body, close=True))  # holds the pool's one connection
+        assert wait_until(lambda: fake.streams_open == 1, 5.0)
+        t0 = time.monotonic()
+        st, err = _post_json(http.url, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert st == 503 and time.monotonic() - t0 < 3.0, (st, err)
+        e = err["error"]
+        assert e["code"] == "overloaded" and "at capacity" in e["message"], e  # type: ignore[index]
+        assert not proxy._down_until and fake.streams_open == 1  # no worker blamed, none asked
+        first.close()  # its stream ends: the connection comes free for the next request
+        assert wait_until(lambda: fake.streams_ended == 1, 5.0)
+        with socket.create_connection((http.host, http.port), timeout=10) as again:
+            again.sendall(_post("/v1/completions", body, close=True))
+            assert wait_until(lambda: fake.streams_open == 2, 5.0)
+    finally:
+        first.close()
+        proxy.close()
+        worker.close(timeout=5)
+
+
 def _post_json(url: str, path: str, body: dict[str, object], timeout: float = 20.0) -> tuple[int, dict[str, object]]:
     host, port = url.split("//")[1].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=timeout) as s:
