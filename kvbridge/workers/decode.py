@@ -13,9 +13,11 @@ code and ``action`` (``reprefill`` when the KV is gone: HTTP 410).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 import time
 import uuid
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response
@@ -45,6 +47,26 @@ class DecodeWorker(EngineWorker):
         self.receiver = KVReceiver(self.pool, leases=leases, secret=secret, timeout=timeout, retry=retry)
         self.routes[("POST", "/generate")] = self._http_generate
         self.fetches = {"ok": 0, "failed": 0, "bytes": 0, "seconds": 0.0}
+        self._arriving: set[str] = set()  # request ids between arrival and the engine loop's watch
+        self._ids_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _request_id(self, request_id: Optional[str]) -> Iterator[None]:
+        """Hold ``request_id`` from the request's arrival until the engine loop watches it (or it
+        fails): an id in use here is refused (``ConfigError``) before its handle is fetched, which
+        would use the handle up for a request that is then refused."""
+        if request_id is None:
+            yield
+            return
+        with self._ids_lock:
+            if request_id in self._arriving or self.loop.watching(request_id):
+                raise ConfigError(f"request_id {request_id[:80]!r} is already in use on this worker")
+            self._arriving.add(request_id)
+        try:
+            yield
+        finally:
+            with self._ids_lock:
+                self._arriving.discard(request_id)
 
     def _check(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int], output_ids: Sequence[int],
                sampling: SamplingParams) -> tuple[KVHandle, list[int], int]:
@@ -105,36 +127,38 @@ class DecodeWorker(EngineWorker):
         Raises the fetch's error (with its ``action``) if the KV could not be fetched.
         """
         h, outs, num_cached = self._check(handle, prompt_ids, output_ids, sampling)
-        timeout = min(30.0, self.cfg.request_timeout)
-        deadline = time.monotonic() + timeout
-        while (blocks := self._try_alloc(h.num_blocks, deadline, timeout)) is None:
-            time.sleep(0.01)
-        try:
-            res = self.receiver.fetch(h, blocks)
-        except BaseException:
-            self.pool.free(blocks)
-            raise
-        self._fetched(res, blocks)
-        watch = RequestWatch()
-        return self._queue(prompt_ids, outs, num_cached, blocks, sampling, request_id, watch), watch, res
+        with self._request_id(request_id):
+            timeout = min(30.0, self.cfg.request_timeout)
+            deadline = time.monotonic() + timeout
+            while (blocks := self._try_alloc(h.num_blocks, deadline, timeout)) is None:
+                time.sleep(0.01)
+            try:
+                res = self.receiver.fetch(h, blocks)
+            except BaseException:
+                self.pool.free(blocks)
+                raise
+            self._fetched(res, blocks)
+            watch = RequestWatch()
+            return self._queue(prompt_ids, outs, num_cached, blocks, sampling, request_id, watch), watch, res
 
     async def astart(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int],
                      output_ids: Sequence[int], sampling: SamplingParams,
                      request_id: Optional[str] = None) -> tuple[Request, AsyncWatch, FetchResult]:
         """Awaitable :meth:`start`: waits for blocks and fetches (``receiver.afetch``) on the event loop."""
         h, outs, num_cached = self._check(handle, prompt_ids, output_ids, sampling)
-        timeout = min(30.0, self.cfg.request_timeout)
-        deadline = time.monotonic() + timeout
-        while (blocks := self._try_alloc(h.num_blocks, deadline, timeout)) is None:
-            await asyncio.sleep(0.01)
-        try:
-            res = await self.receiver.afetch(h, blocks)
-        except BaseException:
-            self.pool.free(blocks)
-            raise
-        self._fetched(res, blocks)
-        watch = AsyncWatch()
-        return self._queue(prompt_ids, outs, num_cached, blocks, sampling, request_id, watch), watch, res
+        with self._request_id(request_id):
+            timeout = min(30.0, self.cfg.request_timeout)
+            deadline = time.monotonic() + timeout
+            while (blocks := self._try_alloc(h.num_blocks, deadline, timeout)) is None:
+                await asyncio.sleep(0.01)
+            try:
+                res = await self.receiver.afetch(h, blocks)
+            except BaseException:
+                self.pool.free(blocks)
+                raise
+            self._fetched(res, blocks)
+            watch = AsyncWatch()
+            return self._queue(prompt_ids, outs, num_cached, blocks, sampling, request_id, watch), watch, res
 
     def generate(self, handle: Union[KVHandle, dict[str, Any]], prompt_ids: Sequence[int],
                  output_ids: Sequence[int], sampling: SamplingParams,

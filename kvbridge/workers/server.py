@@ -196,6 +196,11 @@ class EngineLoop:
             self._cond.notify_all()
         return req
 
+    def watching(self, request_id: str) -> bool:
+        """Whether a request under ``request_id`` is queued or running here."""
+        with self._cond:
+            return request_id in self._watch
+
     def admitted_at(self, request_id: str) -> Optional[float]:
         w = self._watch.get(request_id)
         return None if w is None else w.admitted_at
