@@ -29,7 +29,7 @@ from .tokenizer import HFTokenizer, Tokenizer
 
 __all__ = ["APIError", "CompletionRequest", "ChatRequest", "parse_request", "error_json", "error_from_kvbridge",
            "Job", "usage", "whole_response", "chunk_response", "render_chat", "plain_chat_text", "prompt_ids",
-           "sampling_params"]
+           "sampling_params", "clip"]
 
 
 class APIError(Exception):
@@ -45,6 +45,12 @@ class APIError(Exception):
                 "not_found_error" if self.status == 404 else "server_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code,
                           "action": self.action, "status": self.status}}
+
+
+def clip(text: str, limit: int = 100) -> str:
+    """``text`` as an error message may quote it: at most ``limit`` characters, else cut with a note
+    of its length (a client's model name may be as long as the body limit)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def error_json(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,

@@ -42,7 +42,7 @@ from starlette.routing import Route
 from ..errors import Action, KVBridgeError, PeerUnavailable, TransferTimeout, error_from_code
 from .http import BodyError, HTTPServer, Overloaded, WorkerClient, bind_socket, read_json, wait_or_disconnect
 from .metrics import MetricsLog, PromMetrics, RequestMetrics
-from .openai_api import (APIError, ChatRequest, CompletionRequest, Job, chunk_response, error_from_kvbridge,
+from .openai_api import (APIError, ChatRequest, CompletionRequest, Job, chunk_response, clip, error_from_kvbridge,
                          error_json, parse_request, prompt_ids, render_chat, sampling_params, usage,
                          whole_response)
 from .proxy_config import ProxyConfig
@@ -462,7 +462,7 @@ class Proxy(StatusRoutes):
             req: Union[CompletionRequest, ChatRequest] = parse_request(
                 CompletionRequest if kind == "completion" else ChatRequest, body)
             if req.model is not None and req.model != self.cfg.model_name:
-                raise APIError(404, f"The model `{req.model}` does not exist; this server serves "
+                raise APIError(404, f"The model `{clip(req.model)}` does not exist; this server serves "
                                     f"`{self.cfg.model_name}` (GET /v1/models)", "model", "model_not_found")
             ids = prompt_ids(req, self.tok) if isinstance(req, CompletionRequest) else render_chat(req, self.tok)
             max_len = await self._limits()

@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from ..errors import KVBridgeError
 from .http import WorkerClient
 from .metrics import MetricsLog, PromMetrics, summarize
-from .openai_api import _ADDRESS, APIError
+from .openai_api import _ADDRESS, APIError, clip
 from .proxy_config import ProxyConfig
 
 MAX_RECORDS = 10_000   # most records /metrics.json?records=N returns (the latest)
@@ -94,7 +94,7 @@ class StatusRoutes:
     async def _model(self, request: HTTPRequest) -> Response:
         name = request.path_params["model"]
         if name != self.cfg.model_name:
-            return self._refuse(APIError(404, f"The model `{name}` does not exist", "model", "model_not_found"))
+            return self._refuse(APIError(404, f"The model `{clip(name)}` does not exist", "model", "model_not_found"))
         return JSONResponse(self._model_card())
 
     def summary(self) -> dict[str, Any]:

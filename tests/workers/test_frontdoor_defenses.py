@@ -390,3 +390,25 @@ def test_metrics_json_asked_in_a_loop_is_built_once_at_a_time() -> None:
     finally:
         proxy.close()
     assert len(served) >= 6 and len(builds) <= len(served) / 2, (len(served), len(builds))
+
+
+@pytest.mark.timeout(20)
+def test_an_unknown_model_name_is_quoted_cut_short() -> None:
+    """A 404 for an unknown model quoted the name whole (100,000 characters in, 100,000 out, on
+    ``POST /v1/completions`` and ``GET /v1/models/{name}``); now at most 100 and its length."""
+    from kvbridge.workers.proxy import Proxy, ProxyConfig
+
+    proxy = Proxy(ProxyConfig(prefill=["http://127.0.0.1:9"], decode=["http://127.0.0.1:9"], model_name="m",
+                              max_model_len=4096))
+    http = proxy.serve("127.0.0.1", 0)
+    try:
+        st, err = _post_json(http.url, "/v1/completions", {"model": "x" * 100_000, "prompt": "hi"})
+        with socket.create_connection((http.host, http.port), timeout=10) as s:
+            s.sendall(b"GET /v1/models/%s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % (b"y" * 6000))
+            closed, got = _closed_within(s, 10.0)
+        head, _, rest = got.partition(b"\r\n\r\n")
+        for status, e in ((st, err["error"]), (int(head.split()[1]), json.loads(rest)["error"])):
+            assert status == 404 and e["code"] == "model_not_found", e  # type: ignore[index]
+            assert len(e["message"]) < 300 and "characters)" in e["message"], e  # type: ignore[index]
+    finally:
+        proxy.close()
