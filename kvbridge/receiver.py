@@ -55,6 +55,7 @@ from .transfer import FetchResult, Paced, Transfer, Workers
 from .releases import AfterRead, Recent, Releaser, claim_batch, release_batch
 from .reservations import ReservationDesk
 from .sender import LAYER_WAIT
+from .transports.deadline import cancelled
 from .transports.base import Chunk, ReadOp, Server, Spans, Transport, WriteGrant
 from .transports.registry import get_transport_class, scheme_of
 from .transports.sockets import MIN_RATE
@@ -224,6 +225,12 @@ class KVReceiver:
                     self.pool.generations(dst))
 
     # -- the pipeline: claim -> move -> verify -> release ----------------------------------
+    def _on_read_retry(self, exc: BaseException, attempt: int) -> None:
+        """:meth:`_on_retry` of a claim or a read: none after its transfer's cancel."""
+        if cancelled():
+            raise TransferCancelled(f"transfer cancelled (its last try: {exc})")
+        self._on_retry(exc, attempt)
+
     def _on_retry(self, exc: BaseException, attempt: int) -> None:
         self.stats.add(retries=1)
         log.info("retrying after %s (attempt %d)", exc, attempt + 1)
@@ -249,7 +256,7 @@ class KVReceiver:
             return None
         self._not_released(h)
         sent = time.monotonic()
-        lease = self.retry.call(lambda: store.claim(h.lease_id, self.claimer, self.claim_ttl), self._on_retry)
+        lease = self.retry.call(lambda: store.claim(h.lease_id, self.claimer, self.claim_ttl), self._on_read_retry)
         self._after.clock.note(h.lease_id, lease, sent)
         self.stats.add(claimed=1)
         return Claim(self.claimer, lease.fence.epoch, lease.fence.counter)
@@ -338,13 +345,15 @@ class KVReceiver:
 
         def attempt() -> int:
             nonlocal failed
+            if cancelled():                       # during the retry's back-off
+                raise TransferCancelled(f"fetch of {h.request_id!r} cancelled")
             if failed is not None:                # the rest of the first try: the other URLs
                 exc, failed = failed, None
                 return int(self._over_urls(h, read, j, exc))
             j.res.attempts += 1
             _restart(spans)                       # a new attempt restarts the stream
             return int(self._over_urls(h, read, j))
-        j.res.nbytes = self.retry.call(attempt, self._on_retry)
+        j.res.nbytes = self.retry.call(attempt, self._on_read_retry)
 
     def _verify_whole(self, j: _Job, spans: Spans) -> None:
         """Compare the landed blocks with the handle's checksums; refetch bad ones once."""
@@ -391,10 +400,12 @@ class KVReceiver:
 
         def read(lo: int, hi: int) -> Chunk:
             def attempt() -> Chunk:
+                if cancelled():                   # during the retry's back-off
+                    raise TransferCancelled(f"fetch of {j.h.request_id!r} cancelled")
                 j.res.attempts += 1
                 return self._over_urls(j.h, lambda tr, url: tr.read_layers(  # type: ignore[no-any-return]
                     url, j.h, spans_for, lo, hi, j.idx, j.claim), j)
-            return self.retry.call(attempt, self._on_retry)
+            return self.retry.call(attempt, self._on_read_retry)
 
         done = 0
         # layer-wise: the sender may take Timeout.transfer for each next layer (the prefill is

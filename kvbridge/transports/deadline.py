@@ -25,15 +25,21 @@ import os
 import socket
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["Watchdog", "WATCHDOG", "TICK", "CANCELLED", "serving"]
+__all__ = ["Watchdog", "WATCHDOG", "TICK", "CANCELLED", "cancelled", "serving"]
 
 log = logging.getLogger("kvbridge.deadline")
 TICK = 0.25    # seconds between the watchdog's looks while a socket is armed, at most
 CANCELLED = 2  # disarm's verdict on a socket cut because the transfer it served was cancelled
 
 _local = threading.local()     # .flag: the cancel flag of the transfer this thread runs (:func:`serving`)
+
+
+def cancelled() -> bool:
+    """Is the transfer this thread runs (:class:`serving`) cancelled?"""
+    flag = getattr(_local, "flag", None)
+    return flag is not None and bool(flag.is_set())
 
 
 class serving:
@@ -60,7 +66,7 @@ class Watchdog:
         self.tick = tick
         self.due: dict[socket.socket, float] = {}      # armed sockets -> monotonic deadline
         self.fired: dict[socket.socket, int] = {}      # cut (True or CANCELLED), their owner not yet told
-        self.owners: dict[socket.socket, object] = {}  # armed sockets -> the cancel flag they serve
+        self.owners: dict[socket.socket, Any] = {}     # armed sockets -> the cancel flag they serve
         self.sleeping = True                           # the thread waits for _wake (or is not started)
         self.cuts = 0                                  # sockets cut so far
         self._lock = threading.Lock()
@@ -73,6 +79,8 @@ class Watchdog:
         flag = getattr(_local, "flag", None)
         if flag is not None:
             self.owners[sock] = flag
+            if flag.is_set():             # armed after its transfer's cancel: cut at once
+                deadline = 0.0
         self.due[sock] = deadline
         if self.sleeping:
             self._rouse()

@@ -61,10 +61,11 @@ def test_a_push_holds_its_blocks_until_its_write_has_ended(end: str, monkeypatch
 
     def slow_write(self: TCPTransport, *a: Any, **kw: Any) -> int:
         events.append("write starts")
-        time.sleep(0.5)                                  # a slow link: the blocks are on their way
-        n = real(self, *a, **kw)
-        events.append("write ended")
-        return n
+        try:
+            time.sleep(0.5)                              # a slow link: the blocks are on their way
+            return real(self, *a, **kw)                  # (close() cancels the push: its write is cut)
+        finally:
+            events.append("write ended")
     monkeypatch.setattr(TCPTransport, "write", slow_write)
     with KVReceiver(rpool, listen="tcp://127.0.0.1:0", leases=False) as rcv, \
             KVSender(spool, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: events.append(why)) as snd:

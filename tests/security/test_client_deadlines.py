@@ -8,6 +8,7 @@ cancel that returns."""
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 from typing import Callable
@@ -217,6 +218,43 @@ def test_cancel_of_a_read_the_sender_stalls_returns_at_once(nblocks: int, at_onc
         assert took < 0.5, f"cancel() took {took:.2f} s"
         assert isinstance(t.result(0).error, TransferCancelled), repr(t.result(0).error)
         assert not WATCHDOG.owners                                 # nothing left armed for it
+    finally:
+        srv.close()
+        rcv.close()
+
+
+class _Hangup(loopback.FakeSender):
+    """A tcp:// sender that hangs up on every request (a retryable ConnectionLost), counting them."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+        super().__init__()
+
+    def answer(self, c: socket.socket, kind: Kind, rid: int) -> None:
+        self.reads += 1
+        raise ConnectionResetError          # ends _conn: the connection closes unanswered
+
+
+def test_no_retry_follows_a_cancel() -> None:
+    """A read that fails retryably is retried (a fixed 0.4 s back-off here, up to 30 tries); a
+    cancel during the back-off ends the transfer at the next try, TransferCancelled, with no
+    further request to the sender."""
+    from kvbridge.policy import Backoff
+    srv = _Hangup()
+    rcv = KVReceiver(KVPool.allocate(L, 8), leases=False, timeout=Timeout(connect=2, transfer=30),
+                     retry=Retry(attempts=30, backoff=Backoff(base=0.4, cap=0.4, jitter=False), deadline=None))
+    try:
+        t = rcv.start_fetch(_handle(srv.url, 1), [0], release=False)
+        time.sleep(1.0)                 # a few tries by now, sleeping between them
+        assert srv.reads >= 2 and not t.done()
+        t0 = time.monotonic()
+        assert t.cancel(5)
+        took = time.monotonic() - t0
+        reads = srv.reads
+        assert isinstance(t.result(0).error, TransferCancelled), repr(t.result(0).error)
+        time.sleep(0.6)
+        assert srv.reads == reads, "the sender was asked again after the cancel"
+        assert took < 0.6, f"cancel() took {took:.2f} s"
     finally:
         srv.close()
         rcv.close()
