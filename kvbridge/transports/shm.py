@@ -72,7 +72,6 @@ _disarm = WATCHDOG.disarm
 
 _RUN = struct.Struct("!QQ")
 MAX_MAPPED = 16
-OPEN_LOCKS = 64          # locks that keep OPENs of one sender from racing, shared by URL hash
 # An OPEN reply (shmtable.open_info: a layout and one offset per buffer) held to this before its
 # body is read: the reader builds a plane per layer and part from it (a 7.6 MiB one naming
 # 4 million layers took 3.3 GB and 8 s)
@@ -296,7 +295,7 @@ class ShmTransport(Transport):
         self._senders: dict[str, Optional[SenderMap]] = {}   # url -> mapped sender (None: MAP/DONE only)
         self._by_path: dict[str, Optional[SenderMap]] = {}   # the same by control socket (one per sender)
         self._lock = threading.Lock()
-        self._open_locks = [threading.Lock() for _ in range(OPEN_LOCKS)]   # by the URL's hash: a fixed set
+        self._opening: dict[str, list[Any]] = {}     # control socket -> [its OPEN lock, OPENs under way]
         self.after_copy: Optional[Callable[[KVHandle], None]] = None   # fault injection: runs between copy and re-check
 
     @classmethod
@@ -418,11 +417,22 @@ class ShmTransport(Transport):
         except KeyError:
             pass
         path = _path_of(url, self.scheme)
-        with self._open_locks[hash(path) % OPEN_LOCKS]:   # one OPEN per sender, even when reads race (a
-            with self._lock:                                # sender slow to answer holds up only its lock's)
-                if path in self._by_path:                   # another URL of a sender mapped already
-                    return self._keep(url, path, self._by_path[path])
-            return self._open_sender(url, path, handle, claim)
+        # One OPEN per sender, even when reads race; a sender slow to answer holds up only reads
+        # from itself. Its lock lives while OPENs of it are under way (nothing kept per URL).
+        with self._lock:
+            entry = self._opening.setdefault(path, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                with self._lock:
+                    if path in self._by_path:          # mapped meanwhile, or another URL of it
+                        return self._keep(url, path, self._by_path[path])
+                return self._open_sender(url, path, handle, claim)
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._opening[path]
 
     def _keep(self, url: str, path: str, m: Optional[SenderMap]) -> Optional[SenderMap]:
         """``m`` is the sender at ``url`` (its socket ``path``), this transport's lock held. At most

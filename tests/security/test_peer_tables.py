@@ -51,6 +51,7 @@ def test_one_shm_sender_under_many_urls_keeps_the_tables_bounded(few_peers: None
             assert len(tr._senders) <= PEERS                                  # type: ignore[attr-defined]
             assert list(tr._by_path.values()) == [mapped]                     # type: ignore[attr-defined]
             assert len(tr._clients) == 1                                      # type: ignore[attr-defined]
+            assert not tr._opening                                            # type: ignore[attr-defined]
             assert rcv.fetch(snd.publish("r2", snd.pool.alloc(2), 4), rcv.pool.alloc(2)).ok
         finally:
             rcv.close()
