@@ -10,10 +10,23 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar
 
 from .errors import ConfigError, RetryableError, TransferTimeout
+from .transports.deadline import cancelled
 
 __all__ = ["Backoff", "Retry", "Timeout", "Deadline", "NO_RETRY"]
 
 T = TypeVar("T")
+NAP = 0.02    # seconds between two looks at the cancel flag while a retry backs off
+
+
+def _back_off(delay: float) -> None:
+    """Sleep ``delay`` seconds, or less once the transfer this thread runs is cancelled (its
+    next try then says so at once instead of after the back-off)."""
+    end = time.monotonic() + delay
+    while not cancelled():
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, NAP))
 
 
 def _seconds(owner: str, name: str, value: object, *, zero: bool = False) -> None:
@@ -129,7 +142,7 @@ class Retry:
                     raise
                 if on_retry:
                     on_retry(exc, attempt)
-                time.sleep(delay)
+                _back_off(delay)
                 attempt += 1
 
     async def acall(self, fn: Callable[[], Awaitable[T]],
