@@ -71,13 +71,13 @@ from .sockets import MAX_PEERS, connector, tune
 from .wire import (HEADER, LAYERS, MAX_CONTROL, Kind, RateGuard, decode_error, decode_layers, encode_request,
                    map_os_error, pack, unpack_header)
 from . import ucx_core as _core
-from .ucx_core import (HELLO, HELLO_MAX, INLINE, OP_PING, RID_MASK,
+from .ucx_core import (HELLO, HELLO_MAX, INLINE, OP_PING, RID_MASK, TRAILER_MAX,
                        OP_READ, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_WREQ, ST_ERROR,
                        ST_GO, ST_OK, T_DATA, T_DONE, T_HDR, T_REQ, _DOORBELL, _Ep, _N, _REQ_HEAD,
-                       _Stream, _Worker, _live, _recv_probed,
+                       _Inbox, _Stream, _Want, _Worker, _check, _live,
                        _recv_stream, _send_stream, _tag, _wait_reqs, _wants_layers, parse_ucx_url)  # noqa: F401
 from .ucx_server import UCXServer, _Client  # noqa: F401
-from .ucx_core import SPIN  # noqa: F401  (benches wait as kvbridge does)
+from .ucx_core import SPIN, _recv_probed  # noqa: F401  (benches wait as kvbridge does; tests' raw peers)
 
 __all__ = ["UCXTransport", "UCXServer", "parse_ucx_url"]
 
@@ -92,6 +92,7 @@ class _Peer:
     def __init__(self, url: str, sock: socket.socket, ep: _Ep, key: int) -> None:
         self.url, self.sock, self.ep, self.cid = url, sock, ep, key
         self.broken = False
+        self.wants: dict[int, _Want] = {}     # request id -> its request in flight (under the worker's lock)
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
         self._poll_lock = threading.Lock()   # a poll object is not for concurrent use
@@ -166,6 +167,7 @@ class UCXTransport(Transport):
         self._worker: Optional[_Worker] = None
         self._peers: dict[str, _Peer] = {}
         self._rid = 0
+        self._inbox = _Inbox()
         self._closed = False
         self.opened = 0
         _live.add(self)
@@ -188,13 +190,29 @@ class UCXTransport(Transport):
     def _w(self) -> _Worker:
         with self._lock:
             if self._worker is None:
-                self._worker = _Worker()
+                self._worker = _Worker(self._inbox.sort_locked)
             return self._worker
 
     def _next(self) -> int:
         with self._lock:
             self._rid = (self._rid + 1) & RID_MASK
             return self._rid
+
+    def _expect(self, p: _Peer) -> int:
+        """A request id for a request to ``p`` whose replies its worker keeps (none in flight)."""
+        w = self._w()
+        while True:
+            rid = self._next()
+            with w.lock:
+                if rid not in p.wants:
+                    p.wants[rid] = _Want()
+                    return rid
+
+    def _done(self, p: _Peer, rid: int) -> None:
+        """The request is over: what its worker kept for it, and what comes later, is discarded."""
+        w = self._w()
+        with w.lock:
+            self._inbox.forget_locked(w.w, p, rid)
 
     def _hello_reply(self, sock: socket.socket, url: str) -> bytes:
         """The server's answer to the hello: whole within ``Timeout.transfer``, at most
@@ -257,6 +275,12 @@ class UCXTransport(Transport):
             sock.close()
             raise map_os_error(exc, f"connect to {url}") from None
         p = _Peer(url, sock, ep, cid)
+        try:
+            with worker.lock:
+                self._inbox.add_locked(p)
+        except PeerUnavailable:
+            self._close_peer(p)
+            raise
         gone: list[_Peer] = []
         with self._lock:
             closed = self._closed
@@ -288,6 +312,9 @@ class UCXTransport(Transport):
     def _close_peer(self, p: _Peer) -> None:
         p.broken = True
         p.ep.close()
+        w = p.ep.worker
+        with w.lock:
+            self._inbox.remove_locked(w.w, p)     # later messages of its key are discarded
         try:
             p.sock.close()
         except OSError:
@@ -299,10 +326,33 @@ class UCXTransport(Transport):
         send completes: a rendezvous send reads it from the peer long after posting)."""
         return p.ep.send(msg, tag)
 
-    def _recv_header(self, p: _Peer, rid: int, limit: int, what: str, tag: Optional[int] = None,
+    def _recv_header(self, p: _Peer, rid: int, limit: int, what: str, kind: int = T_HDR,
                      alive: Optional[Callable[[], None]] = None) -> bytes:
-        return _recv_probed(self._w(), _tag(T_HDR, p.cid, rid) if tag is None else tag, limit,
-                            self.timeout.transfer, what, alive or p.alive, (p.sock.fileno(),), p.ring)
+        """The request's next message of ``kind`` (a reply header, or a read's trailer), whole, at
+        most ``limit`` bytes (a longer one is received truncated, i.e. dropped, and refused)."""
+        w = self._w()
+        box: list[tuple[Any, bytearray, int]] = []
+
+        def arrived() -> bool:
+            with w.lock:
+                pr = self._inbox.take_locked(p, rid, kind)
+                if pr is not None:
+                    buf = bytearray(pr.length if 0 < pr.length <= limit else 1)
+                    box.append((w.w.tag_recv_with_handle(Array(buf), pr), buf, pr.length))
+            return bool(box)
+        check = alive or p.alive
+        w.wait(arrived, self.timeout.transfer, what, check, (p.sock.fileno(),), p.ring)
+        req, buf, n = box[0]
+        try:
+            w.wait(lambda: req.completed, self.timeout.transfer, what, check, (p.sock.fileno(),), p.ring)
+        except BaseException:
+            with w.lock:
+                self._inbox.discards.append((req, buf))   # UCX may still write into it
+            raise
+        if len(buf) != n:
+            raise ProtocolError(f"{what}: message of {n} bytes (at most {limit})")
+        _check(req, what)
+        return bytes(buf)
 
     def _exchange(self, url: str, op: int, payload: bytes, what: str,
                   body: Callable[[_Peer, int, bytes], Any], limit: int = MAX_CONTROL + INLINE,
@@ -314,7 +364,7 @@ class UCXTransport(Transport):
         if len(payload) + 1 > MAX_CONTROL:
             raise FrameTooLarge(f"{what}: request of {len(payload)} bytes exceeds {MAX_CONTROL}")
         p = self._peer(url, payload if hello is None else hello)
-        rid = self._next()
+        rid = self._expect(p)
         clean = False
         try:
             check = _watched(p, dst)
@@ -333,6 +383,8 @@ class UCXTransport(Transport):
             if not clean or (isinstance(exc, KVBridgeError) and (exc.retryable or isinstance(exc, ProtocolError))):
                 self._drop(p)
             raise
+        finally:
+            self._done(p, rid)
 
     def _take_data(self, p: _Peer, rid: int, reply: bytes, pos: int, dst: Spans, what: str) -> int:
         n = int(_N.unpack_from(reply, 1)[0])
@@ -355,10 +407,10 @@ class UCXTransport(Transport):
         dtag = _tag(T_DATA, p.cid, rid)
 
         def post(view: memoryview, k: int) -> Any:
-            return p.ep.recv(view, dtag)
+            return p.ep.recv(view, dtag, lambda: self._inbox.take_locked(p, rid, T_DATA))
         _recv_stream(w, post, stream, self.timeout.transfer, what, check, (p.sock.fileno(),), p.ring,
                      cancel=lambda: self._drop(p))     # nothing lands in the destination after a failure
-        trailer = self._recv_header(p, rid, 8192, what, _tag(T_DONE, p.cid, rid), check)
+        trailer = self._recv_header(p, rid, TRAILER_MAX, what, T_DONE, check)
         if trailer[0] != ST_OK:
             raise decode_error(trailer[1:]) if trailer[0] == ST_ERROR else ProtocolError(f"{what}: bad trailer")
         stream.stage_in()

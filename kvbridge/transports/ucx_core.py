@@ -25,13 +25,13 @@ except ImportError as exc:   # mapped by the registry to BackendUnavailable nami
 
 import torch
 
-from ..errors import (ConfigError, ConnectionLost, KVBridgeError, ProtocolError,
+from ..errors import (ConfigError, ConnectionLost, KVBridgeError, PeerUnavailable, ProtocolError,
                       TransferTimeout)
 from .sockets import MIN_RATE as MIN_RATE, RATE_GRACE as RATE_GRACE   # the transports' minimum rate
 from .base import Spans
 from .tcp import parse_tcp_url
 from .staging import copy_slices, device_slices
-from .wire import (F_LAYERS, Kind, pack)
+from .wire import (F_LAYERS, MAX_CONTROL, Kind, pack)
 
 
 log = logging.getLogger("kvbridge.ucx")
@@ -125,12 +125,20 @@ def _close_all() -> None:
             pass
 
 
+_ANY, _ANY_MASK = _ucx.UCXXTag(0), _ucx.UCXXTagMask(0)   # a probe for any message
+
+
 class _Worker:
     """A UCX worker with a lock: every call into it is made under the lock. Waits poll
-    for :data:`SPIN` seconds, then sleep on the worker's event fd (and extra fds)."""
+    for :data:`SPIN` seconds, then sleep on the worker's event fd (and extra fds).
 
-    def __init__(self) -> None:
+    ``sort(worker, probe)``, when given, is handed every message that reaches the worker's
+    unexpected queue, taken off it (under the lock, after every progress): it must receive or
+    keep each one -- a message left there holds its bytes in UCX's memory for the worker's life."""
+
+    def __init__(self, sort: Optional[Callable[[Any, Any], None]] = None) -> None:
         self.lock = threading.Lock()
+        self.sort = sort
         try:
             self.w = _ucx.UCXWorker(_context())
             self.w.init_blocking_progress_mode()
@@ -141,7 +149,16 @@ class _Worker:
 
     def progress(self) -> None:
         with self.lock:
-            self.w.progress()
+            self._progress_locked()
+
+    def _progress_locked(self) -> None:
+        self.w.progress()
+        if self.sort is not None:
+            while True:
+                pr = self.w.tag_probe(_ANY, _ANY_MASK, True)
+                if not pr.matched:
+                    return
+                self.sort(self.w, pr)
 
     def endpoint(self, address: bytes) -> Any:
         check_address(address, self.address)
@@ -161,7 +178,7 @@ class _Worker:
         next_nudge = t0
         while True:
             with self.lock:
-                self.w.progress()
+                self._progress_locked()
             if cond():
                 return
             now = time.monotonic()
@@ -227,10 +244,15 @@ class _Ep:
                 raise ConnectionLost("connection closed")
             return _Held(self.ep.tag_send(Array(buf), _ucx.UCXXTag(tag)), buf)
 
-    def recv(self, view: Any, tag: int) -> _Held:
+    def recv(self, view: Any, tag: int, taken: Optional[Callable[[], Any]] = None) -> _Held:
+        """Receive the next message tagged ``tag`` into ``view``: the oldest that ``taken()``
+        returns (one already taken off the worker, see :class:`_Worker`), else one to come."""
         with self.worker.lock:
             if self.closed:
                 raise ConnectionLost("connection closed")
+            pr = taken() if taken is not None else None
+            if pr is not None:
+                return _Held(self.ep.tag_recv_with_handle(Array(view), pr), view)
             return _Held(self.ep.tag_recv(Array(view), _ucx.UCXXTag(tag)), view)
 
     def close(self) -> None:
@@ -288,6 +310,99 @@ def _recv_probed(worker: _Worker, tag: int, limit: int, deadline_s: float, what:
         raise ProtocolError(f"{what}: message of {pr.length} bytes (at most {limit})")
     _check(req, what)
     return bytes(buf)
+
+
+# -- a client's inbox: every message taken off its worker ------------------------------------
+STASH_MSGS = 64    # messages of one request in flight taken off the worker before it asked for them
+TRAILER_MAX = 8192  # a read's trailer (T_DONE)
+
+
+def _stash_bytes() -> int:
+    """The bytes of those messages (their declared lengths) a request may have waiting: a
+    reply header, a window of DATA pieces and a trailer (an honest server sends no more ahead)."""
+    return WINDOW * CHUNK + MAX_CONTROL + INLINE + TRAILER_MAX
+
+
+class _Want:
+    """A request in flight: its messages taken off the worker before a receive asked for them."""
+
+    __slots__ = ("kinds", "count", "held")
+
+    def __init__(self) -> None:
+        self.kinds: dict[int, list[Any]] = {T_HDR: [], T_DATA: [], T_DONE: []}
+        self.count = 0
+        self.held = 0
+
+
+class _Inbox:
+    """Every message that reaches a client's worker is taken off it (the worker's ``sort``, under
+    its lock): one for a request in flight on a live connection (header, DATA, trailer) is kept
+    for the receive that will ask for it, at most STASH_MSGS / :func:`_stash_bytes` a request
+    (more: the connection is broken, its requests fail); any other -- a key of no connection (a
+    dropped or evicted one), a request not in flight, a kind a client never receives -- is
+    received into one byte and forgotten (a large one without its bytes). Before, they stayed
+    queued on the worker, their bytes in UCX's memory, for the client's life."""
+
+    def __init__(self) -> None:
+        self.peers: dict[int, Any] = {}            # key -> connection
+        self.discards: list[tuple[Any, bytearray]] = []   # receives into one byte, held until complete
+        self._prune_at = 64
+
+    def sort_locked(self, w: Any, pr: Any) -> None:
+        kind, key, rid = _untag(int(pr.sender_tag.value))
+        p = self.peers.get(key)                       # a client's connection (ucx._Peer)
+        want = p.wants.get(rid) if p is not None and not p.broken else None
+        box = want.kinds.get(kind) if want is not None else None
+        if p is None or want is None or box is None:      # a stray: nobody will ask for it
+            self.discard_locked(w, pr)
+            return
+        if want.count >= STASH_MSGS or want.held + pr.length > _stash_bytes():
+            log.info("%s: over %d messages / %d bytes ahead of request %d: connection dropped",
+                     p.url, STASH_MSGS, _stash_bytes(), rid)
+            self.discard_locked(w, pr)
+            p.broken = True        # its waits raise ConnectionLost; the exchange drops it
+            return
+        box.append(pr)
+        want.count += 1
+        want.held += pr.length
+
+    def discard_locked(self, w: Any, pr: Any) -> None:
+        """Receive a message into one byte (a longer one ends truncated, its bytes dropped)."""
+        if len(self.discards) >= self._prune_at:
+            self.discards = [d for d in self.discards if not d[0].completed]
+            self._prune_at = max(64, 2 * len(self.discards))
+        buf = bytearray(1)
+        self.discards.append((w.tag_recv_with_handle(Array(buf), pr), buf))
+
+    def take_locked(self, p: Any, rid: int, kind: int) -> Any:
+        """The oldest message of that kind kept for the request, or None."""
+        want = p.wants.get(rid)
+        if want is None or not want.kinds[kind]:
+            return None
+        pr = want.kinds[kind].pop(0)
+        want.count -= 1
+        want.held -= pr.length
+        return pr
+
+    def add_locked(self, p: Any) -> None:
+        if p.cid in self.peers:
+            raise PeerUnavailable(f"{p.url}: the server gave the key of another connection: tags would "
+                                  "be ambiguous (a new connection draws another)")
+        self.peers[p.cid] = p
+
+    def remove_locked(self, w: Any, p: Any) -> None:
+        key = p.cid
+        if self.peers.get(key) is p:
+            del self.peers[key]
+        for rid in list(p.wants):
+            self.forget_locked(w, p, rid)
+
+    def forget_locked(self, w: Any, p: Any, rid: int) -> None:
+        want = p.wants.pop(rid, None)
+        if want is not None:
+            for box in want.kinds.values():
+                for pr in box:
+                    self.discard_locked(w, pr)
 
 
 # -- the canonical byte stream in chunks ------------------------------------------------------

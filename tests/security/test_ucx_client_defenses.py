@@ -7,6 +7,7 @@ Real UCX workers over loopback/shared memory; every fetch and push ends in time.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import socket
 import struct
 import threading
@@ -19,7 +20,7 @@ pytest.importorskip("ucxx", reason="ucx:// needs ucxx: pip install 'kvbridge[ucx
 
 from loopback import Listener  # noqa: E402
 
-from kvbridge import (ConnectionLost, HandleNotFound, KVHandle, KVLayout, KVPool, KVReceiver, KVSender,  # noqa: E402
+from kvbridge import (ConnectionLost, HandleNotFound, KVBridgeError, KVHandle, KVLayout, KVPool, KVReceiver, KVSender,  # noqa: E402
                       Retry, Timeout, TransferCancelled, TransferTimeout)
 from kvbridge.transports import ucx as U  # noqa: E402
 from kvbridge.transports import ucx_core  # noqa: E402
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 2, 64, block_size=16, dtype="float16")    # 16 KiB a block (8 KiB a layer)
 
 Script = Callable[["FakeUCX", int, bytes], None]
+_KEYS = itertools.count()
 
 
 class FakeUCX(Listener):
@@ -42,7 +44,7 @@ class FakeUCX(Listener):
     def __init__(self, script: Script, reads_socket: bool = True, rcvbuf: int = 0) -> None:
         self.script, self.reads_socket, self.rcvbuf = script, reads_socket, rcvbuf
         self.w = U._Worker()
-        self.key = 0x5EED
+        self.key = 0x5EED + next(_KEYS)     # one of its own, as servers draw them (a client refuses a duplicate)
         self.eps: list[Any] = []
         self.held: list[Any] = []
         self.requests: list[tuple[int, bytes]] = []
@@ -75,15 +77,16 @@ class FakeUCX(Listener):
                 return
         self.stop.wait()
 
-    def send(self, kind: int, rid: int, msg: bytes) -> None:
+    def send(self, kind: int, rid: int, msg: bytes, key: Optional[int] = None) -> None:
         buf = bytearray(msg)
+        tag = U._tag(kind, self.key if key is None else key, rid)
         with self.w.lock:
-            self.held.append((self.eps[-1].tag_send(U.Array(buf), U._ucx.UCXXTag(U._tag(kind, self.key, rid))), buf))
+            self.held.append((self.eps[-1].tag_send(U.Array(buf), U._ucx.UCXXTag(tag)), buf))
 
     def _ucx_loop(self) -> None:
         mask = U._ucx.UCXXTagMask(0xF << ucx_core.KIND_SHIFT | ucx_core.KEY_MASK << ucx_core.RID_BITS)
-        want = U._ucx.UCXXTag(U._tag(U.T_REQ, self.key, 0))
         while not self.stop.is_set():
+            want = U._ucx.UCXXTag(U._tag(U.T_REQ, self.key, 0))
             with self.w.lock:
                 self.w.w.progress()
                 pr = self.w.w.tag_probe(want, mask, True)
@@ -278,6 +281,100 @@ def test_a_receiver_taking_a_push_slowly_is_dropped(monkeypatch):
         took = time.monotonic() - t0
     fake.close()
     assert took < 2.5, f"the write went on for {took:.1f} s ({taken[0]} bytes taken)"
+
+
+# -- messages the client never asked for: taken off its worker, never queued there ---------------------
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _flood(fake: FakeUCX, ep: Any, tags: Callable[[int], int], n: int, size: int = 4096) -> bool:
+    """Send ``n`` eager messages (one shared buffer) tagged ``tags(i)``; True once all went."""
+    buf = bytearray(size)
+    held: list[Any] = []
+    for i in range(n):
+        with fake.w.lock:
+            held.append(ep.tag_send(U.Array(buf), U._ucx.UCXXTag(tags(i))))
+            fake.w.w.progress()
+        if len(held) >= 512:
+            held = [r for r in held if not r.completed]
+    end = time.monotonic() + 5
+    while held and time.monotonic() < end:
+        fake.w.progress()
+        held = [r for r in held if not r.completed]
+        time.sleep(0.001)
+    return not held
+
+
+FLOODS = ["tags nobody receives", "a dropped connection's tags", "the request's own DATA tag"]
+
+
+@pytest.mark.parametrize("how", FLOODS)
+def test_messages_the_client_never_asked_for_do_not_pile_up(how):
+    """A sender posting messages under tags the client never receives (a kind it has none of, DATA /
+    headers / trailers of no request in flight, another key), under the key of a connection the
+    client dropped, or DATA of the request in flight before its header: each stayed queued on the
+    client's UCX worker, its bytes in UCX's memory, for the client's life (20,000 x 4 KiB: ~100 MiB
+    more). Now every one is taken off the worker: the strays received into one byte and forgotten,
+    a request's own kept only up to STASH_MSGS (more: the connection is dropped)."""
+    n = 20_000
+    old: list[Any] = []        # the first connection's key and endpoint
+    flooded = threading.Event()
+
+    def script(fake: FakeUCX, rid: int, req: bytes) -> None:
+        refuse = bytes([U.ST_ERROR]) + encode_error(HandleNotFound("not here"))
+        key, ep = fake.key, fake.eps[-1]
+        if how == "tags nobody receives":
+            kinds = (9, U.T_DATA, U.T_HDR, U.T_DONE, U.T_HDR)
+            flooded.set() if _flood(fake, ep, lambda i: U._tag(kinds[i % 5], key + (i % 5 == 4), (
+                rid if i % 5 == 0 else rid + 1 + i // 5)), n) else None
+            fake.send(U.T_HDR, rid, refuse)
+        elif how == "the request's own DATA tag":
+            flooded.set() if _flood(fake, ep, lambda i: U._tag(U.T_DATA, key, rid), n) else None
+            fake.send(U.T_HDR, rid, refuse)
+        elif not old:          # a dropped connection's: the first read ends in a reply the client drops it for
+            old.append(key)
+            fake.key += 1000   # the next connection's key
+            fake.send(U.T_HDR, rid, bytes([7]), key)
+            time.sleep(0.3)
+            flooded.set() if _flood(fake, ep, lambda i: U._tag((U.T_HDR, U.T_DATA, U.T_DONE)[i % 3], key,
+                                                                  rid + i % 3), n) else None
+        else:
+            flooded.wait(5)
+            fake.send(U.T_HDR, rid, refuse)
+    fake = FakeUCX(script)
+    rcv = _receiver(5.0, attempts=1)
+    try:
+        h = _handle(fake.url, 2)
+        tr = rcv.transport(fake.url)
+
+        def read() -> Exception:
+            with pytest.raises(KVBridgeError) as info:
+                tr.read(fake.url, h, Spans.of_blocks(rcv.pool, rcv.pool.alloc(2)))
+            return info.value
+        before = _rss_mib()
+        err = read()
+        if how == "a dropped connection's tags":
+            assert type(err).__name__ == "ProtocolError", repr(err)
+            err = read()       # a new connection, whose waits progress the worker
+        assert isinstance(err, ConnectionLost if how == "the request's own DATA tag" else HandleNotFound), repr(err)
+        w = tr._w()
+        end = time.monotonic() + 5
+        while not flooded.is_set() and time.monotonic() < end:   # the rest of a flood (the read ended first)
+            w.progress()
+        assert flooded.is_set(), "the client never took the messages sent to it"
+        for _ in range(100):          # whatever is still on its way in
+            w.progress()
+            time.sleep(0.001)
+        with w.lock:
+            left = w.w.tag_probe(U._ucx.UCXXTag(0), U._ucx.UCXXTagMask(0), False)
+        assert not left.matched, "messages are still queued on the client's worker"
+        grown = _rss_mib() - before
+        assert grown < 40, f"the client grew {grown:.0f} MiB over {n} x 4 KiB messages"
+    finally:
+        rcv.close()
+        fake.close()
 
 
 # -- replies that lie: refused, nothing outside the destination, nothing counted good ---------------------
