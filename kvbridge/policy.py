@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Optional, TypeVar
 
 from .errors import ConfigError, RetryableError, TransferTimeout
-from .transports.deadline import cancelled
 
 __all__ = ["Backoff", "Retry", "Timeout", "Deadline", "NO_RETRY"]
 
@@ -21,6 +20,7 @@ NAP = 0.02    # seconds between two looks at the cancel flag while a retry backs
 def _back_off(delay: float) -> None:
     """Sleep ``delay`` seconds, or less once the transfer this thread runs is cancelled (its
     next try then says so at once instead of after the back-off)."""
+    from .transports.deadline import cancelled     # here: the transports import this module
     end = time.monotonic() + delay
     while not cancelled():
         left = end - time.monotonic()
