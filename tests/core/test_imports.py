@@ -19,6 +19,9 @@ for name in names:
         del sys.modules[k]
     try:
         importlib.import_module(name)
+    except ImportError as exc:
+        if "pip install" not in str(exc):      # an optional extra not installed says how to get it
+            bad.append(f"{name}: {exc!r}")
     except Exception as exc:
         bad.append(f"{name}: {exc!r}")
 print(len(names))
