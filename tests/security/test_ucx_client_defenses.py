@@ -26,7 +26,7 @@ from kvbridge.transports import ucx as U  # noqa: E402
 from kvbridge.transports import ucx_core  # noqa: E402
 from kvbridge.transports.base import Spans  # noqa: E402
 from kvbridge.transports.ucx_server import _value  # noqa: E402
-from kvbridge.transports.wire import HEADER, Kind, encode_error, pack, recv_exact, unpack_header  # noqa: E402
+from kvbridge.transports.wire import HEADER, Kind, RateGuard, encode_error, pack, recv_exact, unpack_header  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 2, 64, block_size=16, dtype="float16")    # 16 KiB a block (8 KiB a layer)
@@ -269,18 +269,32 @@ def test_a_receiver_taking_a_push_slowly_is_dropped(monkeypatch):
                 return
             taken[0] += len(scratch)
         fake.send(U.T_HDR, rid, bytes([U.ST_OK]))
+    guards: list[RateGuard] = []
+
+    class Recorded(RateGuard):         # the guard's own clock: the time to connect and be told GO is not its
+        def __init__(self, min_rate: float, grace: float) -> None:
+            super().__init__(min_rate, grace)
+            guards.append(self)
+    monkeypatch.setattr(U, "RateGuard", Recorded)
     fake = FakeUCX(slow)
     src = KVPool.allocate(L, nb)
-    with KVSender(src, "inproc://", leases=False, timeout=Timeout(connect=2, transfer=2),
-                  retry=Retry(attempts=1)) as snd:
-        res = _handle(fake.url, nb)
-        tr = snd._transport(fake.url)
-        t0 = time.monotonic()
-        with pytest.raises(TransferTimeout):
-            tr.write(fake.url, res, Spans.of_blocks(src, list(range(nb))), (0, L.num_layers), None, b"", True)
-        took = time.monotonic() - t0
-    fake.close()
-    assert took < 2.5, f"the write went on for {took:.1f} s ({taken[0]} bytes taken)"
+    try:
+        with KVSender(src, "inproc://", leases=False, timeout=Timeout(connect=2, transfer=2),
+                      retry=Retry(attempts=1)) as snd:
+            res = _handle(fake.url, nb)
+            tr = snd._transport(fake.url)
+            t0 = time.monotonic()
+            with pytest.raises(TransferTimeout, match="under the minimum"):
+                tr.write(fake.url, res, Spans.of_blocks(src, list(range(nb))), (0, L.num_layers), None, b"", True)
+            end = time.monotonic()
+    finally:
+        fake.close()
+    # unguarded, the write lasts 16 x 0.6 s (more under load); guarded, it ends at the first check past
+    # RATE_GRACE (0.3 s) of the guard's clock, within a NAP -- bounds wide enough for a loaded machine
+    assert guards, "the write has no rate guard"
+    assert end - guards[-1].t0 < 1.5, f"the write went on {end - guards[-1].t0:.1f} s past its guard's start"
+    assert end - t0 < 5, f"the write went on for {end - t0:.1f} s ({taken[0]} bytes taken)"
+    assert taken[0] < n
 
 
 # -- messages the client never asked for: taken off its worker, never queued there ---------------------
