@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvbridge import IntegrityError, KVLayout, KVPool, KVReceiver, KVSender, integrity
 from kvbridge import receiver as receiver_mod
-from kvbridge.transports import Spans, inproc, shm, sockets, staging, tcp
+from kvbridge.transports import Spans, inproc, shm, socket_server, staging, tcp
 
 LAYOUT = KVLayout.vllm_flash(3, 2, 64, 8, dtype="float16")   # part = 2 KiB
 
@@ -40,7 +40,7 @@ def _same(a: KVPool, a_ids: list[int], b: KVPool, b_ids: list[int]) -> bool:
 def test_staged_pools_move_exact_bytes(listen, staged_side, monkeypatch):
     monkeypatch.setattr(staging, "STAGE_CHUNK", 5000)    # many slots, odd boundaries
     calls: list[str] = []
-    for mod, name in [(sockets, "send_staged"), (tcp, "recv_staged"), (inproc, "copy_slices"),
+    for mod, name in [(socket_server, "send_staged"), (tcp, "recv_staged"), (inproc, "copy_slices"),
                       (shm, "copy_slices")]:
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _r=real, _n=f"{mod.__name__.rsplit('.', 1)[1]}.{name}":
@@ -62,8 +62,8 @@ def test_staged_pools_move_exact_bytes(listen, staged_side, monkeypatch):
         assert res.ok, res.error
         assert res.nbytes == 9 * LAYOUT.block_nbytes
         assert _same(src, ids, dst, out)
-    want = {("tcp", "sender"): ["sockets.send_staged"], ("tcp", "receiver"): ["tcp.recv_staged"],
-            ("tcp", "both"): ["sockets.send_staged", "tcp.recv_staged"]}.get(
+    want = {("tcp", "sender"): ["socket_server.send_staged"], ("tcp", "receiver"): ["tcp.recv_staged"],
+            ("tcp", "both"): ["socket_server.send_staged", "tcp.recv_staged"]}.get(
         (listen.split(":")[0], staged_side), [f"{listen.split(':')[0]}.copy_slices"])
     assert sorted(set(calls)) == sorted(want), calls     # the staged path was the one taken
 

@@ -20,7 +20,7 @@ import torch
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
 from kvbridge.integrity import layer_checksums, pack_sums
 from kvbridge.transfer import FetchResult, Transfer, Workers
-from kvbridge.transports import sockets
+from kvbridge.transports import socket_server
 from kvbridge.transports.base import Spans
 from kvbridge.transports.wire import (FENCE, HEADER, Kind, decode_error, decode_request, encode_layers,
                                       encode_request, pack, recv_exact, unpack_header)
@@ -167,7 +167,7 @@ def _junk_write(staged: bool) -> Iterator[tuple[Transfer, KVPool, bytes, socket.
 def test_a_trickled_write_is_dropped(staged: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every pool's writes are held to the minimum rate after the grace (a device pool's land in
     a bounce buffer first: they were not)."""
-    monkeypatch.setattr(sockets, "RATE_GRACE", 0.3)
+    monkeypatch.setattr(socket_server, "RATE_GRACE", 0.3)
     with _junk_write(staged) as (t, dst, data, s):
         t0 = time.monotonic()
         dropped = False
