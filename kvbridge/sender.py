@@ -23,6 +23,11 @@ of releases and aborts from its event stream (with a periodic sweep as fallback)
 before freeing for any other reason, revokes the lease in Redis first. If Redis is
 unreachable it keeps the blocks until its local deadline (TTL plus a margin for clock
 rate), after which Redis has certainly expired the lease.
+
+The class is built in three layers: :mod:`.sender_lifecycle` ends handles and frees their
+blocks (with the sweeper and lease watcher threads), :mod:`.sender_serving` answers the reads
+and releases that transport servers hand it, and this module is the public face: publishing,
+layer readiness, push, renew and close.
 """
 
 from __future__ import annotations
@@ -35,39 +40,30 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence, Union
 
-from . import blockcopy
-from .errors import (AccessDenied, BadHandle, ConfigError, ConnectionLost, HandleNotFound, KVBridgeError,
-                     LayoutMismatch, LeaseStoreUnavailable, PoolError, ProtocolError, StaleHandle)
+from .errors import AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch, PoolError
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
-from .handle import ID_OFFSET, KVHandle, find_issued, lookup_ticket
-from .integrity import block_checksums, layer_checksums, pack_sums
-from .logs import RateLimitedLog
-from .lease import Claim, LeaseState, LeaseStore, holds_until, owner_deadline
+from .handle import KVHandle
+from .integrity import block_checksums, layer_checksums
+from .lease import LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout, _seconds
 from .pool import KVPool, block_id_list, whole_number
-from .published import Deadlines, Grant, parse_ticket, Record, still_ours
+from .published import Deadlines, Record, parse_ticket
 from .pushing import run_push
+from .sender_lifecycle import FreeReason as FreeReason
+from .sender_serving import LAYER_WAIT as LAYER_WAIT, SenderServing
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
 from .transports.base import Server, Spans, Transport
 from .transports.registry import get_transport_class, scheme_of
-from .transports.sockets import SMALL_REPLY
-from .transports.wire import FrameReader
 
 __all__ = ["KVSender", "FreeReason"]
 
 log = logging.getLogger("kvbridge.sender")
-_limited = RateLimitedLog(log)
-FreeReason = str   # "released" | "aborted" | "expired" | "revoked" | "retired" | "pushed" | "closed"
-SWEEP_INTERVAL = 1.0
-EVENT_BATCH = 0.005   # seconds the lease watcher waits after a batch of events before reading more
-LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
-LEASE_DOWN_WAIT = 1.0   # seconds after a revoke found the lease server down during which none is tried
 
 
-class KVSender:
+class KVSender(SenderServing):
     """Publish blocks of ``pool`` and serve them at ``listen`` URL(s); push them on request.
 
     ``secret``: shared HMAC key (then receivers can verify handles too); by default a
@@ -349,191 +345,6 @@ class KVSender:
                         r.handle.id, r.handle.request_id)
             self._end(r, "retired")
 
-    # -- BlockSource (called by transport servers) ---------------------------------------
-    def _lookup(self, handle_bytes: bytes) -> Record:
-        try:
-            return lookup_ticket(self._records, handle_bytes, self._key)
-        except (BadHandle, HandleNotFound):
-            self.stats.add(refused=1)
-            raise
-
-    def _wait_layers(self, rec: Record, first: int, end: int) -> int:
-        """Wait (bounded) until layer ``first`` is ready; the end of the ready part of [first, end)."""
-        with self._ready_cv:
-            self._layer_waiters += 1
-            try:
-                self._ready_cv.wait_for(lambda: rec.ready > first or not rec.live, LAYER_WAIT)
-            finally:
-                self._layer_waiters -= 1
-            return max(first, min(end, rec.ready))
-
-    def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
-                  claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> Grant:
-        rec = self._lookup(handle_bytes)
-        if self.leases is not None and rec.handle.lease_id:
-            if claim is None:
-                self.stats.add(refused=1)
-                raise AccessDenied("this handle is leased: reads must carry the claimer and its fence")
-            try:
-                if claim.epoch == 0:      # CLAIM_ME: claim on the reader's behalf, one round trip
-                    ttl = min(max(claim.counter / 1000, 0.001), 3600.0)
-                    lease = self.leases.claim(rec.handle.lease_id, claim.claimer, ttl)
-                    claim = Claim(claim.claimer, lease.fence.epoch, lease.fence.counter)
-                else:
-                    self.leases.validate(rec.handle.lease_id, claim.claimer, claim.fence)
-            except StaleHandle:
-                self.stats.add(refused=1)
-                raise
-        else:
-            claim = None
-        n = len(rec.block_ids)
-        if indices is None:
-            ids = rec.block_ids
-        else:
-            if any(not 0 <= i < n for i in indices):
-                raise ProtocolError(f"block index out of range for a {n}-block handle")
-            if len(set(indices)) != len(indices):   # a repeated index would multiply the bytes served
-                raise ProtocolError("repeated block indices in a read")
-            ids = [rec.block_ids[i] for i in indices]
-        L = self.pool.layout.num_layers
-        lo = hi = 0
-        if layers is not None:
-            if not (rec.handle.layerwise or rec.frames is not None):
-                raise ProtocolError("layer reads are for layer-wise or coded handles; read this one whole")
-            lo = layers[0]
-            if not lo < L:
-                raise ProtocolError(f"layer {lo} outside a {L}-layer handle")
-            if rec.frames is not None and indices is not None:
-                raise ProtocolError("a coded handle is read whole: its frames hold every block")
-            hi = self._wait_layers(rec, lo, min(layers[1], L))
-            if rec.frames is not None and not rec.handle.layerwise:
-                hi = L                          # one frame holds every layer
-        with self._lock:
-            if not rec.live:
-                self.stats.add(refused=1)
-                raise StaleHandle(f"handle {rec.handle.id} was {rec.reason}; its blocks are gone")
-            if not self.pool.same_generations(rec.block_ids, rec.handle.generations):
-                self.stats.add(refused=1)
-                raise StaleHandle(f"blocks of handle {rec.handle.id} were freed and reused")
-            if layers is None and (rec.ready < L or rec.frames is not None):
-                raise ProtocolError("layer-wise and coded handles are read by layer range")
-            rec.inflight += 1
-        try:
-            sums = b""
-            if layers is not None and rec.frames is not None:
-                spans = rec.frames.spans(lo, hi)
-            elif layers is not None:
-                spans = Spans.of_blocks(self.pool, ids, range(lo, hi))
-                if self.checksums and hi > lo:
-                    sel = rec.sums[lo:hi] if indices is None else [[s[i] for i in indices] for s in rec.sums[lo:hi]]
-                    sums = pack_sums([x for layer in sel for x in layer])
-            elif indices is None and rec.spans is not None:
-                spans = rec.spans
-            else:
-                spans = Spans.of_blocks(self.pool, ids)
-        except BaseException:
-            self._read_done(rec)
-            raise
-        self.stats.served(spans.nbytes)
-        return Grant(self, rec, spans, (lo, hi), sums, claim)
-
-    def serve_small(self, fd: int, payload: bytes, req_id: int) -> bool:
-        """Answer a READ request's ``payload`` on socket ``fd`` in one C call
-        (``blockcopy.serve_small``) where it asks for all of a handle this sender indexed for
-        that (:meth:`_index_small`), in exactly the bytes issued, and its blocks still hold the
-        handle's generations once copied out. False where nothing was sent: :meth:`open_read`
-        serves the read, or says precisely why not. A send that fails raises OSError."""
-        small = self._small
-        if not small:
-            return False
-        pool = self.pool
-        assert blockcopy.serve_small is not None          # indexed only with the extension
-        pinned = pool.buffers                             # held across the C copy
-        try:
-            n = blockcopy.serve_small(fd, payload, req_id, small, ID_OFFSET, pool.live_generations,
-                                      blockcopy.planes(pool), pool.layout.part_nbytes)
-        except (ValueError, PoolError):                   # a closed pool: the long way says so
-            return False
-        del pinned
-        if n < 0:
-            return False
-        self.stats.served(n)
-        return True
-
-    def serve_next(self, fd: int, reader: FrameReader) -> bool:
-        """The frame loop's next step on socket ``fd`` when ``reader`` holds nothing: one receive
-        into its buffer, and a whole READ at the front answered in the same C call
-        (``blockcopy.serve_next``) exactly where :meth:`serve_small` would answer it. True when
-        it was (any bytes behind it stay in the reader); False when the bytes received are the
-        reader's to parse as usual. The socket's timeout raises BlockingIOError and a closed peer
-        ConnectionLost, as the reader's own receive does; a failed send, OSError."""
-        if blockcopy.serve_next is None:                  # no extension: the reader receives
-            return False
-        pool = self.pool
-        pinned = pool.buffers                             # held across the C copy
-        try:
-            packed = blockcopy.planes(pool)
-        except PoolError:                                 # a closed pool: the reader receives
-            return False
-        served, used, got = blockcopy.serve_next(fd, reader.buf, self._small, ID_OFFSET, pool.live_generations,
-                                                 packed, pool.layout.part_nbytes)
-        del pinned
-        if got < 0:
-            if got == -2:
-                raise BlockingIOError("no frame within the socket's timeout")
-            raise ConnectionLost("peer closed the connection")
-        if served < 0:
-            reader.start, reader.end = 0, got
-            return False
-        reader.start, reader.end = (0, 0) if used == got else (used, got)
-        self.stats.served(served)
-        return True
-
-    def _index_small(self, rec: Record) -> None:
-        """Under the lock, for a live, raw, complete handle: where it is unleased and a few host
-        blocks, :meth:`serve_small` may serve its whole reads (until :meth:`_mark_ended`)."""
-        h = rec.handle
-        if (blockcopy.serve_small is not None and not h.lease_id and self.pool.is_host
-                and len(rec.block_ids) * self.pool.layout.block_nbytes <= SMALL_REPLY):
-            self._small[h.handle_id] = (rec.raw, h.block_ids, h.generations)
-
-    def release_remote(self, handle_bytes: bytes) -> None:
-        """A direct release (handles without a lease). A leased handle ends only through its
-        lease: a holder of the handle bytes is not necessarily its claimer."""
-        self._end(self._releasable(handle_bytes), "released")
-
-    def release_many(self, many: Sequence[bytes]) -> list[Optional[KVBridgeError]]:
-        """:meth:`release_remote` of each, ended under one hold of the lock and freed in one
-        pass (releases that arrived together); per release, None or why it was refused."""
-        out: list[Optional[KVBridgeError]] = []
-        recs: list[Record] = []
-        records, leased = self._records, self.leases is not None
-        for raw in many:
-            rec = find_issued(records, raw)        # the usual one: exactly the bytes issued, unleased
-            if rec is not None and not (leased and rec.handle.lease_id):
-                recs.append(rec)
-                out.append(None)
-                continue
-            try:
-                recs.append(self._releasable(raw))   # refused, saying precisely why
-                out.append(None)
-            except KVBridgeError as exc:
-                out.append(exc)
-        with self._mutex:
-            free = [r for r in recs if self._mark_ended(r, "released")]
-        if len(free) == 1:
-            self._release_blocks(free[0])
-        elif free:
-            self._release_many_blocks(free)
-        return out
-
-    def _releasable(self, handle_bytes: bytes) -> Record:
-        rec = self._lookup(handle_bytes)
-        if self.leases is not None and rec.handle.lease_id:
-            self.stats.add(refused=1)
-            raise AccessDenied("a leased handle is released through its lease, by its claimer")
-        return rec
-
     # -- push ------------------------------------------------------------------------------
     def push(self, reservation: Union[KVHandle, bytes, dict[str, Any]], block_ids: Sequence[int],
              num_tokens: Optional[int] = None, *, layers_ready: Optional[int] = None,
@@ -590,195 +401,7 @@ class KVSender:
                 t = self._transports[scheme] = get_transport_class(scheme)(self.timeout)
         return t
 
-    # -- lifecycle -----------------------------------------------------------------------
-    def _mark_ended(self, rec: Record, reason: FreeReason) -> bool:
-        """Under the lock: end ``rec`` (no reader sees it live from now on). True when its blocks
-        are to be freed now, by the caller (it claimed the free); False when it had ended
-        already, a read still holds it, or its lease must be revoked first (``rec.revoking``)."""
-        if not rec.live:
-            return False
-        rec.live = False
-        rec.reason = reason
-        self._small.pop(rec.handle.handle_id, None)
-        self._records.pop(rec.handle.handle_id, None)
-        for srv in self.servers:
-            if srv.watches_ends:
-                srv.ended(rec.handle.handle_id)    # one-sided readers see the end before any free
-        if rec.handle.lease_id:
-            self._by_lease.pop(self._lease_ref(rec.handle.lease_id), None)
-        if self._by_block:
-            for b in rec.block_ids:
-                held = self._by_block.get(b)
-                if held is not None:
-                    held.pop(id(rec), None)
-                    if not held:
-                        del self._by_block[b]
-        if self._layer_waiters:
-            self._ready_cv.notify_all()   # readers and pushes waiting for its layers: it is over
-        revoke = (self.leases is not None and bool(rec.handle.lease_id)
-                  and reason not in ("released", "aborted"))
-        rec.revoking = revoke   # a read draining meanwhile must not free before the revoke lands
-        if not revoke and rec.inflight == 0 and not rec.freed:   # the usual end: freed at once
-            rec.freed = True
-            return True
-        return False
-
-    def _end(self, rec: Record, reason: FreeReason) -> bool:
-        with self._mutex:
-            if not rec.live:
-                return False
-            free_now = self._mark_ended(rec, reason)
-            revoke = rec.revoking
-        if free_now:
-            self._release_blocks(rec)
-            return True
-        if revoke:
-            assert self.leases is not None
-            # Revoke in Redis first: after this, no claimer's validate can succeed. Within a moment
-            # of a revoke that found the lease server down, none is tried: each would wait out its
-            # retries (a close() or sweep of many handles took minutes); freeing at the deadline is safe.
-            down = time.monotonic() < self._lease_down_until
-            try:
-                if not down:
-                    self.leases.revoke(rec.handle.lease_id, self.owner)
-            except LeaseStoreUnavailable:
-                down, self._lease_down_until = True, time.monotonic() + LEASE_DOWN_WAIT
-            except StaleHandle:
-                pass   # already gone in Redis
-            if down:
-                if time.monotonic() < rec.deadline:
-                    _limited.log(logging.WARNING, "revoke", "cannot revoke %s (lease server down); freeing at "
-                                 "its deadline", rec.handle.request_id)
-                    with self._lock:
-                        rec.free_after = rec.deadline
-                        rec.revoking = False
-                        self._pending.append(rec)
-                        self._lock.notify_all()
-                    return True
-        with self._lock:
-            rec.revoking = False
-            free_now = rec.inflight == 0
-        if free_now:
-            self._free(rec)
-        return True
-
-    def _read_done(self, rec: Record) -> None:
-        with self._lock:
-            rec.inflight -= 1
-            free_now = not rec.live and rec.inflight == 0 and not rec.free_after and not rec.revoking
-        if free_now:
-            self._free(rec)
-
-    def _free(self, rec: Record) -> None:
-        with self._lock:
-            if rec.freed:
-                return
-            rec.freed = True
-        self._release_blocks(rec)
-
-    def _release_blocks(self, rec: Record) -> None:
-        """Give a record's blocks back (once: the caller set ``rec.freed`` under the lock)."""
-        try:
-            self.pool.free(still_ours(self.pool, rec))
-        except PoolError as exc:   # the engine freed them behind our back
-            log.error("freeing blocks of %s: %s", rec.handle.request_id, exc)
-        if rec.frames is not None:
-            rec.frames.close()
-        self.stats.ended(rec.reason, len(rec.block_ids))
-        self._tell_engine(rec)
-
-    def _release_many_blocks(self, recs: list[Record]) -> None:
-        """:meth:`_release_blocks` of records that ended together (all for the same reason):
-        their blocks freed in one pass, one by one only if that pass is refused."""
-        try:
-            self.pool.free([b for r in recs for b in still_ours(self.pool, r)])
-        except PoolError:          # some were freed behind our back: find which, free the rest
-            for r in recs:
-                try:
-                    self.pool.free(still_ours(self.pool, r))
-                except PoolError as exc:
-                    log.error("freeing blocks of %s: %s", r.handle.request_id, exc)
-        for r in recs:
-            if r.frames is not None:
-                r.frames.close()
-        self.stats.ended(recs[0].reason, sum(len(r.block_ids) for r in recs), len(recs))
-        for r in recs:
-            self._tell_engine(r)
-
-    def _tell_engine(self, rec: Record) -> None:
-        """``on_free``: the engine may reuse the blocks now."""
-        if self.on_free is not None:
-            try:
-                self.on_free(rec.handle, rec.reason)
-            except Exception:
-                log.exception("on_free callback failed")
-
-    def _schedule(self, rec: Record) -> None:
-        """``rec``'s deadline to the sweeper (under the lock), woken only when it is the earliest."""
-        if self._deadlines.push(rec, self._records):
-            self._lock.notify_all()
-
-    def _sweep_loop(self) -> None:
-        """Local deadlines: expire unreleased handles; free revoked ones Redis never heard of."""
-        while True:
-            with self._lock:
-                if self._ended_all and not self._pending:
-                    return
-                now = time.monotonic()
-                due = self._deadlines.due(now, self._records)
-                ripe = [r for r in self._pending if r.free_after <= now and r.inflight == 0]
-                if ripe:
-                    self._pending = [r for r in self._pending if r not in ripe]
-                if not due and not ripe:
-                    times = [r.free_after for r in self._pending]
-                    if self._deadlines.earliest is not None:
-                        times.append(self._deadlines.earliest)
-                    nxt = min(times, default=now + 1.0)
-                    self._lock.wait(timeout=max(0.005, min(1.0, nxt - now)))
-                    continue
-            for r in ripe:
-                self._free(r)
-            for r in due:
-                self._end(r, "expired")
-
-    def _lease_ref(self, lease_id: str) -> str:
-        return self.leases.ref(lease_id) if self.leases is not None else lease_id
-
-    def _lease_loop(self) -> None:
-        """Learn of releases/aborts from the owner's event stream; sweep as the fallback."""
-        assert self.leases is not None
-        next_sweep = time.monotonic() + SWEEP_INTERVAL
-        while not self._closed:
-            try:
-                evs = self.leases.events(self.owner, timeout_s=0.2)
-                for ev in evs:
-                    rec = self._by_lease.get(ev.ref)
-                    if rec is not None and ev.kind in ("released", "aborted"):
-                        self._end(rec, ev.kind)
-                if evs:   # let the next releases gather: one wake-up per batch, not one per release
-                    time.sleep(EVENT_BATCH)
-                if time.monotonic() >= next_sweep:
-                    next_sweep = time.monotonic() + SWEEP_INTERVAL
-                    self._sweep_leases()
-            except LeaseStoreUnavailable as exc:
-                _limited.log(logging.WARNING, "unreachable", "lease server unreachable: %s", exc)
-                time.sleep(0.2)
-            except Exception:   # never let the watcher die silently
-                log.exception("lease watcher error")
-                time.sleep(0.2)
-
-    def _sweep_leases(self) -> None:
-        """One round trip: end the handles whose lease Redis reports finished or gone."""
-        assert self.leases is not None
-        live = {r.handle.lease_id: r for r in list(self._records.values()) if r.handle.lease_id}
-        if not live:
-            return
-        for lid, state in self.leases.sweep(self.owner, list(live)).items():
-            if state is None:
-                self._end(live[lid], "expired")
-            elif state in (LeaseState.RELEASED, LeaseState.ABORTED):
-                self._end(live[lid], state.value)
-
+    # -- lifetime -------------------------------------------------------------------------
     def renew(self, handle: KVHandle, ttl: float) -> None:
         """Extend a live handle's lifetime (and its lease) by ``ttl`` seconds from now."""
         with self._lock:

@@ -10,7 +10,7 @@ import pytest
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
 from kvbridge import releases
-from kvbridge import sender as sender_module
+from kvbridge import sender_lifecycle
 from kvbridge.errors import Action, LeaseExpired
 from kvbridge.lease import EmbeddedRedis, RedisLeaseStore
 
@@ -21,7 +21,7 @@ L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
 def test_claim_of_a_handle_whose_release_is_queued_is_refused(own_server: EmbeddedRedis, listen: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(releases, "LINGER", 0.5)                      # the release stays queued a while
-    monkeypatch.setattr(sender_module, "SWEEP_INTERVAL", 3600.0)
+    monkeypatch.setattr(sender_lifecycle, "SWEEP_INTERVAL", 3600.0)
     with RedisLeaseStore(own_server.url) as ls, \
             KVSender(KVPool.allocate(L, 8, allocator="engine"), listen, leases=ls) as snd, \
             KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:

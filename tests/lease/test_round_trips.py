@@ -16,7 +16,7 @@ import redis
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
 from kvbridge import releases
 from kvbridge.errors import Action, LeaseExpired
-from kvbridge import sender as sender_module
+from kvbridge import sender_lifecycle
 from kvbridge.lease import EmbeddedRedis, LeaseState, RedisLeaseStore
 
 L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
@@ -46,7 +46,7 @@ def _state(ls: RedisLeaseStore, lease_id: str) -> Any:
 @pytest.fixture
 def slow_release(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(releases, "LINGER", LATER)
-    monkeypatch.setattr(sender_module, "SWEEP_INTERVAL", 3600.0)   # no owner sweep inside a counted window
+    monkeypatch.setattr(sender_lifecycle, "SWEEP_INTERVAL", 3600.0)   # no owner sweep inside a counted window
 
 
 try:
