@@ -195,15 +195,15 @@ def test_a_layerwise_read_of_every_layer_is_hashed_once(monkeypatch: pytest.Monk
     """A layer-wise handle whose layers are all ready is read in one piece, but its checksums are
     per (layer, block): its own stream verifier hashes it as it lands, and no second pass over
     the landed blocks runs (the one-call receive, whose digests are per block, is not taken)."""
-    import kvbridge.receiver as receiver_mod
+    import kvbridge.receiver_pipeline as pipeline_mod
     calls = _count_calls(monkeypatch)
     second: list[int] = []
-    real = receiver_mod.layer_checksums
+    real = pipeline_mod.layer_checksums
 
     def counted(*a: Any, **k: Any) -> Any:
         second.append(1)
         return real(*a, **k)
-    monkeypatch.setattr(receiver_mod, "layer_checksums", counted)
+    monkeypatch.setattr(pipeline_mod, "layer_checksums", counted)
     src, dst = filled(BIG, 12, 3), KVPool.allocate(BIG, 12)
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as s, KVReceiver(dst, leases=False) as r:
         h = s.publish("r", [3, 7, 1, 10, 5], 80, layers_ready=1)

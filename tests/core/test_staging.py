@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge import IntegrityError, KVLayout, KVPool, KVReceiver, KVSender, integrity
-from kvbridge import receiver as receiver_mod
+from kvbridge import receiver_pipeline as pipeline_mod
 from kvbridge.transports import Spans, inproc, shm, socket_server, staging, tcp
 
 LAYOUT = KVLayout.vllm_flash(3, 2, 64, 8, dtype="float16")   # part = 2 KiB
@@ -179,7 +179,7 @@ def test_staged_receiver_hashes_in_the_slot_and_catches_corruption(monkeypatch):
         src.ref(ids)                                       # a second handle of the same blocks
         h = snd.publish("bad", ids, 9 * 8)
         with monkeypatch.context() as m:
-            m.setattr(receiver_mod, "block_checksums", no_readback)
+            m.setattr(pipeline_mod, "block_checksums", no_readback)
             res = rcv.fetch(snd.publish("clean", ids, 9 * 8), list(range(9)))
         assert res.ok, res.error
         src.block(1, ids[4])[0].view(-1).view(torch.uint8)[3] ^= 0xFF
