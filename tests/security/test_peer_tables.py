@@ -11,7 +11,7 @@ import secrets
 import pytest
 
 import kvbridge.receiver as receiver_mod
-import kvbridge.transports.shm as shm_mod
+import kvbridge.transports.shm_onesided as shm_onesided_mod
 import kvbridge.transports.sockets as sockets_mod
 from kvbridge import BadHandle, KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout
 from kvbridge.transports.tcp import TCPTransport
@@ -24,7 +24,7 @@ PEERS = 4
 @pytest.fixture
 def few_peers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sockets_mod, "MAX_PEERS", PEERS)
-    monkeypatch.setattr(shm_mod, "MAX_PEERS", PEERS)
+    monkeypatch.setattr(shm_onesided_mod, "MAX_PEERS", PEERS)
     monkeypatch.setattr(receiver_mod, "MAX_URLS", 4 * PEERS)
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import kvbridge.transports.shm as shm
+import kvbridge.transports.shm_onesided as shm_onesided
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
 from kvbridge.pool import peer_segment
 
@@ -37,7 +38,8 @@ def _filled(pool: KVPool, ids: list[int], fill: int) -> bool:
 
 def _as_another_user(monkeypatch: pytest.MonkeyPatch) -> None:
     real = shm.peer_cred
-    monkeypatch.setattr(shm, "peer_cred", lambda sock: (real(sock)[0], real(sock)[1] + 1))
+    for mod in (shm, shm_onesided):       # the MAP path's and the OPEN path's
+        monkeypatch.setattr(mod, "peer_cred", lambda sock: (real(sock)[0], real(sock)[1] + 1))
 
 
 def test_peer_segment_refuses_a_segment_the_peer_does_not_own() -> None:
