@@ -67,6 +67,7 @@ from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
 from .base import Chunk, Server, Spans, SpansFor, Transport
+from .deadline import cancelled
 from .sockets import MAX_PEERS, connector, tune
 from .wire import (HEADER, LAYERS, MAX_CONTROL, Kind, RateGuard, decode_error, decode_layers, encode_request,
                    map_os_error, pack, unpack_header)
@@ -143,12 +144,12 @@ def _watched(p: _Peer, dst: Optional[Spans]) -> Callable[[], None]:
     (a Transfer's cancel flag, and the receiver's whole-reply deadline against a sender that
     trickles): a cancel ends the wait at once, not after ``Timeout.transfer`` of silence."""
     flag = dst.cancel if dst is not None else None
-    if flag is None:
-        return p.alive
 
     def check() -> None:
         p.alive()
-        if flag.is_set():
+        # the destination's flag, else the cancel of the transfer this thread runs (a layer
+        # read's header wait, before its destination is known; a push's GO and DONE)
+        if flag.is_set() if flag is not None else cancelled():
             raise TransferCancelled("transfer cancelled")
     return check
 
@@ -455,13 +456,13 @@ class UCXTransport(Transport):
             w = self._w()
             stream = _Stream(src)
             stream.stage_out()
-            _send_stream(w, p.ep, _tag(T_DATA, p.cid, rid), stream, self.timeout.transfer, what, p.alive,
+            _send_stream(w, p.ep, _tag(T_DATA, p.cid, rid), stream, self.timeout.transfer, what, _watched(p, src),
                          (p.sock.fileno(),), p.ring, RateGuard(_core.MIN_RATE, _core.RATE_GRACE))   # a receiver
             # that takes the bytes slowly cannot hold the write (and its source blocks) for pieces x timeout
             done = self._send(p, _tag(T_DONE, p.cid, rid),
                               encode_request(b"", last=last, nbytes=0, sums=sums))
-            final = self._recv_header(p, rid, MAX_CONTROL, what)
-            _wait_reqs(w, [done], self.timeout.transfer, what, p.alive, (p.sock.fileno(),), p.ring)
+            final = self._recv_header(p, rid, MAX_CONTROL, what, alive=_watched(p, src))
+            _wait_reqs(w, [done], self.timeout.transfer, what, _watched(p, None), (p.sock.fileno(),), p.ring)
             if final[0] == ST_ERROR:
                 raise decode_error(final[1:])
             if final[0] != ST_OK:

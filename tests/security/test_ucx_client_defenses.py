@@ -175,6 +175,28 @@ def test_cancel_of_a_read_from_a_silent_sender_returns_at_once(how):
         fake.close()
 
 
+def test_cancel_of_a_layer_read_waiting_for_its_reply_header_returns_at_once():
+    """A layer-wise read's wait for its reply header has no destination yet (the reply says which
+    layers come): it looks at the cancel of the transfer its thread runs. It waited out
+    Timeout.transfer (30 s here) per attempt before."""
+    fake = FakeUCX(lambda f, r, q: None)                            # asked, never answers
+    rcv = _receiver(30.0)
+    try:
+        dst = rcv.pool.alloc(2)
+        t = rcv.start_fetch(_handle(fake.url, 2, layers_ready=0), dst, release=False)
+        time.sleep(0.3)
+        assert len(fake.requests) == 1 and not t.done()
+        t0 = time.monotonic()
+        assert t.cancel(timeout=10)
+        took = time.monotonic() - t0
+        assert took < 0.5, f"cancel took {took:.1f} s"
+        assert isinstance(t.result().error, TransferCancelled), repr(t.result().error)
+        assert len(fake.requests) == 1                              # no retry after it
+    finally:
+        rcv.close()
+        fake.close()
+
+
 # -- a sender that never reads its liveness socket: doorbells never block the client --------------------
 def test_a_sender_that_never_reads_its_socket_cannot_block_a_read_past_its_deadline(monkeypatch):
     """Doorbells went out with a blocking sendall: once a server that never reads its socket had
