@@ -187,8 +187,11 @@ class SchedulerSide:
             self.inbox.forget(rid)
             return True, None
         if rid in self._loading:            # consumer: finished (aborted) while its KV is on the way
+            # vLLM keeps its blocks (delay_free) until the worker reports the cancelled transfer
+            # ended (finished_recving): no byte lands in blocks it reused, and vLLM, which frees a
+            # finished request on finished_recving, still knows the request then
             self._meta.cancel.append(rid)
-            return False, None
+            return True, None
         if rid not in self._published:
             return False, None
         self._published.discard(rid)

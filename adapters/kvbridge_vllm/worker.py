@@ -193,11 +193,13 @@ class WorkerSide:
                     self._recv_done.add(rid)
         self._to_start.update(meta.load)
         self._sync_ids.update(meta.sync)
-        for rid in meta.cancel:
-            self._to_start.pop(rid, None)
+        for rid in meta.cancel:              # finished (aborted) mid-load; vLLM holds the blocks until
+            if self._to_start.pop(rid, None) is not None:      # get_finished reports it: never wait here
+                with self._lock:
+                    self._recv_done.add(rid)
             t = self._transfers.get(rid)
             if t is not None:
-                t[0].cancel(timeout=self.cfg.transfer_timeout)
+                t[0].cancel(timeout=0)
 
     def _start_loads(self) -> None:
         """Start this step's transfers (vLLM's start_load_kv; returns at once)."""

@@ -203,3 +203,43 @@ def test_preempted_published_request_has_its_handle_revoked() -> None:
         assert s.request_finished(r, []) == (True, None)     # delay_free until the worker freed it
     finally:
         s.shutdown()
+
+
+# -- 10. consumer: a request aborted while its KV is on the way -----------------------------------
+def consumer_worker(extra: dict[str, Any]) -> Any:
+    from kvbridge_vllm.config import ConnectorConfig
+    from kvbridge_vllm.worker import WorkerSide
+    w = WorkerSide(vcfg(), ConnectorConfig.from_extra(extra), "vllm-d-dp0", False, True, key("w"), True)
+    w.register_kv_caches(caches(False))
+    return w
+
+
+def test_aborted_mid_fetch_keeps_its_blocks_until_the_transfer_ended(producer: Any) -> None:
+    """vLLM frees a finished request's blocks at once unless ``request_finished`` delays it, and
+    frees a delayed one when ``finished_recving`` names it (asserting it still knows the request):
+    an abort mid-fetch must delay, so no byte lands in reused blocks and the report finds it."""
+    snd, geo = producer
+    s, w = consumer({}), consumer_worker({})
+    live = snd.num_live
+    try:
+        h = snd.publish("mid", [6, 7, 8], 12, layers_ready=0)     # no layer ready yet: the fetch waits
+        r = request("mid", h, geo)
+        s.on_new_request(r)
+        n, asynchronous = s.get_num_new_matched_tokens(r, 0)
+        assert (n, asynchronous) == (12, True)
+        s.update_state_after_alloc(r, NS(get_block_ids=lambda: ([1, 2, 3],)), n)
+        w.bind(s.build_connector_meta(NS(num_scheduled_tokens={})))
+        w.start_load_kv()
+        assert w.get_finished(set()) == (None, None)               # in flight
+        assert s.request_finished(r, [1, 2, 3]) == (True, None)     # aborted: vLLM keeps the blocks
+        t0 = time.monotonic()
+        w.bind(s.build_connector_meta(NS(num_scheduled_tokens={})))  # the cancel
+        assert time.monotonic() - t0 < 0.5, "the worker waited for the cancelled transfer"
+        got: list[Any] = []
+        assert until(lambda: got.append(w.get_finished({"mid"})[1]) or got[-1] == {"mid"})   # vLLM frees now
+        s.update_connector_output(NS(finished_recving={"mid"}))
+        assert not s.has_pending()
+        assert until(lambda: snd.num_live == live), "the producer still holds the handle"
+    finally:
+        s.shutdown()
+        w.shutdown()
