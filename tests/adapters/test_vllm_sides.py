@@ -159,7 +159,8 @@ def test_handles_nothing_loads_from_go_back_to_the_producer(producer: Any, case:
             s.update_state_after_alloc(r, NS(get_block_ids=lambda: ([1, 2, 3],)), n)
             meta = s.build_connector_meta(NS(num_scheduled_tokens={}))
             assert list(meta.refuse) == ["r"] and not meta.load    # reported: vLLM recomputes or fails it
-        assert s.request_finished(r, []) == (False, None)
+        # a refused load is reported from the worker's get_finished: until then vLLM keeps its blocks
+        assert s.request_finished(r, []) == (case.startswith("geometry"), None)
         assert time.monotonic() - t0 < 1.0
         assert until(lambda: snd.num_live == live), f"{case}: the producer still holds the handle"
     finally:
