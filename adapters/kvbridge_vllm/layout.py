@@ -107,6 +107,6 @@ def pool_from_kv_caches(kv_caches: dict[str, torch.Tensor], vllm_config: Any,
 
 
 def compare(mine: Geometry, theirs: Geometry) -> list[str]:
-    """Fields on which two geometries differ (keys both have)."""
-    return [f"{k}: here {mine[k]!r}, producer {theirs[k]!r}" for k in sorted(set(mine) & set(theirs))
-            if mine[k] != theirs[k]]
+    """Fields of ``mine`` that ``theirs`` gives otherwise, or not at all."""
+    return [f"{k}: here {mine[k]!r}, producer {theirs[k]!r}" if k in theirs else f"{k}: here {mine[k]!r}, producer "
+            "does not say" for k in sorted(mine) if k not in theirs or mine[k] != theirs[k]]

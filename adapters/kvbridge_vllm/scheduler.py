@@ -68,7 +68,7 @@ class SchedulerSide:
 
     def on_new_request(self, request: Any) -> None:
         params = request.kv_transfer_params
-        if not self.consumer or not params or HANDLE_KEY not in params:
+        if not self.consumer or not isinstance(params, dict) or HANDLE_KEY not in params:
             return
         rid = request.request_id
         try:
@@ -111,7 +111,7 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
-        params = request.kv_transfer_params or {}
+        params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
         if (self.producer and params.get("do_remote_decode") and rid not in self._published
                 and rid not in self._preempted):
             if self._single_token(request):

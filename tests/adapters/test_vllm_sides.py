@@ -244,3 +244,34 @@ def test_aborted_mid_fetch_keeps_its_blocks_until_the_transfer_ended(producer: A
     finally:
         s.shutdown()
         w.shutdown()
+
+
+# -- 11. kv_transfer_params from a client: malformed ones are refused, never crash the engine ------
+@pytest.mark.parametrize("case", ["geometry_foreign_keys", "geometry_partial", "params_not_a_dict"])
+def test_malformed_kv_transfer_params_are_refused_cleanly(producer: Any, case: str) -> None:
+    from kvbridge_vllm.config import HANDLE_KEY
+    snd, geo = producer
+    s, p = consumer({}), producer_sched()
+    live = snd.num_live
+    try:
+        h = snd.publish("m", [6, 7, 8], 12)
+        r = request("m", h, {"foo": 1} if case == "geometry_foreign_keys" else {"layers": geo["layers"]})
+        if case == "params_not_a_dict":
+            r.kv_transfer_params = f"{HANDLE_KEY}: {h.to_dict()}"     # a string (LLM API extra_args)
+            r.num_computed_tokens, r.sampling_params = 0, NS(max_tokens=1)
+            p.update_state_after_alloc(r, NS(get_block_ids=lambda: ([1, 2, 3],)), 0)   # producer side too
+        s.on_new_request(r)
+        n, _ = s.get_num_new_matched_tokens(r, 0)
+        s.update_state_after_alloc(r, NS(get_block_ids=lambda: ([1, 2, 3],)), n)
+        meta = s.build_connector_meta(NS(num_scheduled_tokens={}))
+        assert not meta.load, "loaded with a geometry that does not say it matches"
+        if case == "params_not_a_dict":
+            assert n == 0 and not meta.refuse                           # no handle: computed here
+            snd.revoke(h)
+        else:
+            assert list(meta.refuse) == ["m"] and "producer does not say" in meta.refuse["m"][1]
+        assert s.request_finished(r, []) == (case != "params_not_a_dict", None)   # refused: reported later
+        assert until(lambda: snd.num_live == live), "the producer still holds the handle"
+    finally:
+        s.shutdown()
+        p.shutdown()
