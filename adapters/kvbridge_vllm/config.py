@@ -39,6 +39,7 @@ __all__ = ["ConnectorConfig"]
 # kv_transfer_params keys this connector reads and writes
 HANDLE_KEY = "kvbridge_handle"
 GEOMETRY_KEY = "kvbridge_geometry"
+PROMPT_KEY = "kvbridge_prompt"        # digest of the prompt tokens whose KV the handle holds
 
 
 @dataclass(frozen=True)

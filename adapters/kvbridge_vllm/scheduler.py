@@ -13,7 +13,9 @@ loaded from (aborted before its blocks were allocated, refused, nothing left to 
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from array import array
 from typing import Any, Optional
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver
@@ -21,7 +23,7 @@ from kvbridge.errors import KVBridgeError
 
 from .channel import HandleInbox, channel_name
 from .claims import ClaimKeeper
-from .config import GEOMETRY_KEY, HANDLE_KEY, ConnectorConfig
+from .config import GEOMETRY_KEY, HANDLE_KEY, PROMPT_KEY, ConnectorConfig
 from .layout import Geometry, compare, geometry_from_spec
 from .metadata import KVBridgeMetadata
 
@@ -32,6 +34,13 @@ log = logging.getLogger("kvbridge_vllm")
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def prompt_digest(token_ids: Any) -> Optional[str]:
+    """What ``kvbridge_prompt`` holds: a digest of the prompt tokens (None without token ids)."""
+    if token_ids is None:
+        return None
+    return hashlib.blake2b(array("q", [int(t) for t in token_ids]).tobytes(), digest_size=16).hexdigest()
 
 
 class SchedulerSide:
@@ -76,6 +85,14 @@ class SchedulerSide:
         except KVBridgeError as exc:
             self._refused[rid] = f"bad kvbridge handle: {exc}"
             log.error("kvbridge: request %s: %s", rid, self._refused[rid])
+            return
+        ids = getattr(request, "prompt_token_ids", None)
+        if params.get(PROMPT_KEY) != prompt_digest(None if ids is None else list(ids)[:h.num_tokens]):
+            # KV of other tokens (params kept from another prompt, or from a producer that does not
+            # say): computing the prompt here is right, loading it would give wrong tokens
+            log.error("kvbridge: request %s: its kv_transfer_params hold the KV of another prompt (or do not "
+                      "say which, %r): computing it here", rid, PROMPT_KEY)
+            self.claims.give_up(rid, h)
             return
         self._handles[rid] = h
         theirs = params.get(GEOMETRY_KEY)
@@ -206,7 +223,8 @@ class SchedulerSide:
             self._meta.revoke.append(rid)   # the worker ends it and reports it finished sending
             return True, None
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      HANDLE_KEY: msg["handle"], GEOMETRY_KEY: msg["geometry"]}
+                      HANDLE_KEY: msg["handle"], GEOMETRY_KEY: msg["geometry"],
+                      PROMPT_KEY: prompt_digest(getattr(request, "prompt_token_ids", None))}
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():

@@ -56,11 +56,14 @@ def producer() -> Iterator[tuple[KVSender, dict[str, Any]]]:
 
 
 def request(rid: str, h: Any, geo: Any, prompt: int = 12, status: str = "FINISHED_ABORTED") -> Any:
-    from kvbridge_vllm.config import GEOMETRY_KEY, HANDLE_KEY
-    params: dict[str, Any] = {HANDLE_KEY: h.to_dict()}
+    from kvbridge_vllm.config import GEOMETRY_KEY, HANDLE_KEY, PROMPT_KEY
+    from kvbridge_vllm.scheduler import prompt_digest
+    tokens = list(range(3, 3 + prompt))
+    params: dict[str, Any] = {HANDLE_KEY: h.to_dict(), PROMPT_KEY: prompt_digest(tokens[:h.num_tokens])}
     if geo is not None:
         params[GEOMETRY_KEY] = geo
-    return NS(request_id=rid, kv_transfer_params=params, num_prompt_tokens=prompt, status=NS(name=status))
+    return NS(request_id=rid, kv_transfer_params=params, num_prompt_tokens=prompt, prompt_token_ids=tokens,
+              status=NS(name=status))
 
 
 def consumer(extra: dict[str, Any]) -> Any:
@@ -275,3 +278,47 @@ def test_malformed_kv_transfer_params_are_refused_cleanly(producer: Any, case: s
     finally:
         s.shutdown()
         p.shutdown()
+
+
+# -- 12. kv_transfer_params kept from another prompt: computed here, never loaded -----------------
+@pytest.mark.parametrize("case", ["other_prompt", "prompt_not_said"])
+def test_params_of_another_prompt_are_not_loaded(producer: Any, case: str) -> None:
+    from kvbridge_vllm.config import PROMPT_KEY
+    snd, geo = producer
+    s = consumer({})
+    live = snd.num_live
+    try:
+        h = snd.publish("o", [6, 7, 8], 12)
+        r = request("o", h, geo)
+        if case == "other_prompt":
+            r.prompt_token_ids = [7] + r.prompt_token_ids[1:]       # one token differs
+        else:
+            del r.kv_transfer_params[PROMPT_KEY]
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)    # vLLM computes the prompt itself
+        s.update_state_after_alloc(r, NS(get_block_ids=lambda: ([1, 2, 3],)), 0)
+        meta = s.build_connector_meta(NS(num_scheduled_tokens={}))
+        assert not meta.load and not meta.refuse
+        assert s.request_finished(r, []) == (False, None)
+        assert until(lambda: snd.num_live == live), "the producer still holds the handle"
+    finally:
+        s.shutdown()
+
+
+def test_producer_params_say_which_prompt() -> None:
+    from kvbridge_vllm.config import PROMPT_KEY
+    from kvbridge_vllm.scheduler import prompt_digest
+    s = producer_sched()
+    try:
+        r = NS(request_id="q", kv_transfer_params={"do_remote_decode": True}, num_prompt_tokens=12,
+               num_computed_tokens=0, sampling_params=NS(max_tokens=1), prompt_token_ids=list(range(12)),
+               status=NS(name="FINISHED_LENGTH_CAPPED"))
+        s.update_state_after_alloc(r, NS(get_block_ids=lambda: ([4, 5, 6],)), 0)
+        s.build_connector_meta(NS(num_scheduled_tokens={"q": 12}))
+        s._published.add("q")
+        assert s.inbox is not None
+        s.inbox._got["q"] = {"req": "q", "handle": {"x": 1}, "geometry": {}}   # what the worker sends
+        delay, params = s.request_finished(r, [4, 5, 6])
+        assert delay and params is not None and params[PROMPT_KEY] == prompt_digest(list(range(12)))
+    finally:
+        s.shutdown()
