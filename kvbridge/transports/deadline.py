@@ -69,7 +69,9 @@ class Watchdog:
         self.owners: dict[socket.socket, Any] = {}     # armed sockets -> the cancel flag they serve
         self.sleeping = True                           # the thread waits for _wake (or is not started)
         self.cuts = 0                                  # sockets cut so far
-        self._lock = threading.Lock()
+        # reentrant: a signal handler runs on the thread it interrupts, perhaps inside this lock,
+        # and one that cancels a transfer (Flag.set -> cancel) takes it again there
+        self._lock = threading.RLock()
         self._wake = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -161,7 +163,7 @@ class Watchdog:
                 pass
 
     def _after_fork(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._wake = threading.Event()
         self._thread = None
         self.due, self.fired, self.owners, self.sleeping = {}, {}, {}, True
