@@ -81,8 +81,9 @@ class Watchdog:
         flag = getattr(_local, "flag", None)
         if flag is not None:
             self.owners[sock] = flag
-            if flag.is_set():             # armed after its transfer's cancel: cut at once
-                deadline = 0.0
+            if flag.is_set():             # armed after its transfer's cancel: cut now, as cancel() would
+                self._cut_cancelled(sock)
+                return
         self.due[sock] = deadline
         if self.sleeping:
             self._rouse()
@@ -111,11 +112,16 @@ class Watchdog:
                 if self.owners.get(sock) is not flag:    # ... and armed it again for another transfer
                     self.due[sock] = at
                     continue
-                self.fired[sock] = CANCELLED
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)       # wakes a receive or send blocked on it, in C too
-                except OSError:
-                    pass
+                self._cut_cancelled(sock)
+
+    def _cut_cancelled(self, sock: socket.socket) -> None:
+        with self._lock:
+            self.due.pop(sock, None)
+            self.fired[sock] = CANCELLED
+            try:
+                sock.shutdown(socket.SHUT_RDWR)           # wakes a receive or send blocked on it, in C too
+            except OSError:
+                pass
 
     def _rouse(self) -> None:
         with self._lock:

@@ -7,14 +7,24 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Any
 
 import pytest
 
 import kvbridge.transfer as transfer_mod
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, Retry, Timeout, TransferCancelled
 from kvbridge.transfer import Flag
-from kvbridge.transports.deadline import Watchdog, serving
+from kvbridge.transports.deadline import CANCELLED, Watchdog, serving
+from kvbridge.transports.tcp import TCPTransport
 
 pytestmark = pytest.mark.timeout(60)
+
+
+class _Set:
+    """A cancel flag already set (what serving() hands arm() after a transfer's cancel)."""
+
+    def is_set(self) -> bool:
+        return True
 
 
 def test_a_cancel_from_a_signal_handler_does_not_deadlock(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,3 +51,93 @@ def test_a_cancel_from_a_signal_handler_does_not_deadlock(monkeypatch: pytest.Mo
     finally:
         a.close()
         b.close()
+
+
+def test_an_exchange_armed_after_its_transfers_cancel_is_cut_at_once_as_cancelled() -> None:
+    """Armed after the cancel (a connect under way as it came): cut now, verdict CANCELLED. It was
+    given deadline 0 for the watchdog's next look -- up to TICK later while it sleeps between
+    looks -- and then cut as a timeout (TransferTimeout, a failed transfer, not a cancelled one)."""
+    wd = Watchdog(tick=0.5)
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    try:
+        wd.arm(c, time.monotonic() + 30)          # another exchange keeps the watchdog between looks
+        time.sleep(0.05)
+        with serving(_Set()):
+            wd.arm(a, time.monotonic() + 30)
+        a.settimeout(2.0)
+        t0 = time.monotonic()
+        assert a.recv(1) == b""
+        took = time.monotonic() - t0
+        assert wd.disarm(a) == CANCELLED
+        assert took < 0.1, f"cut after {took:.2f} s"
+        assert wd.disarm(c) is False
+    finally:
+        for s in (a, b, c, d):
+            s.close()
+
+
+L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
+
+
+def test_a_cancel_during_connect_ends_the_transfer_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cancel lands while a layer read's connection is being opened (nothing armed yet to
+    cut): the exchange armed next is cut and the transfer ends CANCELLED, not failed with a
+    timeout (a whole read's retry turned that timeout into a cancel; a layer read's did not)."""
+    with KVSender(KVPool.allocate(L, 8), "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("r", snd.pool.alloc(2), 8, layers_ready=L.num_layers)
+        assert h.layerwise
+        rcv = KVReceiver(KVPool.allocate(L, 8), leases=False, timeout=Timeout(connect=2, transfer=5),
+                         retry=Retry(attempts=1))
+        try:
+            client = rcv.transport(h.urls[0])._client(h.urls[0])   # type: ignore[attr-defined]
+            real = client._connect
+            box: list[Any] = []
+
+            def connect(timeout: float) -> socket.socket:
+                s = real(timeout)
+                box[0].cancel_event.set()         # the cancel comes as the connection opens
+                return s
+            client._connect = connect
+            t = rcv.start_fetch(h, rcv.pool.alloc(2), release=False)
+            box.append(t)
+            res = t.result(10)
+            assert isinstance(res.error, TransferCancelled), repr(res.error)
+            assert t.state.value == "cancelled"
+        finally:
+            rcv.close()
+
+
+def test_a_cancelled_push_still_tells_the_receiver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A push cancelled mid-way gives the reservation up (WABORT) on its own thread, which still
+    serves the cancelled transfer: that exchange was armed under the set flag and cut, so the
+    receiver's reserved blocks stayed held until the reservation expired."""
+    spool, rpool = KVPool.allocate(L, 8), KVPool.allocate(L, 8)
+    real = TCPTransport.write
+    started = threading.Event()
+    cuts: list[int] = []
+
+    def slow_write(self: TCPTransport, *a: Any, **kw: Any) -> int:
+        started.set()
+        time.sleep(0.3)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(TCPTransport, "write", slow_write)
+    real_abort = TCPTransport.abort_write
+
+    def abort_write(self: TCPTransport, *a: Any, **kw: Any) -> None:
+        try:
+            real_abort(self, *a, **kw)
+        except Exception:
+            cuts.append(1)
+            raise
+    monkeypatch.setattr(TCPTransport, "abort_write", abort_write)
+    with KVReceiver(rpool, listen="tcp://127.0.0.1:0", leases=False) as rcv, \
+            KVSender(spool, "tcp://127.0.0.1:0", leases=False) as snd:
+        rt = rcv.reserve(rpool.alloc(2), "p")
+        t = snd.push(rt.reservation, spool.alloc(2))
+        assert started.wait(5)
+        t.cancel(5)
+        assert isinstance(t.result(5).error, TransferCancelled), repr(t.result(5).error)
+        assert not cuts, "the push's WABORT was cut by its own transfer's cancel"
+        r = rt.result(5)                          # the receiver heard the writer give up (not at expiry)
+        assert not r.ok, "the push reports a cancel, but its write landed whole after it"
