@@ -199,14 +199,15 @@ class UCXTransport(Transport):
             self._rid = (self._rid + 1) & RID_MASK
             return self._rid
 
-    def _expect(self, p: _Peer) -> int:
-        """A request id for a request to ``p`` whose replies its worker keeps (none in flight)."""
+    def _expect(self, p: _Peer, nbytes: int = 0) -> int:
+        """A request id for a request to ``p`` whose replies its worker keeps (none in flight);
+        ``nbytes``: the data its reply carries, when known before the reply."""
         w = self._w()
         while True:
             rid = self._next()
             with w.lock:
                 if rid not in p.wants:
-                    p.wants[rid] = _Want()
+                    p.wants[rid] = _Want(nbytes)
                     return rid
 
     def _done(self, p: _Peer, rid: int) -> None:
@@ -365,7 +366,7 @@ class UCXTransport(Transport):
         if len(payload) + 1 > MAX_CONTROL:
             raise FrameTooLarge(f"{what}: request of {len(payload)} bytes exceeds {MAX_CONTROL}")
         p = self._peer(url, payload if hello is None else hello)
-        rid = self._expect(p)
+        rid = self._expect(p, dst.nbytes if dst is not None else 0)
         clean = False
         try:
             check = _watched(p, dst)
@@ -405,6 +406,10 @@ class UCXTransport(Transport):
         if len(reply) != pos:
             raise ProtocolError(f"{what}: unexpected bytes in the reply header")
         w = self._w()
+        with w.lock:          # a layer read learns its size from the header: its pieces may all come ahead
+            want = p.wants.get(rid)
+            if want is not None:
+                want.expect(n)
         dtag = _tag(T_DATA, p.cid, rid)
 
         def post(view: memoryview, k: int) -> Any:

@@ -324,24 +324,36 @@ def _stash_bytes() -> int:
 
 
 class _Want:
-    """A request in flight: its messages taken off the worker before a receive asked for them."""
+    """A request in flight: its messages taken off the worker before a receive asked for them.
 
-    __slots__ = ("kinds", "count", "held")
+    It may have STASH_MSGS / :func:`_stash_bytes` of them waiting, or, once the bytes of its
+    reply are known (``expect``), that reply whole: DATA pieces small enough for UCX to send
+    eagerly complete at the sender at once, so an honest sender's window does not bound them."""
 
-    def __init__(self) -> None:
+    __slots__ = ("kinds", "count", "held", "room", "msgs")
+
+    def __init__(self, nbytes: int = 0) -> None:
         self.kinds: dict[int, list[Any]] = {T_HDR: [], T_DATA: [], T_DONE: []}
         self.count = 0
         self.held = 0
+        self.room, self.msgs = _stash_bytes(), STASH_MSGS
+        self.expect(nbytes)
+
+    def expect(self, nbytes: int) -> None:
+        """The reply carries ``nbytes`` of data: all of it may arrive before its receives."""
+        self.room = max(self.room, nbytes + MAX_CONTROL + INLINE + TRAILER_MAX)
+        self.msgs = max(self.msgs, -(-nbytes // CHUNK) + 2)    # its pieces, a header and a trailer
 
 
 class _Inbox:
     """Every message that reaches a client's worker is taken off it (the worker's ``sort``, under
     its lock): one for a request in flight on a live connection (header, DATA, trailer) is kept
-    for the receive that will ask for it, at most STASH_MSGS / :func:`_stash_bytes` a request
-    (more: the connection is broken, its requests fail); any other -- a key of no connection (a
-    dropped or evicted one), a request not in flight, a kind a client never receives -- is
-    received into one byte and forgotten (a large one without its bytes). Before, they stayed
-    queued on the worker, their bytes in UCX's memory, for the client's life."""
+    for the receive that will ask for it, at most STASH_MSGS / :func:`_stash_bytes` a request or
+    its whole reply once its size is known (:class:`_Want`; more: the connection is broken, its
+    requests fail); any other -- a key of no connection (a dropped or evicted one), a request not
+    in flight, a kind a client never receives -- is received into one byte and forgotten (a large
+    one without its bytes). Before, they stayed queued on the worker, their bytes in UCX's memory,
+    for the client's life."""
 
     def __init__(self) -> None:
         self.peers: dict[int, Any] = {}            # key -> connection
@@ -356,9 +368,9 @@ class _Inbox:
         if p is None or want is None or box is None:      # a stray: nobody will ask for it
             self.discard_locked(w, pr)
             return
-        if want.count >= STASH_MSGS or want.held + pr.length > _stash_bytes():
+        if want.count >= want.msgs or want.held + pr.length > want.room:
             log.info("%s: over %d messages / %d bytes ahead of request %d: connection dropped",
-                     p.url, STASH_MSGS, _stash_bytes(), rid)
+                     p.url, want.msgs, want.room, rid)
             self.discard_locked(w, pr)
             p.broken = True        # its waits raise ConnectionLost; the exchange drops it
             return

@@ -451,3 +451,27 @@ def test_a_lying_reply_is_refused_and_lands_nothing_outside_the_destination(how)
     finally:
         rcv.close()
         fake.close()
+
+
+# -- an honest sender's pieces are no flood ------------------------------------------------------------
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_a_read_of_many_eager_pieces_is_not_taken_for_a_flood(layerwise, monkeypatch):
+    """DATA pieces small enough for UCX to send eagerly complete at the sender at once, so an honest
+    sender's window does not hold them back: a read of 512 x 1 KiB pieces had hundreds on the client's
+    worker before it posted their receives, over STASH_MSGS: the connection was dropped as a flood and
+    every retry met the same (ConnectionLost). A request may have its whole reply waiting once its size
+    is known (a read's destination; a layer read's header)."""
+    from kvbridge.transports import ucx_server
+    for m, name in itertools.product((U, ucx_core, ucx_server), ("CHUNK", "INLINE")):
+        if hasattr(m, name):
+            monkeypatch.setattr(m, name, 1024)
+    src, dst = KVPool.allocate(L, 96), KVPool.allocate(L, 32)
+    src.alloc(96)
+    with KVSender(src, "ucx://127.0.0.1:0", leases=False) as snd, \
+            KVReceiver(dst, leases=False, retry=Retry(attempts=1),
+                       timeout=Timeout(connect=2, transfer=5)) as rcv:
+        for i in range(3):            # 512 KiB: 512 pieces each
+            h = snd.publish(f"eager{i}", list(range(32 * i, 32 * i + 32)), 32 * 16,
+                            layers_ready=L.num_layers if layerwise else None)
+            res = rcv.fetch(h, list(range(32)))
+            assert res.ok, res.error
