@@ -103,8 +103,15 @@ class OneSidedReads(Transport):
         while len(self._by_path) > MAX_PEERS:
             old = self._by_path.pop(next(iter(self._by_path)))
             if old is not None:
-                old.watch.close()          # any URL still naming it finds it gone at its next read
+                self._drop_urls(old)
+                old.watch.close()          # a read under way finds it gone at its next liveness check
         return m
+
+    def _drop_urls(self, m: SenderMap) -> None:
+        """No URL names ``m`` any more (this transport's lock held): every spelling of a sender
+        forgotten goes with it, none keeps reading through a closed watch."""
+        for u in [u for u, v in self._senders.items() if v is m]:
+            del self._senders[u]
 
     def _open_sender(self, url: str, path: str, handle: KVHandle, claim: Optional[Claim]) -> Optional[SenderMap]:
         client = self._client(url)
@@ -166,8 +173,7 @@ class OneSidedReads(Transport):
         """Stop reading one-sided from a sender that went away. The mapping is left to the
         garbage collector: another thread may still be copying out of it."""
         with self._lock:
-            if self._senders.get(url) is m:
-                del self._senders[url]
+            self._drop_urls(m)             # every URL naming it, not only ``url``
             for path in [p for p, v in self._by_path.items() if v is m]:
                 del self._by_path[path]
         m.watch.close()
@@ -290,6 +296,8 @@ class OneSidedReads(Transport):
         if now < m.poll_after:
             return True
         m.poll_after = now + LIVENESS_EVERY
+        if m.watch.fileno() < 0:              # forgotten (closed): its descriptor may be another's now
+            return False
         try:
             quiet = not m.poll.poll(0)        # nothing arrived on the control socket: no EOF
         except RuntimeError:                  # another thread is polling it: ask the socket

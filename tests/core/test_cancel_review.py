@@ -141,3 +141,40 @@ def test_a_cancelled_push_still_tells_the_receiver(monkeypatch: pytest.MonkeyPat
         assert not cuts, "the push's WABORT was cut by its own transfer's cancel"
         r = rt.result(5)                          # the receiver heard the writer give up (not at expiry)
         assert not r.ok, "the push reports a cancel, but its write landed whole after it"
+
+
+def test_an_shm_sender_forgotten_under_one_url_is_forgotten_under_all() -> None:
+    """An shm:// sender named by two URLs (one mapping, :meth:`_keep`) that goes away: the read
+    through one URL forgets it (its watch socket closed), but the other URL kept the mapping --
+    and its liveness check polled the closed descriptor, which the next socket opened reuses: a
+    quiet socket of someone else's vouched for the dead sender."""
+    import dataclasses
+    import secrets
+    name = f"kvbtest-{secrets.token_hex(6)}"
+    snd = KVSender(KVPool.allocate(L, 8, shared=True), f"shm://@{name}", leases=False)
+    rcv = KVReceiver(KVPool.allocate(L, 8), leases=False, timeout=Timeout(connect=2, transfer=2),
+                     retry=Retry(attempts=1))
+    spare: list[socket.socket] = []
+    try:
+        h = snd.publish("r", snd.pool.alloc(2), 8)
+        u1, u2 = h.urls[0], f"shm://@{name}?again"
+        assert rcv.fetch(h, rcv.pool.alloc(2), release=False).ok
+        tr: Any = rcv.transport(u1)
+        m = tr._senders[u1]
+        assert m is not None
+        assert tr._sender(u2, dataclasses.replace(h, urls=(u2,)), None) is m    # one mapping, two URLs
+        fd = m.watch.fileno()
+        tr._forget(u1, m)                         # the sender went away, seen through u1
+        assert tr._senders.get(u2) is not m, "the forgotten sender is still read through another URL"
+        for _ in range(64):                       # the closed descriptor reused by a quiet socket
+            a, b = socket.socketpair()
+            spare += [a, b]
+            if fd in (a.fileno(), b.fileno()):
+                break
+        m.poll_after = 0.0
+        assert not tr._alive(u2, m), "a closed watch vouched for its sender"
+    finally:
+        for s in spare:
+            s.close()
+        rcv.close()
+        snd.close()
