@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +38,12 @@ __all__ = ["HTTPServer", "Deadlines", "bind_socket", "error_body", "BodyError", 
            "MAX_WORKER_BODY", "wait_or_disconnect", "default_max_connections", "LINGER", "Overloaded"]
 
 log = logging.getLogger("kvbridge.workers")
+try:  # the kernel's send queue of a socket (Linux, macOS): what a client has not taken yet
+    import fcntl
+    import termios
+    _TIOCOUTQ: Optional[int] = termios.TIOCOUTQ
+except (ImportError, AttributeError):  # Windows
+    _TIOCOUTQ = None
 MAX_WORKER_BODY = 64 << 20   # bodies between proxy and workers (token ids, handles)
 
 
@@ -116,7 +123,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._stall: Optional[asyncio.TimerHandle] = None
         self._receiving = self._headers_done = self._refused = self._lingers = False
         self._begun = 0.0
-        self._body_bytes = 0
+        self._body_bytes = self._unsent = 0
         if len(self.connections) > self.max_connections:
             self._refuse()
             return
@@ -210,6 +217,7 @@ class _GuardedProtocol(HttpToolsProtocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._stall is None:
+            self._unsent = self._unsent_bytes()
             self._stall = self.loop.call_later(self.deadlines.write, self._expired_write)
 
     def resume_writing(self) -> None:
@@ -218,8 +226,25 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._stall.cancel()
             self._stall = None
 
+    def _unsent_bytes(self) -> int:
+        """Bytes of answers the client has not taken: the write buffer's and the kernel's send queue."""
+        n = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None and _TIOCOUTQ is not None:
+            try:
+                n += struct.unpack("i", fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0"))[0]
+            except (OSError, ValueError):  # closed meanwhile
+                pass
+        return n
+
     def _expired_write(self) -> None:
         self._stall = None
+        unsent = self._unsent_bytes()
+        if unsent < self._unsent:  # the client took bytes: writing stays paused until the kernel's
+            # send buffer has room for the write buffer's bytes (the client took ~half of it)
+            self._unsent = unsent
+            self._stall = self.loop.call_later(self.deadlines.write, self._expired_write)
+            return
         log.info("HTTP client %s took no bytes for %.0fs; dropping it", self.client, self.deadlines.write)
         self.transport.abort()
 

@@ -412,3 +412,25 @@ def test_an_unknown_model_name_is_quoted_cut_short() -> None:
             assert len(e["message"]) < 300 and "characters)" in e["message"], e  # type: ignore[index]
     finally:
         proxy.close()
+
+
+@pytest.mark.timeout(20)
+def test_a_client_that_reads_a_stream_slowly_is_not_dropped(served: tuple[_App, HTTPServer]) -> None:
+    """``Deadlines.write`` drops a client that takes *no* bytes for that long. It dropped one that
+    reads steadily but slowly as well: the stall ended only when writing resumed, i.e. once the
+    kernel's send queue (about 3 MB on loopback) had drained enough to take the write buffer, so a
+    client reading 8 KiB every 0.3 s was cut after ``write`` seconds. Now any bytes the client
+    took in that time (write buffer plus the socket's send queue, TIOCOUTQ) let it go on."""
+    app, server = served
+    with _connect(server, rcvbuf=4096) as s:
+        s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(100).startswith(b"HTTP/1.1 200")
+        end = time.monotonic() + 4 * SHORT.write
+        got = 0
+        while time.monotonic() < end:
+            chunk = s.recv(8192)
+            assert chunk, f"dropped after {got} bytes while reading"
+            got += len(chunk)
+            time.sleep(0.3)
+        assert not app.stream_ended.is_set()
+    assert app.stream_ended.wait(8.0)
