@@ -177,8 +177,17 @@ class _GuardedProtocol(HttpToolsProtocol):
         if left > 0:  # body bytes came since the timer was set
             self._set(left, self._expired_request)
             return
-        log.info("HTTP client %s did not send its whole request in time; closing", self.client)
         cycle = self.cycle
+        queued = cycle is not None and (any(c is cycle for c, _ in self.pipeline) if self._headers_done
+                                        else not cycle.response_complete)
+        if queued or self.flow.read_paused:
+            # a pipelined request waits for the answer before it (a 408 now would cut into that
+            # answer), or uvicorn stopped reading (a body its handler has not taken yet): the
+            # client is not late; its time counts again from now
+            self._begun, self._body_bytes = time.monotonic(), 0
+            self._set(self.deadlines.request, self._expired_request)
+            return
+        log.info("HTTP client %s did not send its whole request in time; closing", self.client)
         answered = cycle is not None and (cycle.response_started if self._headers_done else not cycle.response_complete)
         if not answered and not self.transport.is_closing():
             body = json.dumps({"error": {"message": "the request did not arrive whole in time", "type":

@@ -434,3 +434,47 @@ def test_a_client_that_reads_a_stream_slowly_is_not_dropped(served: tuple[_App, 
             time.sleep(0.3)
         assert not app.stream_ended.is_set()
     assert app.stream_ended.wait(8.0)
+
+
+def _answers(s: socket.socket, seconds: float) -> list[bytes]:
+    """Status lines and bodies of the answers on ``s`` until it closes (bounded)."""
+    closed, got = _closed_within(s, seconds)
+    assert closed, got[:300]
+    out = []
+    while got:
+        head, _, rest = got.partition(b"\r\n\r\n")
+        n = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        out.append(head.split(b"\r\n")[0] + b" " + rest[:n])
+        got = rest[n:]
+    return out
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("stall", ["body", "head"])
+def test_a_pipelined_request_waits_for_the_answer_before_it(stall: str) -> None:
+    """A request pipelined behind one whose answer takes longer than ``Deadlines.request``: its
+    deadline ran from its first byte although uvicorn does not start it before that answer, so it
+    was answered 408 -- written ahead of the first request's answer, which the client took as its
+    answer (the first request had arrived whole). Now a queued request's time counts once the answer
+    before it is out; one that still does not arrive in time is then answered 408, after it."""
+    async def slow(request: HTTPRequest) -> Response:
+        body = await read_json(request, 1 << 20)
+        await asyncio.sleep(2.5)
+        return JSONResponse(body)
+    server = HTTPServer(Starlette(routes=[Route("/slow", slow, methods=["POST"])]), bind_socket("127.0.0.1", 0),
+                        name="test", deadlines=SHORT)
+    second = _post("/slow", b'{"n":2}')
+    cut = second.index(b"\r\n\r\n") + 4 if stall == "body" else 20
+    try:
+        with _connect(server) as s:            # the second's rest comes 1.5 s later (request: 1 s)
+            s.sendall(_post("/slow", b'{"n":1}') + second[:cut])
+            time.sleep(1.5)
+            s.sendall(second[cut:])
+            assert _answers(s, 10.0) == [b'HTTP/1.1 200 OK {"n":1}', b'HTTP/1.1 200 OK {"n":2}']
+        with _connect(server) as s:            # the second never completes: 408 after the first's answer
+            s.sendall(_post("/slow", b'{"n":1}') + second[:cut])
+            got = _answers(s, 10.0)
+            assert len(got) == 2 and got[0] == b'HTTP/1.1 200 OK {"n":1}', got
+            assert got[1].startswith(b"HTTP/1.1 408") and b"request_timeout" in got[1], got
+    finally:
+        server.close(timeout=5)
