@@ -57,7 +57,6 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
                                           f"within {snd.timeout.transfer} s")
                 continue
             src = Spans.of_blocks(snd.pool, rec.block_ids, range(done, hi))
-            src.cancel = t.cancel_event    # asked between pieces where a transport can (tcp/shm: cut at cancel)
             sums = pack_sums([x for layer in rec.sums[done:hi] for x in layer]) if snd.checksums else b""
             lo, c = done, claim
 

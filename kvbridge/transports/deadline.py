@@ -117,11 +117,15 @@ class Watchdog:
     def _cut_cancelled(self, sock: socket.socket) -> None:
         with self._lock:
             self.due.pop(sock, None)
-            self.fired[sock] = CANCELLED
-            try:
-                sock.shutdown(socket.SHUT_RDWR)           # wakes a receive or send blocked on it, in C too
-            except OSError:
-                pass
+            self._shut(sock, CANCELLED)
+
+    def _shut(self, sock: socket.socket, verdict: int) -> None:
+        """Cut ``sock`` (this lock held, its entry out of ``due``): its owner learns ``verdict``."""
+        self.fired[sock] = verdict
+        try:
+            sock.shutdown(socket.SHUT_RDWR)   # wakes a receive or send blocked on it, in C too
+        except OSError:
+            pass
 
     def _rouse(self) -> None:
         with self._lock:
@@ -161,12 +165,8 @@ class Watchdog:
             if at > now:                          # re-armed meanwhile for a later deadline
                 self.due[sock] = at
                 return
-            self.fired[sock] = True
             self.cuts += 1
-            try:
-                sock.shutdown(socket.SHUT_RDWR)   # wakes a receive or send blocked on it, in C too
-            except OSError:
-                pass
+            self._shut(sock, True)
 
     def _after_fork(self) -> None:
         self._lock = threading.RLock()

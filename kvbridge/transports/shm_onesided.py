@@ -101,17 +101,23 @@ class OneSidedReads(Transport):
         while len(self._senders) > MAX_PEERS:
             del self._senders[next(iter(self._senders))]
         while len(self._by_path) > MAX_PEERS:
-            old = self._by_path.pop(next(iter(self._by_path)))
-            if old is not None:
-                self._drop_urls(old)
-                old.watch.close()          # a read under way finds it gone at its next liveness check
+            old = self._by_path[next(iter(self._by_path))]
+            if old is None:
+                del self._by_path[next(iter(self._by_path))]
+            else:
+                self._forget_locked(old)   # a read under way finds it gone at its next liveness check
         return m
 
-    def _drop_urls(self, m: SenderMap) -> None:
-        """No URL names ``m`` any more (this transport's lock held): every spelling of a sender
-        forgotten goes with it, none keeps reading through a closed watch."""
+    def _forget_locked(self, m: SenderMap) -> None:
+        """No URL or socket names ``m`` any more and its watch is closed (this transport's lock
+        held): every spelling of a sender forgotten goes with it, none keeps reading through a
+        closed watch. The mapping is left to the garbage collector: another thread may still be
+        copying out of it."""
         for u in [u for u, v in self._senders.items() if v is m]:
             del self._senders[u]
+        for path in [p for p, v in self._by_path.items() if v is m]:
+            del self._by_path[path]
+        m.watch.close()
 
     def _open_sender(self, url: str, path: str, handle: KVHandle, claim: Optional[Claim]) -> Optional[SenderMap]:
         client = self._client(url)
@@ -169,14 +175,10 @@ class OneSidedReads(Transport):
         with self._lock:
             return self._keep(url, path, m)
 
-    def _forget(self, url: str, m: SenderMap) -> None:
-        """Stop reading one-sided from a sender that went away. The mapping is left to the
-        garbage collector: another thread may still be copying out of it."""
+    def _forget(self, m: SenderMap) -> None:
+        """Stop reading one-sided from a sender that went away (under every URL naming it)."""
         with self._lock:
-            self._drop_urls(m)             # every URL naming it, not only ``url``
-            for path in [p for p, v in self._by_path.items() if v is m]:
-                del self._by_path[path]
-        m.watch.close()
+            self._forget_locked(m)
 
     def _read_one_sided(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans,
                         indices: Optional[list[int]]) -> Optional[int]:
@@ -310,5 +312,5 @@ class OneSidedReads(Transport):
             except OSError:
                 alive = False
         if not alive:
-            self._forget(url, m)
+            self._forget(m)
         return alive

@@ -349,7 +349,7 @@ class UCXTransport(Transport):
             w.wait(lambda: req.completed, self.timeout.transfer, what, check, (p.sock.fileno(),), p.ring)
         except BaseException:
             with w.lock:
-                self._inbox.discards.append((req, buf))   # UCX may still write into it
+                self._inbox.discards.hold_locked(req, buf)   # UCX may still write into it
             raise
         if len(buf) != n:
             raise ProtocolError(f"{what}: message of {n} bytes (at most {limit})")

@@ -323,6 +323,27 @@ def _stash_bytes() -> int:
     return WINDOW * CHUNK + MAX_CONTROL + INLINE + TRAILER_MAX
 
 
+class Discards:
+    """Receives UCX may still write into, held until they complete: messages taken off a worker
+    into one byte (a longer one ends truncated, its bytes dropped) and receives given up on.
+    Completed ones are forgotten as more come. Under the worker's lock."""
+
+    def __init__(self) -> None:
+        self.held: list[tuple[Any, bytearray]] = []
+        self._prune_at = 64
+
+    def hold_locked(self, req: Any, buf: bytearray) -> None:
+        if len(self.held) >= self._prune_at:
+            self.held = [d for d in self.held if not d[0].completed]
+            self._prune_at = max(64, 2 * len(self.held))
+        self.held.append((req, buf))
+
+    def take_locked(self, w: Any, pr: Any) -> None:
+        """Receive the probed message ``pr`` into one byte."""
+        buf = bytearray(1)
+        self.hold_locked(w.tag_recv_with_handle(Array(buf), pr), buf)
+
+
 class _Want:
     """A request in flight: its messages taken off the worker before a receive asked for them.
 
@@ -357,8 +378,7 @@ class _Inbox:
 
     def __init__(self) -> None:
         self.peers: dict[int, Any] = {}            # key -> connection
-        self.discards: list[tuple[Any, bytearray]] = []   # receives into one byte, held until complete
-        self._prune_at = 64
+        self.discards = Discards()
 
     def sort_locked(self, w: Any, pr: Any) -> None:
         kind, key, rid = _untag(int(pr.sender_tag.value))
@@ -379,12 +399,7 @@ class _Inbox:
         want.held += pr.length
 
     def discard_locked(self, w: Any, pr: Any) -> None:
-        """Receive a message into one byte (a longer one ends truncated, its bytes dropped)."""
-        if len(self.discards) >= self._prune_at:
-            self.discards = [d for d in self.discards if not d[0].completed]
-            self._prune_at = max(64, 2 * len(self.discards))
-        buf = bytearray(1)
-        self.discards.append((w.tag_recv_with_handle(Array(buf), pr), buf))
+        self.discards.take_locked(w, pr)
 
     def take_locked(self, p: Any, rid: int, kind: int) -> Any:
         """The oldest message of that kind kept for the request, or None."""

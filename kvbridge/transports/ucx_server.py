@@ -38,7 +38,7 @@ from .ucx_core import (ADDRESS_MAX, DOORBELL_ID, HANDLER_THREADS, HELLO, INLINE,
                        OP_READ, OP_RELEASE, OP_RELEASE_NOREPLY, OP_WABORT, OP_WREQ, SPIN, ST_ERROR,
                        ST_GO, ST_OK, T_DATA, T_DONE, T_HDR, T_REQ, _Ep, _N, _Stream, _Worker, _check, _live,
                        _recv_stream, _send_stream, _tag, _untag, _wants_layers, check_address,
-                       parse_ucx_url)  # noqa: F401
+                       Discards, parse_ucx_url)  # noqa: F401
 
 log = logging.getLogger("kvbridge.ucx")
 
@@ -98,7 +98,7 @@ class UCXServer(SocketServer):
         self._helloed: set[socket.socket] = set()
         self._clock = threading.Lock()
         self._taking: list[tuple[_Client, int, bytearray, Any, float]] = []   # requests being received
-        self._discards: list[tuple[Any, bytearray]] = []                       # messages being discarded
+        self._discards = Discards()                                           # messages being discarded
         self._sending: dict[int, _Client] = {}     # clients with replies posted (by id): all the reap visits
         self._pool = ThreadPoolExecutor(HANDLER_THREADS, thread_name_prefix="kvb-ucx-serve")
         self._stop = threading.Event()
@@ -225,10 +225,8 @@ class UCXServer(SocketServer):
         return took
 
     def _discard_locked(self, pr: Any) -> None:
-        """Receive a probed message into one byte (longer ones end truncated: their bytes are
-        dropped) and forget it once complete. Under the worker's lock."""
-        buf = bytearray(1)
-        self._discards.append((self.worker.w.tag_recv_with_handle(Array(buf), pr), buf))
+        """Receive a probed message into one byte and forget it once complete (its worker's lock held)."""
+        self._discards.take_locked(self.worker.w, pr)
 
     def _sort_locked(self, pr: Any) -> None:
         """Route one message the loop took (under the worker's lock)."""
@@ -282,7 +280,6 @@ class UCXServer(SocketServer):
         """Requests whose bytes arrived are served; completed sends and discards forgotten."""
         with self.worker.lock:
             taking, self._taking = self._taking, []
-            self._discards = [d for d in self._discards if not d[0].completed]
             ready = [t for t in taking if t[3].completed]
             for t in ready:
                 t[0].held -= len(t[2])

@@ -164,7 +164,7 @@ def test_an_shm_sender_forgotten_under_one_url_is_forgotten_under_all() -> None:
         assert m is not None
         assert tr._sender(u2, dataclasses.replace(h, urls=(u2,)), None) is m    # one mapping, two URLs
         fd = m.watch.fileno()
-        tr._forget(u1, m)                         # the sender went away, seen through u1
+        tr._forget(m)                             # the sender went away, seen through u1
         assert tr._senders.get(u2) is not m, "the forgotten sender is still read through another URL"
         for _ in range(64):                       # the closed descriptor reused by a quiet socket
             a, b = socket.socketpair()
