@@ -36,7 +36,11 @@
  * parts) out of another process's /dev/shm mapping after a 1 MiB memmove elsewhere: 22.6 -> 19.6 us
  * in C alone, and the whole one-sided shm_read call 25.7-26.9 -> 23.0-23.8 us in five of eight
  * in-process runs alternated with the build without it (25.3, 28.4 and 30.0 us in busy spells). 1, 2 and 4 KiB ahead measured the same; into L2
- * (T1) was slower than none. bench/copyhash.py (private buffers) did not change, at any size. */
+ * (T1) was slower than none. bench/copyhash.py (private buffers) did not change, at any size.
+ * It also asks for the destination's line as far ahead, for writing (PREFETCHW: the store finds
+ * its line owned), and sums a block's stripes before the one lane swap (below): 1 MiB from a
+ * shared mapping after a 1 MiB memmove elsewhere, one process alternating both builds per call,
+ * 7 x 800 calls, three runs: 0.93-0.96x -> 0.94-0.98x memmove (the same digests). */
 #define PREFETCH_AHEAD 1024
 
 #ifdef KVB_AVX2
@@ -79,17 +83,25 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, char *ds
 /* stripes_avx2 with one 512-bit register per stripe, as xxHash's XXH3_accumulate_512_avx512
  * and XXH3_scrambleAcc_avx512 do: half the instructions per stripe, the same results. Whole
  * xxh3 blocks (16 stripes from a scramble) are unrolled, so their secret offsets are constants. */
-__attribute__((target("avx512f"))) static inline __m512i stripe_avx512(__m512i a, char *dst, const char *src,
-                                                                      const unsigned char *key) {
+/* One stripe: loaded, stored, and its product lo32(d ^ key) * hi32(d ^ key) added to `a`; the
+ * stripe itself comes back in `*d` (its lanes go to the accumulator swapped, see below). */
+__attribute__((target("avx512f,prfchw"))) static inline __m512i stripe_avx512(__m512i a, char *dst, const char *src,
+                                                                             const unsigned char *key, __m512i *d) {
     _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_T0);
-    __m512i d = _mm512_loadu_si512((const void *)src);
-    _mm512_storeu_si512((void *)dst, d);
-    __m512i dk = _mm512_xor_si512(d, _mm512_loadu_si512((const void *)key));
-    __m512i p = _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32));
-    return _mm512_add_epi64(p, _mm512_add_epi64(a, _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2))));
+    __builtin_prefetch(dst + PREFETCH_AHEAD, 1, 3);
+    *d = _mm512_loadu_si512((const void *)src);
+    _mm512_storeu_si512((void *)dst, *d);
+    __m512i dk = _mm512_xor_si512(*d, _mm512_loadu_si512((const void *)key));
+    return _mm512_add_epi64(a, _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32)));
 }
 
-__attribute__((target("avx512f"))) static void stripes_avx512(uint64_t *acc, char *dst, const char *src,
+/* xxh3 adds each stripe to the accumulator with its 64-bit lanes swapped in pairs; the swap is a
+ * lane permutation, so the stripes of a block are summed as they are and swapped once. */
+__attribute__((target("avx512f"))) static inline __m512i swapped(__m512i d) {
+    return _mm512_shuffle_epi32(d, (_MM_PERM_ENUM)_MM_SHUFFLE(1, 0, 3, 2));
+}
+
+__attribute__((target("avx512f,prfchw"))) static void stripes_avx512(uint64_t *acc, char *dst, const char *src,
                                                              size_t n, size_t k) {
     __m512i a = _mm512_loadu_si512((const void *)acc);
     const unsigned char *secret = XXH3_kSecret;
@@ -97,13 +109,19 @@ __attribute__((target("avx512f"))) static void stripes_avx512(uint64_t *acc, cha
     const __m512i scramble = _mm512_loadu_si512((const void *)(secret + SECRET_SCRAMBLE));
     while (n) {
         size_t m = 1;
+        __m512i d;
         if (k % STRIPES_PER_BLOCK == 0 && n >= STRIPES_PER_BLOCK) {
             m = STRIPES_PER_BLOCK;
+            __m512i sum = _mm512_setzero_si512();
 #pragma GCC unroll 16
-            for (int j = 0; j < STRIPES_PER_BLOCK; j++)
-                a = stripe_avx512(a, dst + j * STRIPE, src + j * STRIPE, secret + j * 8);
+            for (int j = 0; j < STRIPES_PER_BLOCK; j++) {
+                a = stripe_avx512(a, dst + j * STRIPE, src + j * STRIPE, secret + j * 8, &d);
+                sum = _mm512_add_epi64(sum, d);
+            }
+            a = _mm512_add_epi64(a, swapped(sum));
         } else {
-            a = stripe_avx512(a, dst, src, secret + (k % STRIPES_PER_BLOCK) * 8);
+            a = stripe_avx512(a, dst, src, secret + (k % STRIPES_PER_BLOCK) * 8, &d);
+            a = _mm512_add_epi64(a, swapped(d));
         }
         k += m, n -= m, src += m * STRIPE, dst += m * STRIPE;
         if (k % STRIPES_PER_BLOCK == 0) {                       /* XXH3_scrambleAcc_avx512 */
