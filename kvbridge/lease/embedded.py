@@ -23,6 +23,7 @@ import shutil
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -146,7 +147,9 @@ def _stop_orphan(folder: str) -> None:
     is this very folder -- private to this user, the server's ``--dir`` -- is killed, through
     a pidfd, so never an unrelated process that reused the pid."""
     try:
-        pid = int(Path(folder, "server.pid").read_text())
+        fd = os.open(os.path.join(folder, "server.pid"), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            pid = int(f.read())
         fd = os.pidfd_open(pid)
     except (OSError, ValueError, AttributeError):   # none recorded, gone, or no pidfd here
         return
@@ -171,12 +174,21 @@ def _sweep_dead_dirs() -> None:
         parts = n.split("-")
         if len(parts) < 4 or parts[:2] != ["kvbridge", "redis"] or not parts[2].isdigit():
             continue
+        path = os.path.join(tmp, n)
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        # Anyone may make a name like this in a shared temp directory: a link to a live server's
+        # folder would have that server killed as an orphan. Only real folders of this user.
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
         try:
             os.kill(int(parts[2]), 0)
             continue
         except ProcessLookupError:
-            _stop_orphan(os.path.join(tmp, n))
-            shutil.rmtree(os.path.join(tmp, n), ignore_errors=True)
+            _stop_orphan(path)
+            shutil.rmtree(path, ignore_errors=True)
         except PermissionError:
             continue
 
