@@ -441,6 +441,9 @@ def _raise_for(status: int, data: bytes, url: str) -> None:
     raise exc
 
 
+PROBE_CONNECTIONS = 16   # WorkerClient's connections for health probes, apart from its requests
+
+
 class WorkerClient:
     """Calls from the proxy to workers over pooled connections (``httpcore``, the engine under
     ``httpx``, used directly: the proxy's calls are plain JSON POSTs and SSE streams, and
@@ -462,6 +465,10 @@ class WorkerClient:
         self.pool_timeout = min(pool_timeout, timeout)
         self.pool = httpcore.AsyncConnectionPool(max_connections=max_connections, max_keepalive_connections=64,
                                                  keepalive_expiry=20.0)
+        # health probes (get_json) have connections of their own: a pool full of requests is a
+        # busy front door, and its probes must not wait behind it and report the workers down
+        self.probes = httpcore.AsyncConnectionPool(max_connections=PROBE_CONNECTIONS,
+                                                   max_keepalive_connections=PROBE_CONNECTIONS, keepalive_expiry=20.0)
 
     def _ext(self, timeout: Optional[float]) -> dict[str, Any]:
         t = timeout or self.timeout
@@ -494,11 +501,13 @@ class WorkerClient:
         return json.loads(r.content)
 
     async def get_json(self, url: str, timeout: float = 2.0) -> Any:
+        """GET ``url`` (a worker's ``/health``) over the probes' own connections."""
         try:
-            r = await self.pool.request(b"GET", url, headers=[(b"Host", url.split("/", 3)[2].encode())],
-                                        extensions=self._ext(timeout))
+            r = await self.probes.request(b"GET", url, headers=[(b"Host", url.split("/", 3)[2].encode())],
+                                          extensions=self._ext(timeout))
         except httpcore.PoolTimeout:
-            raise self._overloaded() from None
+            raise Overloaded(f"GET {url}: the {PROBE_CONNECTIONS} connections for health probes are all in use "
+                             f"and none came free within {min(self.pool_timeout, timeout):g}s") from None
         except httpcore.TimeoutException:
             raise TransferTimeout(f"GET {url} got no answer within {timeout:.0f}s") from None
         except _HTTP_ERRORS as exc:
@@ -538,6 +547,7 @@ class WorkerClient:
 
     async def aclose(self) -> None:
         await self.pool.aclose()
+        await self.probes.aclose()
 
 
 _HTTP_ERRORS = (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,

@@ -109,6 +109,7 @@ class Proxy(StatusRoutes):
         self._background: set[asyncio.Task[Any]] = set()
         self._status_lock = asyncio.Lock()
         self._status_cache: Optional[tuple[float, bytes, Optional[list[bytes]]]] = None
+        self._health_round: Optional[tuple[float, asyncio.Future[list[dict[str, Any]]]]] = None
         self.http: Optional[HTTPServer] = None
         self.started = time.time()
 
@@ -181,6 +182,9 @@ class Proxy(StatusRoutes):
 
     def _mark_down(self, url: str, seconds: float = 5.0) -> None:
         self._down_until[url] = time.monotonic() + seconds
+        last = self._health_round
+        if last is not None and last[1].done():
+            self._health_round = None          # the next /health asks the workers again
 
     @contextlib.contextmanager
     def _busy(self, url: str) -> Any:

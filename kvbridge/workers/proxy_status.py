@@ -19,6 +19,7 @@ from .openai_api import _ADDRESS, APIError, clip
 from .proxy_config import ProxyConfig
 
 MAX_RECORDS = 10_000   # most records /metrics.json?records=N returns (the latest)
+HEALTH_REUSE = 0.5     # seconds one round of worker health probes answers /health
 STATUS_REUSE = 4.0     # one build of /metrics.json serves every caller for this many times as long as it took
 _INTERNAL_HEALTH_KEYS = frozenset({"url", "sender_urls", "transport"})
 
@@ -35,6 +36,7 @@ class StatusRoutes:
     _max_len: Optional[int]
     _status_lock: asyncio.Lock
     _status_cache: Optional[tuple[float, bytes, Optional[list[bytes]]]]   # (reuse until, summary, records)
+    _health_round: Optional[tuple[float, asyncio.Future[list[dict[str, Any]]]]]   # (reuse until, its probes)
 
     async def _limits(self) -> int:
         raise NotImplementedError
@@ -43,7 +45,18 @@ class StatusRoutes:
         raise NotImplementedError
 
     async def workers(self) -> list[dict[str, Any]]:
-        """Each worker's ``/health`` (``ok: False`` with the error for one that does not answer)."""
+        """Each worker's ``/health`` (``ok: False`` with the error for one that does not answer).
+        One round of probes at a time, and its answers serve every caller for ``HEALTH_REUSE``
+        seconds after it began (or until a request finds a worker down): ``/health`` asked in a
+        loop does not become a loop of requests to every worker."""
+        now = time.monotonic()
+        last = self._health_round
+        if last is None or (last[1].done() and now >= last[0]):
+            last = self._health_round = (now + HEALTH_REUSE, asyncio.ensure_future(self._probe_workers()))
+        # shielded: a caller that goes away does not cancel the round the others wait for
+        return [{**w, "proxy_inflight": self._inflight.get(w["url"], 0)} for w in await asyncio.shield(last[1])]
+
+    async def _probe_workers(self) -> list[dict[str, Any]]:
         assert self.client is not None
         roles = [("colocated", self.cfg.colocated)] if self.cfg.colocated else \
             [("prefill", u) for u in self.cfg.prefill] + [("decode", u) for u in self.cfg.decode]
@@ -54,7 +67,6 @@ class StatusRoutes:
                 h.update(url=url, ok=True)
             except KVBridgeError as exc:
                 h = {"url": url, "role": role, "ok": False, "error": str(exc)}
-            h["proxy_inflight"] = self._inflight.get(url, 0)
             return h
         return list(await asyncio.gather(*(one(r, u) for r, u in roles if u)))
 

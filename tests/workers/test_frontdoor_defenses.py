@@ -216,8 +216,10 @@ class _QueuedForever:
     def __init__(self) -> None:
         self.streams_open = 0
         self.streams_ended = 0
+        self.health_calls = 0
 
     async def health(self, request: HTTPRequest) -> Response:
+        self.health_calls += 1
         return JSONResponse({"status": "ok", "role": "prefill", "max_model_len": 4096})
 
     async def queued(self, request: HTTPRequest) -> Response:
@@ -478,3 +480,50 @@ def test_a_pipelined_request_waits_for_the_answer_before_it(stall: str) -> None:
             assert got[1].startswith(b"HTTP/1.1 408") and b"request_timeout" in got[1], got
     finally:
         server.close(timeout=5)
+
+
+def _get(url: str, path: str, timeout: float = 10.0) -> tuple[int, dict[str, object]]:
+    host, port = url.split("//")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+        closed, got = _closed_within(s, timeout)
+    assert closed, got[:200]
+    head, _, rest = got.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(rest)
+
+
+@pytest.mark.timeout(30)
+def test_health_of_workers_whose_connections_are_all_in_use_is_ok() -> None:
+    """``/health`` asked each worker over the pool its requests use: with that pool full (a busy
+    front door, nothing wrong with the workers) every worker was shown ``ok: false`` ("at
+    capacity") and ``/health`` answered 503 ``degraded``. Health probes now have connections
+    of their own; many ``/health`` callers at once share one round of probes."""
+    from kvbridge.workers.proxy import Proxy, ProxyConfig
+
+    fake = _QueuedForever()
+    worker = HTTPServer(fake.starlette(), bind_socket("127.0.0.1", 0), name="fake-worker")
+    proxy = Proxy(ProxyConfig(prefill=[worker.url], decode=[worker.url], model_name="m", worker_timeout=5.0,
+                              request_timeout=20.0, max_model_len=4096, worker_connections=1,
+                              worker_pool_timeout=0.5))
+    http = proxy.serve("127.0.0.1", 0)
+    body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True}).encode()
+    first = socket.create_connection((http.host, http.port), timeout=10)
+    try:
+        first.sendall(_post("/v1/completions", body, close=True))  # holds the pool's one connection
+        assert wait_until(lambda: fake.streams_open == 1, 5.0)
+        st, health = _get(http.url, "/health")
+        assert st == 200 and health["status"] == "ok", health
+        assert all(w["ok"] for w in health["workers"]), health  # type: ignore[attr-defined]
+        probes = fake.health_calls
+        results: list[tuple[int, dict[str, object]]] = []
+        callers = [threading.Thread(target=lambda: results.append(_get(http.url, "/health"))) for _ in range(20)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(10)
+        assert len(results) == 20 and all(st == 200 for st, _ in results), results[:2]
+        assert fake.health_calls - probes <= 2 * 2, fake.health_calls - probes  # not 20 callers x 2 workers
+    finally:
+        first.close()
+        proxy.close()
+        worker.close(timeout=5)
