@@ -87,6 +87,12 @@ def _proxy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-connections", type=_positive(int), default=None,
                    help="client connections open at once; one more is answered 503 and closed "
                         "(None: 1024, or half the open-file limit when that is lower)")
+    p.add_argument("--worker-connections", type=_positive(int), default=512,
+                   help="connections to the workers open at once, all workers together (health probes "
+                        "have their own)")
+    p.add_argument("--worker-pool-timeout", type=_positive(float), default=5.0,
+                   help="a request that finds every worker connection in use this long is answered "
+                        "503 overloaded")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -197,7 +203,8 @@ def _run_proxy(a: argparse.Namespace) -> int:
                               on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
                               worker_timeout=a.worker_timeout, request_timeout=a.request_timeout,
                               model_name=a.model, max_body_bytes=a.max_body_bytes,
-                              max_connections=a.max_connections),
+                              max_connections=a.max_connections, worker_connections=a.worker_connections,
+                              worker_pool_timeout=a.worker_pool_timeout),
                   tokenizer=load_tokenizer(a.model if os.path.isdir(a.model) else None))
     server = proxy.serve(a.host, a.port)
     from .workers.server import freeze_heap
@@ -225,7 +232,8 @@ def _run_up(a: argparse.Namespace) -> int:
                    on_decode_failure=a.on_decode_failure, ttft_slo=a.ttft_slo, tpot_slo=a.tpot_slo,
                    worker_timeout=a.worker_timeout, step_delay=a.step_delay,
                    max_num_seqs=a.max_num_seqs, request_timeout=a.request_timeout, max_body_bytes=a.max_body_bytes,
-                   max_connections=a.max_connections, log_dir=a.log_dir, keep_logs=a.keep_logs)
+                   max_connections=a.max_connections, worker_connections=a.worker_connections,
+                   worker_pool_timeout=a.worker_pool_timeout, log_dir=a.log_dir, keep_logs=a.keep_logs)
     cluster = Cluster(cfg)
     # Until wait() takes the signals over, SIGTERM and SIGHUP stop everything in order, as Ctrl-C
     # does (their default ended this process mid-start: workers SIGKILLed by their parent-death

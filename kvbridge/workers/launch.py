@@ -125,6 +125,8 @@ class UpConfig:
     startup_timeout: float = 120.0
     max_body_bytes: int = 8 << 20
     max_connections: Optional[int] = None  # the front door's (None: http.default_max_connections)
+    worker_connections: int = 512          # the front door's to the workers (ProxyConfig)
+    worker_pool_timeout: float = 5.0
     log_dir: Optional[str] = None      # None: default_log_dir(), removed on a clean exit unless keep_logs
     keep_logs: bool = False
     extra_worker_args: list[str] = field(default_factory=list)
@@ -249,7 +251,8 @@ class Cluster:
                 colocated=urls["colocated"][0] if c.colocated else None, routing=c.routing,
                 on_decode_failure=c.on_decode_failure, ttft_slo=c.ttft_slo, tpot_slo=c.tpot_slo,
                 worker_timeout=c.worker_timeout, request_timeout=c.request_timeout, model_name=c.model,
-                max_body_bytes=c.max_body_bytes, max_model_len=max_len, max_connections=c.max_connections),
+                max_body_bytes=c.max_body_bytes, max_model_len=max_len, max_connections=c.max_connections,
+                worker_connections=c.worker_connections, worker_pool_timeout=c.worker_pool_timeout),
                 tokenizer=load_tokenizer(None if c.model in PRESETS or not os.path.isdir(c.model) else c.model))
             self.url = self.proxy.serve(c.host, c.port, sock=self._sock).url
             self._write_state()

@@ -527,3 +527,39 @@ def test_health_of_workers_whose_connections_are_all_in_use_is_ok() -> None:
         first.close()
         proxy.close()
         worker.close(timeout=5)
+
+
+@pytest.mark.timeout(40)
+def test_the_proxy_command_takes_its_worker_pool_options() -> None:
+    """``kvbridge proxy --worker-connections N --worker-pool-timeout S`` (and ``up``) set the front
+    door's pool to the workers; they were ProxyConfig fields only, so a deployment could not
+    size the pool to its workers. One connection, 0.5 s: the second request is 503 within it."""
+    import subprocess
+    import sys
+
+    fake = _QueuedForever()
+    worker = HTTPServer(fake.starlette(), bind_socket("127.0.0.1", 0), name="fake-worker")
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge", "proxy", "--port", "0", "--model", "m",
+                             "--prefill", worker.url, "--decode", worker.url, "--worker-connections", "1",
+                             "--worker-pool-timeout", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    first = None
+    try:
+        assert proc.stdout is not None
+        ready = json.loads(proc.stdout.readline() or "{}")
+        assert ready.get("event") == "ready", proc.stderr.read() if proc.poll() is not None else ready  # type: ignore[union-attr]
+        host, port = ready["url"].split("//")[1].rsplit(":", 1)
+        first = socket.create_connection((host, int(port)), timeout=10)
+        body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True}).encode()
+        first.sendall(_post("/v1/completions", body, close=True))  # holds the pool's one connection
+        assert wait_until(lambda: fake.streams_open == 1, 10.0)
+        t0 = time.monotonic()
+        st, err = _post_json(ready["url"], "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert st == 503 and err["error"]["code"] == "overloaded", err  # type: ignore[index]
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        if first is not None:
+            first.close()
+        proc.terminate()
+        proc.communicate(timeout=15)
+        worker.close(timeout=5)
