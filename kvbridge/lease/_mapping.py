@@ -11,7 +11,7 @@ from ..errors import (ConfigError, KVBridgeError, LeaseConflict, LeaseError, Lea
                       LeaseNotFound, LeaseStoreUnavailable, StaleFence)
 from .base import LeaseState
 
-__all__ = ["STATES", "redact", "map_redis_error", "refusal"]
+__all__ = ["STATES", "redact", "check_url", "map_redis_error", "refusal"]
 
 STATES = {"P": LeaseState.PUBLISHED, "C": LeaseState.CLAIMED,
           "R": LeaseState.RELEASED, "A": LeaseState.ABORTED}
@@ -24,12 +24,49 @@ _ACCESS = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
 
 
 def redact(url: str) -> str:
-    """The URL without its password."""
-    p = urllib.parse.urlsplit(url)
-    if p.password is None:
-        return url
-    netloc = f"{p.username or ''}:***@{p.hostname or ''}" + (f":{p.port}" if p.port else "")
-    return urllib.parse.urlunsplit((p.scheme, netloc, p.path, p.query, p.fragment))
+    """The URL without its passwords (before the host, or in the query string); never raises."""
+    try:
+        p = urllib.parse.urlsplit(url)
+        netloc = p.netloc
+        if p.password is not None:
+            netloc = f"{p.username or ''}:***@{netloc.rpartition('@')[2]}"
+        query = "&".join(f"{k}=***" if "password" in urllib.parse.unquote(k).lower() and eq else k + eq + v
+                         for k, eq, v in (item.partition("=") for item in p.query.split("&"))) if p.query else ""
+        return urllib.parse.urlunsplit((p.scheme, netloc, p.path, query, p.fragment))
+    except (ValueError, TypeError, AttributeError):
+        scheme = url.partition("://")[0] if isinstance(url, str) else ""
+        return f"{scheme[:16]}://(unparsable)"
+
+
+# Options a lease URL may carry. Every other one is refused: redis-py lets a URL's options win
+# over keyword arguments, so one from a handle's URL would replace the store's deadlines
+# (socket_timeout=...), its reply format (protocol=3) or reach the connection class unchecked.
+_URL_OPTIONS = frozenset({"db", "client_name"})
+_TLS_OPTIONS = frozenset({"ssl_keyfile", "ssl_certfile", "ssl_cert_reqs", "ssl_ca_certs", "ssl_ca_path",
+                          "ssl_check_hostname", "ssl_password", "ssl_min_version", "ssl_ciphers"})
+
+
+def check_url(url: object, schemes: Sequence[str]) -> str:
+    """``url`` if it is a lease server URL kvbridge takes, else ``ConfigError``."""
+    shown = redact(url) if isinstance(url, str) else repr(url)
+    try:
+        if not isinstance(url, str):
+            raise ValueError("not a string")
+        p = urllib.parse.urlsplit(url)
+        p.port   # noqa: B018 -- raises ValueError for a port that is no number or out of range
+        options = urllib.parse.parse_qs(p.query, keep_blank_values=True, strict_parsing=bool(p.query))
+    except ValueError as exc:
+        raise ConfigError(f"invalid lease server URL {shown!r}: {exc}") from None
+    if p.scheme not in schemes:
+        raise ConfigError(f"lease store URL must start with redis://, rediss:// or unix://: {shown!r}")
+    allowed = _URL_OPTIONS | (_TLS_OPTIONS if p.scheme == "rediss" else frozenset())
+    refused = sorted(set(options) - allowed)
+    if refused:
+        raise ConfigError(f"lease server URL {shown!r}: option(s) {', '.join(refused)} not accepted "
+                          f"(accepted: {', '.join(sorted(allowed))})",
+                          hint="credentials go before the host (redis://user:password@host); timeouts "
+                               "and retries are the store's arguments (socket_timeout=, retry=)")
+    return url
 
 
 def map_redis_error(exc: BaseException, url: str) -> KVBridgeError:

@@ -34,7 +34,6 @@ import hashlib
 import json
 import math
 import secrets
-import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, List, Optional, Sequence, TypeVar
 
@@ -50,7 +49,7 @@ from .credentials import with_password
 from ..policy import Backoff, Retry
 from . import _scripts
 from ._mapping import STATES as _STATES
-from ._mapping import map_redis_error, redact, refusal
+from ._mapping import check_url, map_redis_error, redact, refusal
 from .base import EVENT_KINDS, Fence, Lease, LeaseEvent, LeaseState, LeaseStore
 
 __all__ = ["RedisLeaseStore", "LeaseBatch", "DEFAULT_RETRY", "SCHEMES"]
@@ -98,10 +97,7 @@ class RedisLeaseStore(LeaseStore):
                  tombstone_s: float = 30.0, events_maxlen: int = 10_000,
                  max_connections: Optional[int] = None) -> None:
         super().__init__()
-        scheme = urllib.parse.urlsplit(url).scheme if isinstance(url, str) else ""
-        if scheme not in SCHEMES:
-            raise ConfigError(f"lease store URL must start with redis://, rediss:// or unix://: "
-                              f"{redact(str(url))!r}")
+        check_url(url, SCHEMES)
         if not namespace or any(c in namespace for c in "{}:") or len(namespace) > 64:
             raise ConfigError(f"namespace must be 1-64 chars without '{{', '}}', ':': {namespace!r}")
         self.url = url

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Iterator
 
 import pytest
 
-from kvbridge.lease import EmbeddedRedis
+from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.lease import EmbeddedRedis, RedisLeaseStore
+from kvbridge.policy import Retry
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -44,3 +48,69 @@ def test_sweep_does_not_follow_a_link_to_a_live_servers_folder(live: EmbeddedRed
         assert os.path.isdir(live._dir)
     finally:
         os.unlink(link)
+
+
+ONE_TRY = Retry(attempts=1, deadline=2.0)
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A port that takes connections and never answers (the kernel's backlog accepts them)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(16)
+        yield s.getsockname()[1]
+
+
+def _outcome(url: str) -> tuple[BaseException, str]:
+    """The error a store on ``url`` raises (when built, or on its first call) and its repr."""
+    shown = ""
+    try:
+        store = RedisLeaseStore(url, retry=ONE_TRY, socket_timeout=0.5, connect_timeout=0.5)
+        shown = repr(store)
+        try:
+            store.claim("x", "dec", 5)
+        finally:
+            store.close()
+    except Exception as exc:
+        return exc, shown
+    raise AssertionError(f"no error from {url}")
+
+
+@pytest.mark.parametrize("query", ["foo=bar", "db=0&path=/tmp/x", "socket_keepalive_options=1"])
+def test_unknown_url_options_are_a_config_error(silent_port: int, query: str) -> None:
+    """A lease URL comes from a handle (a peer's, maybe forged). Before: an option redis-py does
+    not know was handed to its connection class and every call raised a raw TypeError."""
+    exc, _ = _outcome(f"redis://127.0.0.1:{silent_port}/0?{query}")
+    assert isinstance(exc, ConfigError), repr(exc)
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=6", "socket_connect_timeout=6&timeout=6",
+                                   "retry_on_timeout=yes&socket_timeout=6", "protocol=3"])
+def test_url_options_do_not_override_the_stores_deadlines(silent_port: int, query: str) -> None:
+    """Before: URL options win over keyword arguments in redis-py, so a handle whose lease URL
+    says ``?socket_timeout=6`` made each call on a server that never answers wait 6 s, past
+    the store's socket_timeout (0.5 s here) and its retry deadline. The store's own settings
+    are the only ones."""
+    t0 = time.monotonic()
+    exc, _ = _outcome(f"redis://127.0.0.1:{silent_port}/0?{query}")
+    assert isinstance(exc, KVBridgeError), repr(exc)
+    assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:{port}/0?password=hunter2",
+                                 "redis://127.0.0.1:{port}/0?db=0&password=hunter2",
+                                 "rediss://127.0.0.1:{port}/0?ssl_password=hunter2&password=hunter2"])
+def test_password_in_url_query_never_shown(silent_port: int, url: str) -> None:
+    """Before: ``redact`` masked only the password before the host, so one in the query string
+    (redis-py takes it there too) was in the store's repr and in every error message."""
+    exc, shown = _outcome(url.format(port=silent_port))
+    assert isinstance(exc, KVBridgeError), repr(exc)
+    assert "hunter2" not in str(exc) and "hunter2" not in shown
+
+
+@pytest.mark.parametrize("url", ["redis://[zz/0", "redis://127.0.0.1:1:2/0", "unix://%zz"])
+def test_unparsable_url_is_a_config_error(url: str) -> None:
+    """Before: a URL that urllib cannot split raised a raw ValueError from the constructor."""
+    exc, _ = _outcome(url)
+    assert isinstance(exc, KVBridgeError), repr(exc)
