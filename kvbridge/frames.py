@@ -45,6 +45,7 @@ class FrameStore:
         self.ids = list(block_ids)
         self.layerwise = layerwise
         L = pool.layout
+        self.codec.check_layout(L)           # at publish, not at the first mark_ready
         self.per = -(-self.codec.max_encoded_nbytes(L, len(self.ids), 1 if layerwise else L.num_layers) // 16) * 16
         cap = self.per * (L.num_layers if layerwise else 1)
         dev = self.codec.output_device(pool)

@@ -282,6 +282,8 @@ class Codec(abc.ABC):
 
     name: str = ""
     lossless: bool = True
+    # the KV dtypes this codec encodes (None: any); a frame saying its KV was another is refused
+    source_dtypes: Optional[frozenset[torch.dtype]] = None
 
     # -- subclass hooks --------------------------------------------------------------
     @abc.abstractmethod
@@ -304,6 +306,14 @@ class Codec(abc.ABC):
         """Where :meth:`encode` leaves its frame."""
         return pool.device
 
+    def check_layout(self, layout: KVLayout) -> None:
+        """Refuse (:class:`ConfigError`) a pool whose KV this codec cannot encode."""
+        ok = self.source_dtypes
+        if ok is not None and layout.torch_dtype not in ok:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in ok))
+            raise ConfigError(f"codec {self.name!r} cannot encode {layout.dtype} KV (it takes {names}); "
+                              "use a lossless codec")
+
     # -- public API --------------------------------------------------------------------
     def max_encoded_nbytes(self, layout: KVLayout, num_blocks: int, num_layers: Optional[int] = None) -> int:
         """Upper bound of a frame (header included) for ``num_blocks`` blocks of ``num_layers`` layers."""
@@ -321,6 +331,7 @@ class Codec(abc.ABC):
         :meth:`decode` verifies; device frames are hashed by whoever stages them to the host.
         """
         L = pool.layout
+        self.check_layout(L)
         rng = layer_range(L, layers)
         idx = block_index(pool, block_ids)
         n = int(idx.numel())
@@ -354,6 +365,9 @@ class Codec(abc.ABC):
             raise ProtocolError(f"frame was encoded with codec {hdr.codec!r}, not {self.name!r}")
         if not self._aux_ok(hdr):
             raise ProtocolError(f"codec {self.name!r} frame has unexpected parameter {hdr.aux}")
+        if self.source_dtypes is not None and hdr.src_dtype not in self.source_dtypes:
+            raise ProtocolError(f"codec {self.name!r} frame says its KV was {hdr.src_dtype}: no encoder "
+                                "writes one")
         expect = None if layers is None else layer_range(pool.layout, layers)
         idx = block_index(pool, block_ids)
         _check_geometry(hdr, pool.layout, int(idx.numel()), expect)

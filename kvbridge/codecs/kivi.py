@@ -71,6 +71,9 @@ class Int4Codec(Codec):
 
     name = "int4"
     lossless = False
+    # float KV, fp8 included (halved); int8/uint8 pools hold bytes whose values int4 cannot know
+    source_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                               torch.float8_e5m2})
 
     @staticmethod
     def _token_dim(h: Any) -> int:

@@ -13,8 +13,9 @@ values; or, for ``fp8-block``, one whole part of one block)::
     x'    = float32(q) * scale, then rounded to the destination dtype
 
 Body of a frame: float32 scales (canonical order, padded to 16 bytes), then the quantized
-values (canonical order). Non-finite KV cannot be scaled and is refused at encode
-(:class:`ConfigError`); a lossless codec carries it. Decode refuses what no encoder writes --
+values (canonical order). They take float32, float16 and bfloat16 KV; 8-bit KV (fp8, or bytes
+in an int8/uint8 pool) and non-finite KV are refused at encode (:class:`ConfigError`); a
+lossless codec carries them. Decode refuses what no encoder writes --
 NaN, infinite or negative scales, the int8 code -128, e4m3 NaN codes -- with
 :class:`IntegrityError` before a value lands.
 """
@@ -124,6 +125,8 @@ class AbsmaxCodec(Codec):
     """Scaled 8-bit codecs: one float32 scale per row (a token of a head) or per part of a block."""
 
     lossless = False
+    # 8-bit KV gains nothing from an 8-bit code plus scales; integer bytes are not values to scale
+    source_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     qdtype: torch.dtype = torch.int8
     kind = ""
     quantize: Quantize

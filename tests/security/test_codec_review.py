@@ -1,0 +1,82 @@
+"""Codecs used by a hostile peer and by a careless engine: frames whose values or geometry no
+encoder writes, pools of dtypes a codec cannot quantize, staging buffers and destination ids
+that do not fit. Each case gets a kvbridge error (nothing written) or a finite, in-bounds result."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import pytest
+import torch
+import xxhash
+
+from kvbridge.codecs import decode_frame, get_codec
+from kvbridge.codecs.base import FrameHeader
+from kvbridge.errors import ConfigError, ProtocolError
+from kvbridge.frames import FrameStore
+from kvbridge.layout import KVLayout
+from kvbridge.pool import KVPool
+
+pytestmark = pytest.mark.timeout(30)
+
+LOSSY = ["int8", "fp8", "fp8-block", "int4"]
+
+
+def _forged(L: KVLayout, codec: str, body: bytes, n: int, layers: range, aux: int,
+            src_dtype: Optional[torch.dtype] = None) -> bytes:
+    """A frame as a peer could write it: any body, a header and body hash that check out."""
+    hdr = FrameHeader.for_pool(codec, L, n, layers, len(body), aux)
+    if src_dtype is not None:
+        itemsize = src_dtype.itemsize
+        hdr = dataclasses.replace(hdr, src_dtype=src_dtype, raw_nbytes=hdr.raw_nbytes // L.itemsize * itemsize)
+    hdr = dataclasses.replace(hdr, body_hash=xxhash.xxh3_64_intdigest(body))
+    return hdr.pack() + body
+
+
+def _untouched(pool: KVPool) -> bool:
+    return not any(bool(b.view(-1).view(torch.uint8).any()) for b in pool.buffers)
+
+
+# -- lossy codecs need float KV --------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "int8", "uint8"])
+@pytest.mark.parametrize("codec", LOSSY)
+def test_lossy_codec_refuses_kv_it_cannot_scale(codec: str, dtype: str) -> None:
+    """8-bit KV (an fp8 cache, or one stored as int8/uint8 bytes): a scaled 8-bit codec cannot make
+    it smaller, and integer bytes hold values whose meaning it does not know. Refused at encode with
+    ConfigError (was NotImplementedError from torch, or a silent lossy round trip of raw bytes),
+    except int4 on fp8 KV, which halves it."""
+    L = KVLayout.vllm_flash(2, 2, 8, block_size=4, dtype=dtype)
+    src = KVPool.allocate(L, 2)
+    for b in src.buffers:
+        b.view(torch.uint8).copy_(torch.randint(0, 0x70, b.shape, dtype=torch.uint8))
+    c = get_codec(codec)
+    if codec == "int4" and dtype.startswith("float8"):
+        dst = KVPool.allocate(L, 2)
+        decode_frame(bytes(c.encode(src, [0, 1])), dst, [0, 1])
+        assert all(bool(b.float().isfinite().all()) for b in dst.buffers)
+        return
+    with pytest.raises(ConfigError, match=dtype):
+        c.encode(src, [0, 1])
+    with pytest.raises(ConfigError, match=dtype):
+        c.check_layout(L)
+    with pytest.raises(ConfigError, match=dtype):     # a sender's publish, layer-wise too
+        FrameStore(codec, src, [0, 1], layerwise=True, shared=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("codec", ["int8", "fp8"])
+def test_lossy_frame_claiming_8bit_source_is_refused(codec: str, dtype: torch.dtype) -> None:
+    """A frame that says its scaled values came from 8-bit KV: no encoder writes one."""
+    L = KVLayout.vllm_flash(1, 2, 8, block_size=4, dtype="float16")
+    src = KVPool.allocate(L, 2)
+    for b in src.buffers:
+        b.copy_(torch.randn(b.shape))
+    c = get_codec(codec)
+    enc = c.encode(src, [0, 1])
+    fr = _forged(L, codec, bytes(enc.data.numpy())[96:], 2, range(1), enc.header.aux, src_dtype=dtype)
+    dst = KVPool.allocate(L, 2)
+    with pytest.raises(ProtocolError, match="no encoder"):
+        decode_frame(fr, dst, [0, 1])
+    assert _untouched(dst)
