@@ -32,7 +32,10 @@ def redact(url: str) -> str:
             netloc = f"{p.username or ''}:***@{netloc.rpartition('@')[2]}"
         query = "&".join(f"{k}=***" if "password" in urllib.parse.unquote(k).lower() and eq else k + eq + v
                          for k, eq, v in (item.partition("=") for item in p.query.split("&"))) if p.query else ""
-        return urllib.parse.urlunsplit((p.scheme, netloc, p.path, query, p.fragment))
+        if (netloc, query) == (p.netloc, p.query):
+            return url    # nothing to hide (and unix:///path keeps its slashes)
+        tail = (f"?{query}" if query else "") + (f"#{p.fragment}" if p.fragment else "")
+        return f"{p.scheme}://{netloc}{p.path}{tail}"
     except (ValueError, TypeError, AttributeError):
         scheme = url.partition("://")[0] if isinstance(url, str) else ""
         return f"{scheme[:16]}://(unparsable)"
