@@ -18,8 +18,9 @@ STATES = {"P": LeaseState.PUBLISHED, "C": LeaseState.CLAIMED,
 _UNAVAILABLE = (rx.ConnectionError, rx.TimeoutError, rx.ReadOnlyError, rx.OutOfMemoryError,
                 rx.TryAgainError, rx.ClusterDownError)
 # Replies redis-py leaves as a plain ResponseError that say "not now", not "never": the server
-# is running someone's long script (BUSY; BUSYKEY is another error).
-_BUSY = "BUSY "
+# is running someone's long script (BUSY; BUSYKEY is another error), refuses writes until its
+# replicas are back (NOREPLICAS, min-replicas-to-write) or its snapshots work again (MISCONF).
+_NOT_NOW = ("BUSY ", "NOREPLICAS ", "MISCONF ")
 _ACCESS = (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)
 
 
@@ -79,7 +80,7 @@ def map_redis_error(exc: BaseException, url: str) -> KVBridgeError:
         return ConfigError(f"lease server {where} refused access: {exc}",
                            hint="check the credentials in the URL and the server's ACL")
     if isinstance(exc, _UNAVAILABLE + (OSError,)) or (isinstance(exc, rx.ResponseError)
-                                                      and str(exc).startswith(_BUSY)):
+                                                      and str(exc).startswith(_NOT_NOW)):
         return LeaseStoreUnavailable(f"lease server {where} unavailable: {exc}")
     if isinstance(exc, rx.ResponseError):
         return ConfigError(f"lease server {where} rejected a script: {exc}",

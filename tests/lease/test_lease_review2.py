@@ -11,8 +11,9 @@ import time
 from typing import Iterator
 
 import pytest
+import redis
 
-from kvbridge.errors import ConfigError, KVBridgeError
+from kvbridge.errors import ConfigError, KVBridgeError, LeaseStoreUnavailable
 from kvbridge.lease import EmbeddedRedis, RedisLeaseStore
 from kvbridge.policy import Retry
 
@@ -114,3 +115,32 @@ def test_unparsable_url_is_a_config_error(url: str) -> None:
     """Before: a URL that urllib cannot split raised a raw ValueError from the constructor."""
     exc, _ = _outcome(url)
     assert isinstance(exc, KVBridgeError), repr(exc)
+
+
+def _failed_snapshot(srv: EmbeddedRedis) -> None:
+    """Make the server refuse writes with MISCONF: a snapshot that cannot be written."""
+    raw = redis.Redis.from_url(srv.auth_url)
+    try:
+        raw.bgsave()
+        deadline = time.monotonic() + 5
+        while raw.info("persistence")["rdb_last_bgsave_status"] == "ok" and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        raw.close()
+
+
+@pytest.mark.parametrize("args", [("--min-replicas-to-write", "1"), ("--save", "3600 1", "--dir", "/proc")],
+                         ids=["NOREPLICAS", "MISCONF"])
+def test_server_refusing_writes_for_now_is_unavailable(args: tuple[str, ...]) -> None:
+    """A server that refuses writes until its replicas are back (min-replicas-to-write) or its
+    snapshots work again (stop-writes-on-bgsave-error) says "not now". Before: both replies
+    became a final ConfigError "rejected a script: needs Redis >= 6.2 or Valkey", so a fetch
+    failed for good and sent its user to check the server version. Now LeaseStoreUnavailable
+    (retryable), as READONLY, LOADING and BUSY are."""
+    with EmbeddedRedis(extra_args=args) as srv:
+        if "--save" in args:
+            _failed_snapshot(srv)
+        with RedisLeaseStore(srv.url, retry=ONE_TRY) as s:
+            with pytest.raises(LeaseStoreUnavailable) as got:
+                s.publish("a", "owner", ttl_s=5)
+            assert got.value.retryable
