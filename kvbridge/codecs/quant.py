@@ -16,7 +16,8 @@ Body of a frame: float32 scales (canonical order, padded to 16 bytes), then the 
 values (canonical order). They take float32, float16 and bfloat16 KV; 8-bit KV (fp8, or bytes
 in an int8/uint8 pool) and non-finite KV are refused at encode (:class:`ConfigError`); a
 lossless codec carries them. Decode refuses what no encoder writes --
-NaN, infinite or negative scales, the int8 code -128, e4m3 NaN codes -- with
+NaN, infinite or negative scales, scales above ``max(src dtype) / QMAX`` (they would decode to
+inf), the int8 code -128, e4m3 NaN codes -- with
 :class:`IntegrityError` before a value lands.
 """
 
@@ -31,7 +32,7 @@ from ..layout import KVLayout
 from ..pool import KVPool
 from .base import Codec, FrameHeader, layer_parts, layer_shape
 
-__all__ = ["INT8_MAX", "FP8_MAX", "quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8",
+__all__ = ["INT8_MAX", "FP8_MAX", "max_scale", "quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8",
            "Int8Codec", "FP8Codec", "AbsmaxCodec"]
 
 INT8_MAX = 127.0
@@ -106,12 +107,22 @@ def _align(n: int) -> int:
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
-def _check_body(scales: torch.Tensor, q: torch.Tensor, name: str) -> None:
+def max_scale(src: torch.dtype, qmax: float) -> float:
+    """The largest scale an encoder writes for KV of dtype ``src``: float32(max finite * 1/QMAX),
+    computed as the encoder does. QMAX * it stays below that max (1/QMAX is rounded down)."""
+    top = torch.tensor(torch.finfo(src).max, dtype=torch.float32) * torch.tensor(_INV[qmax], dtype=torch.float32)
+    return float(top)
+
+
+def _check_body(scales: torch.Tensor, q: torch.Tensor, name: str, limit: float = _FLOAT32_MAX) -> None:
     """Refuse what an encoder never writes, before anything is written: NaN, infinite or negative
-    scales (amax * 1/QMAX is finite and >= 0), the int8 code -128 and the e4m3 NaN codes (values
-    are clamped to +-127 and +-448). One reduction over each section (a few % of a decode)."""
-    if not bool(((scales >= 0) & (scales <= _FLOAT32_MAX)).all()):
-        raise IntegrityError(f"{name} frame holds NaN, infinite or negative scales: refused before decoding")
+    scales, or scales above ``limit`` (amax * 1/QMAX is finite, >= 0 and at most
+    :func:`max_scale` of the source dtype: a larger one would decode to inf), the int8 code -128
+    and the e4m3 NaN codes (values are clamped to +-127 and +-448). One reduction over each
+    section (a few % of a decode)."""
+    if not bool(((scales >= 0) & (scales <= limit)).all()):
+        raise IntegrityError(f"{name} frame holds NaN, infinite, negative or out-of-range scales (above {limit:.6g}, "
+                             "the largest its source dtype makes): refused before decoding")
     if q.dtype == torch.int8:
         bad = bool(q.amin() < -INT8_MAX)
     else:                                   # e4m3fn: NaN is S.1111.111, whatever the sign
@@ -128,6 +139,7 @@ class AbsmaxCodec(Codec):
     # 8-bit KV gains nothing from an 8-bit code plus scales; integer bytes are not values to scale
     source_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     qdtype: torch.dtype = torch.int8
+    qmax = INT8_MAX
     kind = ""
     quantize: Quantize
     dequantize: Dequantize
@@ -211,7 +223,7 @@ class AbsmaxCodec(Codec):
         if body.data_ptr() % 4:
             body = body.clone()
         scales, q = self._sections(body, hdr, hdr.num_blocks, hdr.num_layers)
-        _check_body(scales, q, self.name)
+        _check_body(scales, q, self.name, max_scale(hdr.src_dtype, self.qmax))
         k = self._kernels(pool)
         if k is not None:
             k.decode(self.kind, pool, idx, hdr.layers, self.group(hdr), scales, q)
@@ -244,6 +256,7 @@ class FP8Codec(AbsmaxCodec):
     """fp8 e4m3 with one scale per token per head, or (``per_block``) per part of a block."""
 
     qdtype = torch.float8_e4m3fn
+    qmax = FP8_MAX
     quantize = staticmethod(quantize_fp8)
     dequantize = staticmethod(dequantize_fp8)
 

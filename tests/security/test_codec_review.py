@@ -5,6 +5,7 @@ that do not fit. Each case gets a kvbridge error (nothing written) or a finite, 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Optional
 
 import pytest
@@ -13,7 +14,7 @@ import xxhash
 
 from kvbridge.codecs import decode_frame, get_codec
 from kvbridge.codecs.base import FrameHeader
-from kvbridge.errors import ConfigError, ProtocolError
+from kvbridge.errors import ConfigError, IntegrityError, ProtocolError
 from kvbridge.frames import FrameStore
 from kvbridge.layout import KVLayout
 from kvbridge.pool import KVPool
@@ -79,4 +80,42 @@ def test_lossy_frame_claiming_8bit_source_is_refused(codec: str, dtype: torch.dt
     dst = KVPool.allocate(L, 2)
     with pytest.raises(ProtocolError, match="no encoder"):
         decode_frame(fr, dst, [0, 1])
+    assert _untouched(dst)
+
+
+# -- scales and parameters within what an encoder can write ----------------------------------------
+
+def _extreme_pool(L: KVLayout) -> KVPool:
+    """Every group holds the dtype's largest finite value (both signs) and some small ones."""
+    pool = KVPool.allocate(L, 2)
+    big = torch.finfo(L.torch_dtype).max
+    for b in pool.buffers:
+        x = torch.randn(b.shape)
+        x[..., 0], x[..., 1] = big, -big
+        b.copy_(x.to(b.dtype))
+    return pool
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("codec", ["int8", "fp8", "fp8-block"])
+def test_scale_beyond_the_source_range_is_refused(codec: str, dtype: str) -> None:
+    """A finite scale larger than any value of the frame's source dtype could make (amax / QMAX)
+    decoded to inf in the pool (1e6 x 127 in float16). Refused; the largest genuine scale decodes
+    to finite values."""
+    L = KVLayout.vllm_flash(1, 2, 8, block_size=4, dtype=dtype)
+    src = _extreme_pool(L)
+    c = get_codec(codec)
+    enc = c.encode(src, [0, 1])
+    dst = KVPool.allocate(L, 2)
+    decode_frame(bytes(enc.data.numpy()), dst, [0, 1])       # genuine, at the edge: finite
+    assert all(bool(b.isfinite().all()) for b in dst.buffers)
+    s, _ = c.sizes(L, 2, 1)
+    n = 4 * (c.sizes(L, 2, 1)[1] // c.group(L))
+    body = bytearray(bytes(enc.data.numpy())[96:])
+    top = float(torch.tensor(torch.finfo(L.torch_dtype).max, dtype=torch.float32) / (127 if codec == "int8" else 448))
+    body[:4] = struct.pack("<f", min(top * 1.01, torch.finfo(torch.float32).max))
+    assert n >= 4
+    dst = KVPool.allocate(L, 2)
+    with pytest.raises(IntegrityError, match="scale"):
+        decode_frame(_forged(L, codec, bytes(body), 2, range(1), enc.header.aux), dst, [0, 1])
     assert _untouched(dst)
