@@ -13,7 +13,6 @@ from .integrity import pack_sums
 from .lease import Claim, LeaseStore
 from .transfer import FetchResult, Transfer
 from .transports.base import Spans
-from .transports.deadline import serving
 
 if TYPE_CHECKING:
     from .sender import KVSender
@@ -79,8 +78,9 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
         out.error = exc if isinstance(exc, KVBridgeError) else ProtocolError(f"push failed: {exc!r}")
         out.failed_block_ids = list(res.block_ids)
         if store is None or claim is not None:   # a writer that never won the claim ends nothing
-            with serving(None):     # telling the receiver is not part of the (perhaps cancelled) push
-                _abort_push(snd, res, store, claim, url)
+            # telling the receiver is not part of the (perhaps cancelled) push: it runs once the
+            # push has ended, so a silent receiver cannot hold cancel() or result() for its timeout
+            t._then = lambda: _abort_push(snd, res, store, claim, url)
     out.seconds = time.perf_counter() - t0
     if rec is not None:
         snd._end(rec, "pushed" if out.ok else "aborted")

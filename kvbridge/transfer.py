@@ -138,6 +138,9 @@ class Transfer:
         self._layers = 0
         self._callbacks: list[Callable[["Transfer"], None]] = []
         self.cancel_event = Flag()
+        # the job's last word, run by the same thread once the result is out (a failed push
+        # telling its receiver, which may be silent for Timeout.transfer)
+        self._then: Optional[Callable[[], None]] = None
 
     # -- the running side ----------------------------------------------------------------
     def _take(self) -> bool:
@@ -161,6 +164,13 @@ class Transfer:
             self._fail_crashed()
             raise
         self._finish(res)
+        then, self._then = self._then, None
+        if then is not None:     # after the result is out: a cancel() or wait() does not wait for it
+            with serving(None):
+                try:
+                    then()
+                except Exception:
+                    log.exception("transfer %s: the work after its end failed", self.request_id)
 
     def _fail_crashed(self) -> None:
         with self._cv:

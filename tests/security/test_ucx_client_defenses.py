@@ -63,6 +63,12 @@ class FakeUCX(Listener):
 
     def _conn(self, c: socket.socket) -> None:
         self.conns.append(c)
+        try:
+            self._hello(c)
+        except (OSError, KVBridgeError):    # closed meanwhile (the test ended), or the client went
+            return
+
+    def _hello(self, c: socket.socket) -> None:
         c.settimeout(None)
         _, rid, n = unpack_header(recv_exact(c, HEADER.size))
         body = recv_exact(c, n)[len(U.HELLO):]
@@ -194,6 +200,55 @@ def test_cancel_of_a_layer_read_waiting_for_its_reply_header_returns_at_once():
         assert len(fake.requests) == 1                              # no retry after it
     finally:
         rcv.close()
+        fake.close()
+
+
+@pytest.mark.parametrize("stall", ["no GO", "no answer to DONE"])
+def test_cancel_of_a_push_to_a_silent_receiver_returns_at_once(stall):
+    """A push's waits -- for the receiver's GO, and for its answer to DONE once the bytes are
+    sent -- look at the cancel of the transfer their thread runs (the push's source carries no
+    flag of its own): ``cancel()`` returns at once, the push ends TransferCancelled, and it is not
+    tried again; with Timeout.transfer at 30 s each wait would otherwise hold the push that long."""
+    nb = 2
+    n = _nbytes(nb)
+    got = [0]
+
+    def silent(fake: FakeUCX, rid: int, req: bytes) -> None:
+        if req[0] != U.OP_WREQ or stall == "no GO":
+            return                                                 # never answers
+        fake.send(U.T_HDR, rid, bytes([U.ST_GO]))
+        scratch = bytearray(n)
+        while got[0] < n and not fake.stop.is_set():               # takes the bytes, then says nothing
+            with fake.w.lock:
+                r = fake.eps[-1].tag_recv(U.Array(scratch), U._ucx.UCXXTag(U._tag(U.T_DATA, fake.key, rid)))
+            end = time.monotonic() + 5
+            while not r.completed and time.monotonic() < end:
+                fake.w.progress()
+                time.sleep(0.001)
+            if not r.completed:
+                return
+            got[0] += int(r.recv_length) if hasattr(r, "recv_length") else n
+    fake = FakeUCX(silent)
+    src = KVPool.allocate(L, 64)
+    try:
+        with KVSender(src, "inproc://", leases=False, timeout=Timeout(connect=2, transfer=30),
+                      retry=Retry(attempts=3)) as snd:
+            res = dataclasses.replace(_handle(fake.url, nb), reservation=True)
+            t = snd.push(res, src.alloc(nb))
+            wait = (lambda: len(fake.requests) >= 1) if stall == "no GO" else (lambda: got[0] >= n)
+            end = time.monotonic() + 10
+            while not wait() and time.monotonic() < end:
+                time.sleep(0.01)
+            assert wait() and not t.done(), (len(fake.requests), got[0])
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            assert t.cancel(timeout=10)
+            took = time.monotonic() - t0
+            assert took < 0.5, f"cancel took {took:.1f} s"
+            assert isinstance(t.result().error, TransferCancelled), repr(t.result().error)
+            writes = [r for r in fake.requests if r[1][0] == U.OP_WREQ]
+            assert len(writes) == 1, f"the push was tried again after its cancel: {len(writes)} writes"
+    finally:
         fake.close()
 
 
