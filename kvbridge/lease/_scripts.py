@@ -182,11 +182,14 @@ return {'OK'}
 """
 
 
-def _finish(code: str, kind: str) -> str:
+def _finish(code: str, kind: str, done: str) -> str:
+    """RELEASE or ABORT. ``done``: the ended states in which this one answers OK again (a retry);
+    a release after the holder's own abort is refused -- a release is the read's validation."""
     return ONE + f"""
 local h, s, err = holder()
 if err then return err end
-if s == 'R' or s == 'A' then return {{'OK', s}} end
+if {' or '.join(f"s == '{d}'" for d in done)} then return {{'OK', s}} end
+if s == 'R' or s == 'A' then return {{'ENDED', s}} end
 redis.call('HSET', K_LEASE, 'st', '{code}')
 keep_until(NOW + GRACE)
 emit(h.ow, '{kind}')
@@ -194,8 +197,8 @@ return {{'OK', '{code}'}}
 """
 
 
-RELEASE = _finish("R", "released")
-ABORT = _finish("A", "aborted")
+RELEASE = _finish("R", "released", "R")
+ABORT = _finish("A", "aborted", "RA")
 
 # ARGV[6..8] claimer, fence; ARGV[9] claim ttl ms
 RENEW_CLAIM = ONE + r"""

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from kvbridge.errors import ConfigError, KVBridgeError, LeaseStoreUnavailable
-from kvbridge.lease import EmbeddedRedis, RedisLeaseStore
+from kvbridge.lease import EmbeddedRedis, LeaseState, RedisLeaseStore
 from kvbridge.policy import Retry
 
 pytestmark = pytest.mark.timeout(30)
@@ -144,3 +144,28 @@ def test_server_refusing_writes_for_now_is_unavailable(args: tuple[str, ...]) ->
             with pytest.raises(LeaseStoreUnavailable) as got:
                 s.publish("a", "owner", ttl_s=5)
             assert got.value.retryable
+
+
+def test_release_after_the_holders_own_abort_is_refused(server: EmbeddedRedis, ns: str) -> None:
+    """A release is the read's validation: it succeeds only while the lease is claimed by this
+    claimer with this fence. A claim is re-entrant, so two fetches of one handle by one receiver
+    share it; one fails and aborts (the owner frees the blocks on that event), the other then
+    releases. Before: the release answered OK ("already done") after the abort -- the second
+    fetch's bytes passed as validated although the owner may have reused the blocks. Now it is
+    refused; a repeated release (a retry) and an abort after a release still answer OK."""
+    from kvbridge.errors import LeaseExpired
+
+    with RedisLeaseStore(server.url, namespace=ns, retry=ONE_TRY) as s:
+        s.publish("a", "owner", ttl_s=30)
+        c = s.claim("a", "dec", 30)
+        s.abort("a", "dec", c.fence)
+        with pytest.raises(LeaseExpired, match="aborted"):
+            s.release("a", "dec", c.fence)
+        assert isinstance(s.release_many("dec", [("a", c.fence)])[0], LeaseExpired)
+        s.abort("a", "dec", c.fence)                           # repeated abort: fine
+        s.publish("b", "owner", ttl_s=30)
+        d = s.claim("b", "dec", 30)
+        s.release("b", "dec", d.fence)
+        s.release("b", "dec", d.fence)                         # a retry of the release
+        s.abort("b", "dec", d.fence)                           # nothing left to abort: fine
+        assert s.sweep("owner", ["a", "b"]) == {"a": LeaseState.ABORTED, "b": LeaseState.RELEASED}
