@@ -233,6 +233,8 @@ class KVHandle:
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, key: Optional[bytes] = None) -> "KVHandle":
         """Parse a handle; with ``key``, also verify its MAC. Garbage raises :class:`BadHandle`."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):   # bytes(n) of an int would build n bytes
+            raise BadHandle(f"a handle is bytes (KVHandle.to_bytes()), got {type(data).__name__}")
         data = bytes(data)
         if len(data) > MAX_HANDLE_BYTES:
             raise BadHandle(f"handle of {len(data)} bytes exceeds {MAX_HANDLE_BYTES}")
@@ -278,8 +280,10 @@ class KVHandle:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], key: Optional[bytes] = None) -> "KVHandle":
-        if not isinstance(d, dict) or d.get("kvbridge_handle") != HANDLE_VERSION or "data" not in d:
-            raise BadHandle("not a kvbridge handle dict (missing 'kvbridge_handle'/'data')")
+        version = d.get("kvbridge_handle") if isinstance(d, dict) else None
+        if type(version) is not int or version != HANDLE_VERSION or "data" not in d:   # not True, not 1.0
+            raise BadHandle(f"not a kvbridge handle dict (one has 'kvbridge_handle': {HANDLE_VERSION}, an int, "
+                            "and 'data')")
         try:
             raw = base64.b64decode(d["data"], validate=True)
         except (ValueError, TypeError):
