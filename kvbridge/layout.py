@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from functools import cached_property
 from typing import Any, Iterator
 
@@ -57,6 +57,9 @@ class TokenOrder(str, enum.Enum):
 # (buffer index within the pool, byte offset in that buffer, length)
 Segment = tuple[int, int, int]
 
+# One block across every layer at most: torch sizes and the wire's lengths are 64-bit (1 PiB)
+MAX_BLOCK_NBYTES = 1 << 50
+
 # Fields that decide whether the bytes of one part mean the same thing on both sides.
 _COMPAT_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype",
                   "token_order", "latent", "tp_rank", "tp_size")
@@ -81,7 +84,7 @@ class KVLayout:
             if self.dtype not in _DTYPE_NAMES:
                 raise ConfigError(f"unsupported KV dtype {self.dtype}")
             object.__setattr__(self, "dtype", _DTYPE_NAMES[self.dtype])
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:   # a list is no key: not a TypeError
             raise ConfigError(f"unsupported KV dtype {self.dtype!r}; one of {sorted(DTYPES)}")
         try:
             object.__setattr__(self, "kv_order", KVOrder(self.kv_order))
@@ -98,6 +101,9 @@ class KVLayout:
                               f"got {rank!r}")
         if self.kv_order is KVOrder.LATENT and self.num_kv_heads != 1:
             raise ConfigError("an MLA latent layout has num_kv_heads=1")
+        if self.block_nbytes > MAX_BLOCK_NBYTES:     # no tensor holds it: refused here, not in allocate
+            raise ConfigError(f"one block of this layout is {self.block_nbytes} bytes across its layers, over "
+                              f"{MAX_BLOCK_NBYTES}: check num_layers, num_kv_heads, head_dim and block_size")
 
     # -- constructors for the common engines ---------------------------------------
     @classmethod
@@ -257,8 +263,14 @@ class KVLayout:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "KVLayout":
+        """The layout :meth:`to_dict` gave; :class:`ConfigError` for anything else."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a KVLayout dict is a dict (KVLayout.to_dict()), got {type(d).__name__}")
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ConfigError(f"unknown KVLayout fields {sorted(unknown)}")
+            raise ConfigError(f"unknown KVLayout fields {sorted(map(str, unknown))}")
+        missing = [f.name for f in fields(cls) if f.name not in d and f.default is MISSING]
+        if missing:
+            raise ConfigError(f"KVLayout dict lacks the fields {missing}")
         return cls(**d)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvbridge import KVHandle, KVLayout
-from kvbridge.errors import BadHandle
+from kvbridge.errors import BadHandle, ConfigError
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -37,3 +37,23 @@ def test_a_handle_dict_version_must_be_the_integer(version: Any) -> None:
     d["kvbridge_handle"] = version
     with pytest.raises(BadHandle, match="kvbridge_handle"):
         KVHandle.from_dict(d, key)
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [{}, {"num_layers": 2}, None, [("num_layers", 2)], "num_layers"])
+def test_a_layout_dict_missing_fields_or_not_a_dict_is_a_config_error(d: Any) -> None:
+    with pytest.raises(ConfigError):
+        KVLayout.from_dict(d)
+
+
+@pytest.mark.parametrize("dtype", [["float16"], {"x": 1}, 16])
+def test_a_layout_dtype_of_the_wrong_type_is_a_config_error(dtype: Any) -> None:
+    with pytest.raises(ConfigError, match="dtype"):
+        KVLayout(2, 2, 8, 4, dtype=dtype)
+
+
+def test_a_layout_whose_block_bytes_overflow_is_refused() -> None:
+    """Dims whose product no tensor can hold (torch's sizes are int64) were accepted and failed
+    later, in allocate, as a raw TypeError."""
+    with pytest.raises(ConfigError, match="bytes"):
+        KVLayout(2, 2, 1 << 62, 4)
