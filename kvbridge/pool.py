@@ -48,6 +48,7 @@ from .layout import KVLayout, KVOrder
 __all__ = ["KVPool", "SharedSegment", "block_id_list", "whole_number", "retired_during", "sweep_dead_segments"]
 
 _ALIGN = 4096
+_MAX_POOL_NBYTES = 1 << 62     # a pool's bytes: past this torch cannot size its tensors
 GEN_SIZE = 4   # bytes per block in a shared pool's generation table (native-endian u32)
 TensorOrPair = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
@@ -197,6 +198,15 @@ class SharedSegment:
             self._finalizer()
 
 
+def _check_disjoint(bufs: Sequence[torch.Tensor]) -> None:
+    """LayoutMismatch where two (contiguous) buffers share bytes: one layer's KV would land on another's."""
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), i) for i, b in enumerate(bufs))
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            raise LayoutMismatch(f"buffers {min(i, j)} and {max(i, j)} overlap in memory: each layer (and K and V "
+                                 "of a split layout) needs its own")
+
+
 def whole_number(x: Any) -> Optional[int]:
     """``x`` as an int where it is one (Python, numpy or 0-d tensor integers); None otherwise."""
     if isinstance(x, bool):
@@ -210,8 +220,13 @@ def whole_number(x: Any) -> Optional[int]:
 def block_id_list(block_ids: Iterable[Any], what: str) -> list[int]:
     """``block_ids`` as a list of ints: Python, numpy or 0-d tensor integers (``operator.index``);
     anything else -- a float, a string -- is refused, not rounded into another block."""
+    try:
+        items = iter(block_ids)
+    except TypeError:
+        raise PoolError(f"{what}: block ids are a sequence of integers, got {type(block_ids).__name__} "
+                        f"{block_ids!r:.40}") from None
     out = []
-    for b in block_ids:
+    for b in items:
         try:
             out.append(operator.index(b))
         except TypeError:
@@ -283,10 +298,21 @@ class KVPool:
         shape = layout.buffer_shape(num_blocks)
         if not shared:
             alloc = torch.zeros if zero else torch.empty
-            if device.type == "cpu":
-                bufs = [_page_aligned(alloc, shape, layout.torch_dtype) for _ in range(layout.num_buffers)]
-            else:
-                bufs = [alloc(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_buffers)]
+            total = layout.block_nbytes * num_blocks
+            if total > _MAX_POOL_NBYTES:     # torch would fail to even size it (raw TypeError or RuntimeError)
+                raise PoolError(f"cannot allocate {num_blocks} blocks of {layout.block_nbytes} bytes: {total} bytes")
+            try:
+                if device.type == "cpu":
+                    bufs = [_page_aligned(alloc, shape, layout.torch_dtype) for _ in range(layout.num_buffers)]
+                else:
+                    bufs = [alloc(shape, dtype=layout.torch_dtype, device=device) for _ in range(layout.num_buffers)]
+            except RuntimeError as exc:      # torch's out of memory (CPU or device): a backend missing is not one
+                why = str(exc).lower()
+                if "can't allocate" not in why and "out of memory" not in why:
+                    raise
+                raise PoolError(f"cannot allocate {num_blocks} blocks of {layout.block_nbytes} bytes ({total} "
+                                f"bytes) on {device}: {str(exc).splitlines()[0][:200]}",
+                                hint="allocate fewer blocks") from None
             return cls(layout, bufs, num_blocks, allocator=allocator)
         if device.type != "cpu":
             raise ConfigError("shared=True pools live in host shared memory; use device='cpu'")
@@ -309,7 +335,9 @@ class KVPool:
     def wrap(cls, layout: KVLayout, tensors: Sequence[TensorOrPair], allocator: str = "kvbridge") -> "KVPool":
         """Wrap an engine's existing cache: one tensor per layer, or (K, V) per layer for SPLIT.
 
-        ``allocator="engine"`` when the engine's scheduler picks block ids (see the module doc)."""
+        ``allocator="engine"`` when the engine's scheduler picks block ids (see the module doc).
+        The buffers must not share memory (two layers, or K and V, over the same bytes)."""
+        tensors = list(tensors)
         if len(tensors) != layout.num_layers:
             raise LayoutMismatch(f"expected {layout.num_layers} layers, got {len(tensors)}")
         bufs: list[torch.Tensor] = []
@@ -340,6 +368,9 @@ class KVPool:
                 raise LayoutMismatch(f"buffer {i} is not contiguous")
             if b.device != first.device:
                 raise LayoutMismatch("all buffers must be on one device")
+        if first.device.type == "meta":
+            raise LayoutMismatch("the KV buffers are on the meta device: they hold no memory to move")
+        _check_disjoint(bufs)
         return cls(layout, bufs, num_blocks, allocator=allocator)
 
     # -- memory access ---------------------------------------------------------------
@@ -396,6 +427,10 @@ class KVPool:
         if self.engine_allocated:
             raise PoolError("this pool's blocks are allocated by the engine (allocator='engine'); "
                             "pin the engine's block ids instead of alloc()")
+        k = whole_number(n)
+        if k is None or k < 0:
+            raise PoolError(f"alloc() takes a whole number of blocks >= 0, got {n!r}")
+        n = k
         with self._lock:
             if n > len(self._free):
                 raise PoolError(f"pool exhausted: asked {n} blocks, {len(self._free)} free",
@@ -407,7 +442,7 @@ class KVPool:
 
     def ref(self, block_ids: Iterable[int]) -> None:
         """Add a reference to allocated blocks (e.g. a published handle pins them)."""
-        ids = list(block_ids)
+        ids = block_id_list(block_ids, "ref")
         self._check_ids(ids)
         with self._lock:
             if not self.engine_allocated:
@@ -433,25 +468,29 @@ class KVPool:
             raise PoolError("retire() is for engine-allocated pools; kvbridge's allocator frees with free()")
         gens, refs, n = self._gens, self._refs, self.num_blocks
         pinned: list[int] = []
-        with self._lock:
-            shared = self._shared_gens
-            for b in block_ids:
-                if not 0 <= b < n:
-                    raise PoolError(f"block id {b!r} outside pool of {n} blocks")
-                gens[b] = (gens[b] + 1) & 0xFFFFFFFF
-                if shared is not None:
-                    shared[b] = gens[b]    # before the engine may write the block again
-                if refs[b]:
-                    pinned.append(b)
-        if pinned:
-            for cb in list(self.on_retire):
-                cb(pinned)
+        try:
+            with self._lock:
+                shared = self._shared_gens
+                for b in block_ids:
+                    if type(b) is not int:             # numpy or tensor integers; nothing else
+                        b = block_id_list((b,), "retire")[0]
+                    if not 0 <= b < n:
+                        raise PoolError(f"block id {b!r} outside pool of {n} blocks")
+                    gens[b] = (gens[b] + 1) & 0xFFFFFFFF
+                    if shared is not None:
+                        shared[b] = gens[b]    # before the engine may write the block again
+                    if refs[b]:
+                        pinned.append(b)
+        finally:    # a bad id further on: the blocks retired before it still end their handles
+            if pinned:
+                for cb in list(self.on_retire):
+                    cb(pinned)
         return pinned
 
     def free(self, block_ids: Iterable[int]) -> list[int]:
         """Drop one reference each; blocks reaching zero return to the free list with a new
         generation (engine pools: they are only unpinned). Returns the ids reaching zero."""
-        ids = list(block_ids)
+        ids = block_id_list(block_ids, "free")
         self._check_ids(ids)
         freed: list[int] = []
         counts: dict[int, int] = {}
@@ -475,13 +514,20 @@ class KVPool:
                 cb(freed)
         return freed
 
+    def _one(self, block_id: Any) -> int:
+        b = whole_number(block_id)
+        if b is None or not 0 <= b < self.num_blocks:    # -1 is no block (it would answer for the last)
+            raise PoolError(f"block id {block_id!r} outside pool of {self.num_blocks} blocks")
+        return b
+
     def refcount(self, block_id: int) -> int:
-        return self._refs[block_id]
+        return self._refs[self._one(block_id)]
 
     def generation(self, block_id: int) -> int:
-        return self._gens[block_id]
+        return self._gens[self._one(block_id)]
 
     def generations(self, block_ids: Iterable[int]) -> list[int]:
+        """Generations of ids already checked (:meth:`_check_ids`): no check here, it is on the fetch path."""
         g = self._gens
         return [g[b] for b in block_ids]
 
@@ -492,6 +538,11 @@ class KVPool:
             if g[b] != want:
                 return False
         return True
+
+    @property
+    def closed(self) -> bool:
+        """After :meth:`close`: its buffers are gone."""
+        return not self.buffers
 
     def close(self) -> None:
         self._views = None
