@@ -11,7 +11,9 @@ keys. Body: key parameters (scale, min pairs per (layer, block, head, channel)),
 parameters (per (layer, block, row)), then the packed codes; each section 16-byte aligned.
 This torch code is the definition; there is no CUDA kernel for it yet (on a device pool it
 runs these torch operations on the device). Decode refuses parameters no encoder writes (NaN,
-infinite, a negative scale) with :class:`IntegrityError` before a value lands.
+infinite, a negative scale) with :class:`IntegrityError` before a value lands, and clamps what it
+decodes to the source dtype's finite range (the rounded top code of a float16 group spanning
++-65504 is 65536).
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ class Int4Codec(Codec):
                                      "decoding")
         pe = hdr.rows_per_part * hdr.head_dim
         parts = [layer_parts(pool, layer) for layer in hdr.layers]
+        # 15 * scale + min, both rounded to float16, can pass the source's largest value (65536 for
+        # a float16 group spanning +-65504): clamp where the source dtype is that narrow
+        top = torch.finfo(hdr.src_dtype).max
+        clamp = top < _LEVELS * 65504.0 + 65504.0
         for i, p, j0, j1, coff, poff in self._plan(hdr, n, nl, pool.device.type == "cuda"):
             m = j1 - j0
             q = _unpack(codes[coff:coff + m * pe // 2]).view(m, *part)
@@ -164,4 +170,6 @@ class Int4Codec(Codec):
             npar = m * (hdr.num_kv_heads * hdr.head_dim * 2 if p == 0 else hdr.rows_per_part * 2)
             par = (kpar if p == 0 else vpar)[poff:poff + npar]
             x = dequantize_int4(q, par.view(pshape), tdim if p == 0 else -1)
+            if clamp:
+                x.clamp_(-top, top)
             parts[i][p][idx[j0:j1]] = x.to(parts[i][p].dtype)

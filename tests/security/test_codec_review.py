@@ -119,3 +119,24 @@ def test_scale_beyond_the_source_range_is_refused(codec: str, dtype: str) -> Non
     with pytest.raises(IntegrityError, match="scale"):
         decode_frame(_forged(L, codec, bytes(body), 2, range(1), enc.header.aux), dst, [0, 1])
     assert _untouched(dst)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn", "float8_e5m2"])
+def test_int4_never_decodes_past_the_source_range(dtype: str) -> None:
+    """int4's top code is ``15 * scale + min`` with both rounded to float16: a genuine group spanning
+    float16's whole range decoded 65536 (inf in a float16 pool), and forged parameters (scale 65504)
+    decoded inf, or NaN in an fp8 pool. Decoded values stay within the source dtype's finite range."""
+    L = KVLayout.vllm_flash(1, 2, 8, block_size=4, dtype=dtype)
+    c = get_codec("int4")
+    src = _extreme_pool(L)
+    dst = KVPool.allocate(L, 2)
+    decode_frame(bytes(c.encode(src, [0, 1]).data.numpy()), dst, [0, 1])
+    assert all(bool(b.float().isfinite().all()) for b in dst.buffers)
+    kp, vp, nc = c._sizes(L, 2, 1)
+    params = torch.tensor([65504.0, 0.0], dtype=torch.float16).repeat((kp + vp) // 4)
+    body = params.view(torch.uint8).numpy().tobytes() + b"\xff" * nc     # every code 15
+    dst = KVPool.allocate(L, 2)
+    decode_frame(_forged(L, "int4", body, 2, range(1), 4), dst, [0, 1])
+    top = torch.finfo(L.torch_dtype).max
+    for b in dst.buffers:
+        assert bool(b.float().isfinite().all()) and float(b.float().max()) == top
