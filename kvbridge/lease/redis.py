@@ -34,6 +34,7 @@ import hashlib
 import json
 import math
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, List, Optional, Sequence, TypeVar
 
@@ -123,8 +124,10 @@ class RedisLeaseStore(LeaseStore):
             self._redis = _redis.Redis.from_url(self._conn_url, retry=_SyncRedisRetry(NoBackoff(), 0), **kw)
         except (ValueError, TypeError) as exc:
             raise ConfigError(f"invalid lease store URL {redact(url)!r}: {exc}") from exc
-        self._ar: Optional[_aioredis.Redis] = None
-        self._aloop: Optional[asyncio.AbstractEventLoop] = None
+        # One async client per event loop (its connections belong to that loop); a closed loop's
+        # is dropped when another loop next asks.
+        self._ars: dict[asyncio.AbstractEventLoop, _aioredis.Redis] = {}
+        self._alock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RedisLeaseStore({redact(self.url)!r}, namespace={self.namespace!r})"
@@ -360,10 +363,13 @@ class RedisLeaseStore(LeaseStore):
 
     def _aclient(self) -> "_aioredis.Redis":
         loop = asyncio.get_running_loop()
-        if self._ar is None or self._aloop is not loop:
-            self._ar = _aioredis.Redis.from_url(self._conn_url, **self._akw)
-            self._aloop = loop
-        return self._ar
+        with self._alock:
+            r = self._ars.get(loop)
+            if r is None:
+                for old in [lp for lp in self._ars if lp.is_closed()]:
+                    del self._ars[old]
+                r = self._ars[loop] = _aioredis.Redis.from_url(self._conn_url, **self._akw)
+            return r
 
     # -- blocking API --------------------------------------------------------
     def publish(self, lease_id: str, owner: str, ttl_s: float, num_blocks: int = 0,
@@ -504,13 +510,13 @@ class RedisLeaseStore(LeaseStore):
     async def aclose(self) -> None:
         """Drop the async connections of this event loop, and the blocking ones.
 
-        The async side binds to the loop it is first used on; call ``aclose()``
-        before that loop ends if the store is then used from another loop.
+        Each event loop the store is awaited from has connections of its own: call ``aclose()``
+        on a loop before it ends (those of a loop that ended without are dropped unclosed).
         """
-        ar, self._ar = self._ar, None
+        with self._alock:
+            ar = self._ars.pop(asyncio.get_running_loop(), None)
         if ar is not None:
-            if self._aloop is asyncio.get_running_loop():
-                await ar.aclose()
+            await ar.aclose()
         self.close()
 
     # -- events helpers --------------------------------------------------------

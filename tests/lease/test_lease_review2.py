@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Iterator
 
@@ -169,3 +171,34 @@ def test_release_after_the_holders_own_abort_is_refused(server: EmbeddedRedis, n
         s.release("b", "dec", d.fence)                         # a retry of the release
         s.abort("b", "dec", d.fence)                           # nothing left to abort: fine
         assert s.sweep("owner", ["a", "b"]) == {"a": LeaseState.ABORTED, "b": LeaseState.RELEASED}
+
+
+def test_async_calls_from_two_event_loops_keep_their_connections(server: EmbeddedRedis, ns: str) -> None:
+    """One store, awaited from two event loops in two threads (e.g. an engine's loop and a
+    connector's): before, the store kept one async client, for the loop that called last, so
+    every call from the other loop built a new client and a new authenticated connection and
+    dropped the previous one unclosed -- a connect per call and a ResourceWarning each. Now each
+    loop keeps its own client: two connections for forty calls."""
+    raw = redis.Redis.from_url(server.auth_url)
+    loops = [asyncio.new_event_loop() for _ in range(2)]
+    threads = [threading.Thread(target=lp.run_forever, daemon=True) for lp in loops]
+    for t in threads:
+        t.start()
+    s = RedisLeaseStore(server.url, namespace=ns, retry=ONE_TRY)
+    try:
+        s.publish("a", "owner", ttl_s=30)
+        before = raw.info("stats")["total_connections_received"]
+        for i in range(40):
+            got = asyncio.run_coroutine_threadsafe(s.aget("a"), loops[i % 2]).result(5)
+            assert got is not None and got.ref == s.ref("a")
+        opened = raw.info("stats")["total_connections_received"] - before
+        assert opened <= 2, f"{opened} connections opened for 40 calls from two loops"
+    finally:
+        for lp in loops:
+            asyncio.run_coroutine_threadsafe(s.aclose(), lp).result(5)
+            lp.call_soon_threadsafe(lp.stop)
+        for t, lp in zip(threads, loops):
+            t.join(5)
+            lp.close()
+        s.close()
+        raw.close()
