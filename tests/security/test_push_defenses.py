@@ -357,3 +357,63 @@ def test_a_crashed_job_does_not_cost_its_worker() -> None:
         time.sleep(0.01)
     assert good.done()
     w.close()
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "shm"])
+def test_cancel_of_a_push_to_a_silent_receiver_returns_at_once(scheme: str) -> None:
+    """A receiver that takes a push's request and never answers: ``cancel()`` cuts the push's
+    connection at once, and the abort that tells the receiver (best effort) runs after the
+    push's result is out. It ran first, and waited for the silent receiver's reply for
+    Timeout.transfer (30 s here) before cancel() could return."""
+    from kvbridge import Retry, TransferCancelled
+
+    class Silent(Listener):       # takes every byte, answers nothing
+        def __init__(self) -> None:
+            self.asked: list[int] = []
+            if scheme == "shm":
+                self.name = f"kvb-silent-{os.getpid()}-{time.monotonic_ns()}"
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.bind("\0" + self.name)
+            else:
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                s.bind(("127.0.0.1", 0))
+            super().__init__(s)
+
+        @property
+        def url(self) -> str:
+            return f"shm://@{self.name}" if scheme == "shm" else f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+
+        def _conn(self, c: socket.socket) -> None:
+            c.settimeout(0.2)
+            with c:
+                while not self.stop.is_set():
+                    try:
+                        got = c.recv(1 << 16)
+                    except socket.timeout:
+                        continue
+                    except OSError:
+                        return
+                    if not got:
+                        return
+                    self.asked.append(len(got))
+
+    fake = Silent()
+    src = _pool(7, shared=scheme == "shm")
+    try:
+        with KVSender(src, "inproc://", leases=False, timeout=Timeout(connect=2, transfer=30),
+                      retry=Retry(attempts=3)) as snd:
+            h = snd.publish("silent", src.alloc(2), 4)
+            res = dataclasses.replace(h, urls=(fake.url,), reservation=True)
+            t = snd.push(res, src.alloc(2))
+            end = time.monotonic() + 10
+            while not fake.asked and time.monotonic() < end:
+                time.sleep(0.01)
+            assert fake.asked and not t.done()
+            time.sleep(0.2)
+            t0 = time.monotonic()
+            assert t.cancel(timeout=10)
+            took = time.monotonic() - t0
+            assert took < 0.5, f"cancel took {took:.1f} s"
+            assert isinstance(t.result().error, TransferCancelled), repr(t.result().error)
+    finally:
+        fake.close()
