@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Optional, Union
 
 from .handle import KVHandle
@@ -13,6 +14,9 @@ __all__ = ["LeasesArg", "StoreCache"]
 # A Redis URL, a store, None (the lease server each ticket names; this process's embedded
 # one where it names none) or False (no leases).
 LeasesArg = Union[str, LeaseStore, None, bool]
+# Stores kept for the lease servers tickets name: a peer chooses those URLs, so past this many
+# the least recently used is closed (it reconnects if a ticket names it again).
+MAX_TICKET_STORES = 16
 
 
 class StoreCache:
@@ -21,14 +25,22 @@ class StoreCache:
     def __init__(self, arg: LeasesArg, namespace: str = "kvb") -> None:
         self.arg = arg
         self.namespace = namespace
-        self._stores: dict[str, LeaseStore] = {}
+        self._stores: OrderedDict[str, LeaseStore] = OrderedDict()
         self._lock = threading.Lock()
 
     def _open(self, url: str) -> LeaseStore:
+        evicted: list[LeaseStore] = []
         with self._lock:
             store = self._stores.get(url)
             if store is None:
                 store = self._stores[url] = open_lease_store(url or None, namespace=self.namespace)
+                mine = self.arg if isinstance(self.arg, str) else ""   # this side's own: never evicted
+                others = [u for u in self._stores if u not in (mine, url)]   # least recently used first
+                for old in others[:max(0, len(others) + 1 - MAX_TICKET_STORES)]:
+                    evicted.append(self._stores.pop(old))
+            self._stores.move_to_end(url)
+        for s in evicted:
+            s.close()
         return store
 
     def own(self) -> Optional[LeaseStore]:

@@ -202,3 +202,41 @@ def test_async_calls_from_two_event_loops_keep_their_connections(server: Embedde
             lp.close()
         s.close()
         raw.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open descriptors in /proc")
+def test_tickets_naming_many_lease_servers_do_not_pile_up_connections(server: EmbeddedRedis) -> None:
+    """A receiver with ``leases=None`` claims each ticket in the lease server the ticket names,
+    and a peer chooses what its tickets name. Before: every distinct lease URL opened a store
+    that was kept, with its connection, until the receiver closed -- 300 forged tickets, 300
+    sockets, until the process ran out of descriptors. Now the stores opened for tickets are
+    few (the least recently used is closed)."""
+    from dataclasses import replace
+
+    from kvbridge import KVLayout
+    from kvbridge.handle import KVHandle
+    from kvbridge.stores import StoreCache
+
+    layout = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
+    base = KVHandle(handle_id=os.urandom(16), request_id="r", layout_hash=layout.compat_hash,
+                    urls=("tcp://127.0.0.1:9",), block_ids=(0,), generations=(0,), checksums=(),
+                    num_tokens=4, token=os.urandom(16), mac=os.urandom(16))
+    tickets = StoreCache(None)
+    try:
+        before = _open_fds()
+        for i in range(300):
+            h = replace(base, lease_id=f"l{i}", lease_url=f"{server.url}?client_name=peer{i}")
+            store = tickets.for_ticket(h)
+            assert store is not None
+            with pytest.raises(KVBridgeError):
+                store.claim(h.lease_id, "dec", 5)          # never published: NOTFOUND, connection kept
+        grown = _open_fds() - before
+        assert grown < 100, f"{grown} descriptors still open after 300 tickets' lease servers"
+        same = replace(base, lease_id="x", lease_url=f"{server.url}?client_name=peer299")
+        assert tickets.for_ticket(same) is tickets.for_ticket(same)      # still one store per URL
+    finally:
+        tickets.close()
