@@ -313,7 +313,12 @@ def _recv_probed(worker: _Worker, tag: int, limit: int, deadline_s: float, what:
 
 
 # -- a client's inbox: every message taken off its worker ------------------------------------
-STASH_MSGS = 64    # messages of one request in flight taken off the worker before it asked for them
+# Messages of one request in flight taken off the worker before it asked for them (their bytes are
+# held to _stash_bytes apart). A layer read learns its reply's size from its header, and an honest
+# sender's DATA pieces small enough for UCX to send eagerly may all arrive before the reading
+# thread has read that header: at 64, a loaded client dropped an honest read of 512 small pieces
+# as a flood. 1,024 held messages cost tens of KiB of bookkeeping.
+STASH_MSGS = 1024
 TRAILER_MAX = 8192  # a read's trailer (T_DONE)
 
 
