@@ -79,7 +79,7 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
         out.failed_block_ids = list(res.block_ids)
         if store is None or claim is not None:   # a writer that never won the claim ends nothing
             # telling the receiver is not part of the (perhaps cancelled) push: it runs once the
-            # push has ended, so a silent receiver cannot hold cancel() or result() for its timeout
+            # push has ended, so a silent receiver cannot hold cancel() for its timeout
             t._then = lambda: _abort_push(snd, res, store, claim, url)
     out.seconds = time.perf_counter() - t0
     if rec is not None:
