@@ -28,8 +28,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Protocol, Sequence, TypeVar
 
 from .errors import AccessDenied, BadHandle, ConfigError, HandleNotFound
+from .policy import _seconds
 
-__all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "compute_mac", "lookup_ticket"]
+__all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "MAX_TTL", "check_ttl", "compute_mac", "lookup_ticket"]
 
 HANDLE_VERSION = 1
 MAGIC = b"KVH"
@@ -43,6 +44,19 @@ _WIDTH_CODE = {1: "B", 2: "H", 4: "I"}
 FLAG_LAYERWISE = 1
 FLAG_RESERVATION = 2
 _FLAGS = FLAG_LAYERWISE | FLAG_RESERVATION
+MAX_TTL = 1e9   # seconds (~31 years): a ticket's expiry and a lease's TTL, in ms, stay well inside 64 bits
+
+
+def check_ttl(owner: str, ttl: object) -> float:
+    """``ttl`` of a handle or reservation, checked: finite seconds above 0 and at most
+    :data:`MAX_TTL` (a larger one broke the ticket's encoding as a raw OverflowError, or came back
+    from Redis as a script error); :class:`ConfigError` otherwise."""
+    _seconds(owner, "ttl", ttl)
+    assert isinstance(ttl, (int, float))
+    if ttl > MAX_TTL:
+        raise ConfigError(f"{owner}.ttl must be at most {MAX_TTL:.0f} seconds, got {ttl!r}",
+                          hint="renew() a handle that must live longer")
+    return ttl
 
 
 def compute_mac(key: bytes, body: bytes) -> bytes:

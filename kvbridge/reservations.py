@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Optional
 
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
                      LeaseExpired, PoolError, ProtocolError, RetryableError, StaleHandle, TransferCancelled)
-from .handle import KVHandle, lookup_ticket
+from .handle import KVHandle, check_ttl, lookup_ticket
 from .integrity import StreamVerifier, layer_checksums, unpack_sums
 from .lease import Claim, LeaseStore
+from .pool import whole_number
 from .transfer import FetchResult, Transfer
 from .transports.base import Spans
 
@@ -83,9 +84,11 @@ class ReservationDesk:
 
     def reserve(self, dst: list[int], request_id: str, num_tokens: Optional[int], ttl: float) -> Transfer:
         L = self.r.pool.layout
-        n = len(dst) * L.block_size if num_tokens is None else num_tokens
-        if not 0 <= n <= len(dst) * L.block_size:
-            raise ConfigError(f"{n} tokens do not fit {len(dst)} blocks of {L.block_size}")
+        n = len(dst) * L.block_size if num_tokens is None else whole_number(num_tokens)
+        if n is None or not 0 <= n <= len(dst) * L.block_size:     # 3.0 or '3' raised raw, True passed as 1
+            raise ConfigError(f"num_tokens {num_tokens!r}: a whole number of tokens that fits {len(dst)} blocks "
+                              f"of {L.block_size}")
+        check_ttl("reserve", ttl)      # nan raised ValueError, 1e300 OverflowError; 0 or less was taken
         gens = self.r.pool.generations(dst)
         bare = KVHandle(handle_id=os.urandom(16), request_id=request_id, layout_hash=L.compat_hash, urls=self.r.urls,
                         block_ids=tuple(dst), generations=tuple(gens), checksums=(), num_tokens=n,

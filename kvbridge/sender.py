@@ -43,11 +43,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .errors import AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch, PoolError
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
-from .handle import KVHandle
+from .handle import KVHandle, check_ttl
 from .integrity import block_checksums, layer_checksums
 from .lease import LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
-from .policy import Retry, Timeout, _seconds
+from .policy import Retry, Timeout
 from .pool import KVPool, block_id_list, whole_number
 from .published import Deadlines, Record, parse_ticket
 from .pushing import run_push
@@ -61,6 +61,8 @@ from .transports.registry import get_transport_class, scheme_of
 __all__ = ["KVSender", "FreeReason"]
 
 log = logging.getLogger("kvbridge.sender")
+HandleForm = Union[KVHandle, bytes, dict[str, Any]]
+_ID_LEN = 16    # a handle id (KVHandle.handle_id); a handle's bytes are longer
 
 
 class KVSender(SenderServing):
@@ -81,7 +83,14 @@ class KVSender(SenderServing):
                  lease_namespace: str = "kvb", clock_margin: float = 1.0, retry: Retry = Retry(),
                  claim_ttl: float = 30.0, codec: str = "raw", link_gbps: Optional[float] = None,
                  allow_lossy: bool = False) -> None:
-        _seconds("KVSender", "ttl", ttl)
+        if not isinstance(pool, KVPool) or pool.closed:   # before anything opens: nothing to close
+            got = "a closed pool" if isinstance(pool, KVPool) else type(pool).__name__
+            raise ConfigError(f"KVSender(pool): an open KVPool, not {got}")
+        if secret is not None and (not isinstance(secret, (bytes, bytearray)) or not secret):
+            raise ConfigError(f"KVSender secret must be non-empty bytes, got {type(secret).__name__} of length "
+                              f"{len(secret) if hasattr(secret, '__len__') else '-'}",
+                              hint="e.g. bytes.fromhex(SECRET_HEX); the same bytes on every sender and receiver")
+        check_ttl("KVSender", ttl)
         if codec != "auto":
             check_codec(codec)
         elif link_gbps is None:
@@ -104,7 +113,7 @@ class KVSender(SenderServing):
         self.claim_ttl = claim_ttl
         self.on_free = on_free
         self.checksums = checksums
-        self._key = secret if secret is not None else os.urandom(32)
+        self._key = bytes(secret) if secret is not None else os.urandom(32)
         self._records: dict[bytes, Record] = {}
         # handle id -> (bytes issued, block ids, generations) of the live handles whose whole
         # reads C answers by itself (serve_small): raw, complete, unleased, a few host blocks
@@ -200,13 +209,18 @@ class KVSender(SenderServing):
                     raise PoolError(f"publish: block {b} is not allocated",
                                     hint="alloc() it first, or wrap the engine's cache with allocator='engine'")
         L = self.pool.layout
-        if not 0 <= num_tokens <= len(ids) * L.block_size:
-            raise ConfigError(f"{num_tokens} tokens do not fit {len(ids)} blocks of {L.block_size}")
+        ntok = whole_number(num_tokens)     # 3.0, '3', None, True: refused, not packed or taken as 1
+        if ntok is None or not 0 <= ntok <= len(ids) * L.block_size:
+            raise ConfigError(f"num_tokens {num_tokens!r}: a whole number of tokens that fits {len(ids)} blocks "
+                              f"of {L.block_size}")
+        num_tokens = ntok
         layerwise = layers_ready is not None
-        if layerwise and not 0 <= int(layers_ready) <= L.num_layers:  # type: ignore[arg-type]
-            raise ConfigError(f"layers_ready={layers_ready} outside 0..{L.num_layers}")
-        ttl = self.ttl if ttl is None else ttl
-        _seconds("publish", "ttl", ttl)   # nan, inf, 0 or less: refused, not a raw error or a dead handle
+        if layerwise:
+            ready = whole_number(layers_ready)
+            if ready is None or not 0 <= ready <= L.num_layers:
+                raise ConfigError(f"layers_ready={layers_ready!r}: a whole number in 0..{L.num_layers}")
+            layers_ready = ready
+        ttl = check_ttl("publish", self.ttl if ttl is None else ttl)   # nan, inf, 0 or less, too large: refused
         check_codec(codec)
         if self.pool.engine_allocated:
             self.pool.pin(ids)
@@ -262,7 +276,7 @@ class KVSender(SenderServing):
             raise refusal
         self.stats.add(published=1, blocks_published=len(ids))
         if layerwise and layers_ready:
-            self.mark_ready(handle, int(layers_ready))
+            self.mark_ready(handle, layers_ready)
         return handle
 
     def _held_by_others(self, ids: list[int]) -> Optional[PoolError]:
@@ -293,16 +307,36 @@ class KVSender(SenderServing):
             except KVBridgeError:
                 pass        # nobody holds the handle: the lease lapses at its TTL
 
-    def mark_ready(self, handle: Union[KVHandle, Transfer], layers: int) -> bool:
+    def _named(self, handle: Union[HandleForm, Transfer]) -> tuple[bytes, Optional[KVHandle]]:
+        """(handle id, the handle where ``handle`` holds one) of a handle in any form the engine
+        may keep it: a :class:`KVHandle`, its bytes, its dict, its 16-byte id, or a push's
+        :class:`Transfer`. Anything else is a :class:`BadHandle` (handle bytes were taken for an id
+        and named no handle: revoke() said False, the blocks stayed pinned until the TTL)."""
+        if isinstance(handle, Transfer):
+            if handle.handle is None:    # a fetch's transfer: no handle of this sender
+                raise ConfigError("a transfer named here is a push's (KVSender.push)")
+            handle = handle.handle
+        if isinstance(handle, KVHandle):
+            return handle.handle_id, handle
+        if isinstance(handle, (bytes, bytearray, memoryview)) and len(handle) == _ID_LEN:
+            return bytes(handle), None
+        if isinstance(handle, (bytes, bytearray, memoryview, dict)):
+            h = parse_ticket(handle)
+            return h.handle_id, h
+        raise BadHandle(f"expected a KVHandle, its bytes, its dict or its 16-byte id, got {type(handle).__name__}")
+
+    def mark_ready(self, handle: Union[HandleForm, Transfer], layers: int) -> bool:
         """Layers ``0..layers-1`` of a layer-wise handle (or push) are final: checksum them and
         wake the readers (or the push) waiting for them. Calls may repeat; counts never go back.
         Returns False when the handle has already ended (released, cancelled by the receiver,
         expired): nothing waits for its layers any more, so the prefill can skip the rest."""
-        h = handle.handle if isinstance(handle, Transfer) else handle
-        if h is None or not h.layerwise:
-            raise ConfigError("mark_ready() takes a layer-wise handle (publish(..., layers_ready=n)) or a push")
+        hid, h = self._named(handle)
         with self._lock:
-            rec = self._records.get(h.handle_id)
+            rec = self._records.get(hid)
+        if rec is not None:
+            h = rec.handle
+        if h is not None and not h.layerwise:
+            raise ConfigError("mark_ready() takes a layer-wise handle (publish(..., layers_ready=n)) or a push")
         if rec is None:
             return False
         L = self.pool.layout.num_layers
@@ -329,9 +363,10 @@ class KVSender(SenderServing):
             self._ready_cv.notify_all()
         return rec.live
 
-    def revoke(self, handle: Union[KVHandle, bytes], reason: FreeReason = "revoked") -> bool:
-        """End a handle now (e.g. the request was aborted); frees once reads drain."""
-        hid = handle.handle_id if isinstance(handle, KVHandle) else bytes(handle)
+    def revoke(self, handle: HandleForm, reason: FreeReason = "revoked") -> bool:
+        """End a handle now (e.g. the request was aborted); frees once reads drain. ``handle``: the
+        handle, its bytes, its dict or its id (``handle_id``). False when it had ended already."""
+        hid, _ = self._named(handle)
         with self._lock:
             rec = self._records.get(hid)
         return self._end(rec, reason) if rec else False
@@ -364,6 +399,7 @@ class KVSender(SenderServing):
         if res.layout_hash != L.compat_hash:
             raise LayoutMismatch(f"reservation layout {res.layout_hash} != this pool's {L.compat_hash} "
                                  f"({L.compat_key()})")
+        block_ids = block_id_list(block_ids, "push")
         if len(block_ids) != res.num_blocks:
             raise PoolError(f"the reservation holds {res.num_blocks} blocks, push names {len(block_ids)}")
         if not res.urls:
@@ -402,13 +438,15 @@ class KVSender(SenderServing):
         return t
 
     # -- lifetime -------------------------------------------------------------------------
-    def renew(self, handle: KVHandle, ttl: float) -> None:
-        """Extend a live handle's lifetime (and its lease) by ``ttl`` seconds from now."""
+    def renew(self, handle: HandleForm, ttl: float) -> None:
+        """Extend a live handle's lifetime (and its lease) by ``ttl`` seconds from now (``handle`` in
+        any form :meth:`revoke` takes)."""
+        hid, _ = self._named(handle)
         with self._lock:
-            rec = self._records.get(handle.handle_id)
+            rec = self._records.get(hid)
         if rec is None:
-            raise HandleNotFound(f"handle {handle.id} is not live")
-        _seconds("renew", "ttl", ttl)
+            raise HandleNotFound(f"handle {hid.hex()} is not live")
+        check_ttl("renew", ttl)
         sent_at = time.monotonic()
         if self.leases is not None and rec.handle.lease_id:
             self.leases.renew(rec.handle.lease_id, self.owner, ttl)

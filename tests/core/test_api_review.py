@@ -4,13 +4,13 @@ every wrong argument is a kvbridge error that says what to fix, refused before a
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pytest
 import torch
 
-from kvbridge import KVHandle, KVLayout, KVPool
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender
 from kvbridge.errors import BadHandle, ConfigError, LayoutMismatch, PoolError
 
 pytestmark = pytest.mark.timeout(30)
@@ -133,3 +133,108 @@ def test_numpy_block_ids_are_block_ids_everywhere() -> None:
         with pytest.raises(PoolError, match="integers"):
             pool.free([bad])                                 # type: ignore[list-item]
     assert eng.generation(1) == 1
+
+
+# -- the sender ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw", [dict(num_tokens=3.0), dict(num_tokens="3"), dict(num_tokens=None),
+                                dict(num_tokens=True), dict(layers_ready="x"), dict(layers_ready=1.5),
+                                dict(layers_ready=True), dict(ttl=1e300), dict(block_ids=3),
+                                dict(block_ids=None)])
+def test_publish_arguments_of_the_wrong_kind_are_refused_and_take_nothing(kw: dict[str, Any]) -> None:
+    """num_tokens=3.0 raised struct.error, '3' or None TypeError, and True was taken as 1;
+    layers_ready='x' raised ValueError and 1.5 was taken as 1; ttl=1e300 (no leases) raised
+    OverflowError; block_ids=3 or None TypeError."""
+    pool = KVPool.allocate(L, 4)
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False) as snd:
+        ids = pool.alloc(2)
+        args: dict[str, Any] = dict(block_ids=ids, num_tokens=5)
+        args.update(kw)
+        with pytest.raises((ConfigError, PoolError)):
+            snd.publish("r", **args)
+        assert [pool.refcount(b) for b in ids] == [1, 1] and snd.num_live == 0
+        h = snd.publish("r", ids, np.int64(5), layers_ready=np.int64(1))
+        assert h.num_tokens == 5 and snd.mark_ready(h, 2)
+
+
+def test_a_ttl_beyond_the_limit_is_refused_by_publish_renew_and_the_sender() -> None:
+    pool = KVPool.allocate(L, 4)
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("r", pool.alloc(1), 1, ttl=1e9)
+        with pytest.raises(ConfigError, match="ttl"):
+            snd.renew(h, 1e300)
+    with pytest.raises(ConfigError, match="ttl"):
+        KVSender(pool, "tcp://127.0.0.1:0", leases=False, ttl=1e12)
+
+
+def test_revoke_and_renew_take_the_handle_in_any_of_its_forms() -> None:
+    """revoke(handle.to_bytes()) returned False -- as if already ended -- and left the blocks
+    pinned until the TTL; revoke(dict) or revoke('id') raised TypeError, renew(bytes)
+    AttributeError."""
+    pool, dst = KVPool.allocate(L, 8), KVPool.allocate(L, 8)
+    freed: list[str] = []
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: freed.append(why)) as snd, \
+            KVReceiver(dst, leases=False) as rcv:
+        forms: list[Callable[[KVHandle], Any]] = [lambda h: h, lambda h: h.to_bytes(), lambda h: h.to_dict(),
+                                                  lambda h: h.handle_id]
+        for form in forms:
+            h = snd.publish("r", pool.alloc(1), 1)
+            snd.renew(form(h), 5)                            # type: ignore[arg-type]
+            assert snd.revoke(form(h)) is True
+            assert snd.revoke(form(h)) is False
+        assert freed == ["revoked"] * 4 and pool.num_free == 8
+        for bad in ("abc", None, 7, b"\0" * 40):
+            with pytest.raises(BadHandle):
+                snd.revoke(bad)                              # type: ignore[arg-type]
+        h = snd.publish("r", pool.alloc(1), 1, layers_ready=0)
+        assert snd.mark_ready(h.to_bytes(), 2) is True       # type: ignore[arg-type]
+        assert rcv.fetch(h.to_dict(), dst.alloc(1)).ok
+
+
+@pytest.mark.parametrize("pool", [None, "pool", "closed"])
+def test_a_sender_without_a_usable_pool_opens_nothing(pool: Any) -> None:
+    """KVSender(None) opened its server (and the embedded lease server) before the pool was
+    looked at, then raised AttributeError outside its cleanup: a listening socket and its
+    threads left behind. A closed pool was taken, and publish then said 'not allocated'."""
+    if pool == "closed":
+        pool = KVPool.allocate(L, 2)
+        pool.close()
+    before = _kvb_threads()
+    with pytest.raises(ConfigError, match="pool"):
+        KVSender(pool, "tcp://127.0.0.1:0")
+    assert _kvb_threads() <= before
+
+
+@pytest.mark.parametrize("secret", ["a shared secret", b"", 1234, bytearray()])
+def test_a_secret_that_is_not_bytes_is_refused_when_the_sender_is_built(secret: Any) -> None:
+    """secret='text' was taken and every publish then failed with a raw TypeError from hmac; an
+    empty secret signed handles with an empty key, which any peer can forge."""
+    pool = KVPool.allocate(L, 2)
+    with pytest.raises(ConfigError, match="secret"):
+        KVSender(pool, "tcp://127.0.0.1:0", leases=False, secret=secret)
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False, secret=bytearray(b"k" * 32)) as snd:
+        assert snd.publish("r", pool.alloc(1), 1).num_blocks == 1
+
+
+def test_a_retire_stopped_by_a_bad_id_still_ends_the_handles_of_the_blocks_it_retired() -> None:
+    """retire([1, 'a']) moved block 1's generation on, then raised before telling the sender:
+    its handle stayed live (every read of it stale) and kept block 1 pinned until its TTL."""
+    pool = KVPool.allocate(L, 4, allocator="engine")
+    freed: list[str] = []
+    with KVSender(pool, "tcp://127.0.0.1:0", leases=False, on_free=lambda h, why: freed.append(why)) as snd:
+        snd.publish("r", [1], 1)
+        with pytest.raises(PoolError, match="integers"):
+            pool.retire([1, "a"])                            # type: ignore[list-item]
+        assert freed == ["retired"] and snd.num_live == 0 and pool.refcount(1) == 0
+
+
+@pytest.mark.parametrize("kw", [dict(num_tokens=3.0), dict(num_tokens="3"), dict(num_tokens=True),
+                                dict(ttl=1e300), dict(ttl=float("nan")), dict(ttl=0), dict(ttl=-1.0)])
+def test_a_reservation_of_the_wrong_kind_is_refused_and_offers_nothing(kw: dict[str, Any]) -> None:
+    """reserve(num_tokens=3.0) raised struct.error, '3' TypeError, True was taken as 1; ttl=nan
+    raised ValueError, 1e300 OverflowError, and 0 or -1 offered a reservation already expired."""
+    pool = KVPool.allocate(L, 4)
+    with KVReceiver(pool, listen="tcp://127.0.0.1:0", leases=False) as rcv:
+        with pytest.raises(ConfigError):
+            rcv.reserve(pool.alloc(1), "r", **kw)
+        assert rcv.stats.reservations == 0 and pool.num_free == 3
+        assert rcv.reserve(pool.alloc(1), "r", num_tokens=np.int64(3), ttl=5).reservation.num_tokens == 3
