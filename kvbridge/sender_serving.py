@@ -80,7 +80,7 @@ class SenderServing(SenderLifecycle):
             if not (rec.handle.layerwise or rec.frames is not None):
                 raise ProtocolError("layer reads are for layer-wise or coded handles; read this one whole")
             lo = layers[0]
-            if not lo < L:
+            if not 0 <= lo < L:     # -1 would index the buffers from their end: another layer's bytes
                 raise ProtocolError(f"layer {lo} outside a {L}-layer handle")
             if rec.frames is not None and indices is not None:
                 raise ProtocolError("a coded handle is read whole: its frames hold every block")

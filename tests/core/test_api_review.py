@@ -227,6 +227,20 @@ def test_a_retire_stopped_by_a_bad_id_still_ends_the_handles_of_the_blocks_it_re
         assert freed == ["retired"] and snd.num_live == 0 and pool.refcount(1) == 0
 
 
+def test_a_layer_read_from_before_layer_0_is_refused() -> None:
+    """open_read (what every transport server calls) took a layer range starting at -1 and served
+    it: three layers' bytes for a two-layer handle, the first taken from the buffers' far end."""
+    from kvbridge.errors import ProtocolError
+    pool = KVPool.allocate(L, 4)
+    with KVSender(pool, "inproc://", leases=False) as snd:
+        h = snd.publish("r", pool.alloc(1), 1, layers_ready=2)
+        with pytest.raises(ProtocolError, match="layer -1"):
+            snd.open_read(h.to_bytes(), None, None, (-1, 2))
+        g = snd.open_read(h.to_bytes(), None, None, (0, 2))
+        assert g.layers == (0, 2)
+        g.close()
+
+
 @pytest.mark.parametrize("kw", [dict(num_tokens=3.0), dict(num_tokens="3"), dict(num_tokens=True),
                                 dict(ttl=1e300), dict(ttl=float("nan")), dict(ttl=0), dict(ttl=-1.0)])
 def test_a_reservation_of_the_wrong_kind_is_refused_and_offers_nothing(kw: dict[str, Any]) -> None:
