@@ -137,6 +137,9 @@ class Int4Codec(Codec):
 
     def _decode_into(self, body: torch.Tensor, hdr: FrameHeader, pool: KVPool, idx: torch.Tensor) -> None:
         n, nl = hdr.num_blocks, hdr.num_layers
+        if (hdr.rows_per_part * hdr.head_dim) % 2:
+            raise ProtocolError(f"int4 frame for parts of an odd number of values ({hdr.rows_per_part} x "
+                                f"{hdr.head_dim}): no encoder writes one (two values per byte)")
         kp, vp, nc = self._sizes(hdr, n, nl)
         if hdr.body_nbytes != kp + vp + nc:
             raise ProtocolError(f"int4 frame body is {hdr.body_nbytes} bytes, its geometry makes {kp + vp + nc}")

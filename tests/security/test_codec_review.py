@@ -140,3 +140,18 @@ def test_int4_never_decodes_past_the_source_range(dtype: str) -> None:
     top = torch.finfo(L.torch_dtype).max
     for b in dst.buffers:
         assert bool(b.float().isfinite().all()) and float(b.float().max()) == top
+
+
+def test_int4_frame_of_odd_parts_is_refused() -> None:
+    """int4 packs two values per byte, so no encoder writes a frame for parts of an odd number of
+    values (its encode refuses them); a forged one for a pool of that geometry raised torch's
+    RuntimeError from a reshape. ProtocolError, nothing written."""
+    L = KVLayout.mla(1, 3, 1, "float16")
+    c = get_codec("int4")
+    kp, vp, nc = c._sizes(L, 1, 1)
+    dst = KVPool.allocate(L, 1)
+    with pytest.raises(ProtocolError, match="odd"):
+        decode_frame(_forged(L, "int4", bytes(kp + vp + nc), 1, range(1), 4), dst, [0])
+    assert _untouched(dst)
+    with pytest.raises(ConfigError, match="even"):
+        c.encode(dst, [0])
