@@ -117,8 +117,14 @@ class KVReceiver(ReceiverPipeline):
         return tuple(s.url for s in self.servers)
 
     def lease_store(self, handle: KVHandle) -> Optional[LeaseStore]:
-        """The store to claim ``handle`` in, or None for an unleased handle."""
-        return self._stores.for_ticket(handle)
+        """The store to claim ``handle`` in, or None for an unleased handle. A lease server URL
+        the handle names (``leases=None``) that no store can use is the handle's fault: BadHandle."""
+        try:
+            return self._stores.for_ticket(handle)
+        except ConfigError as exc:
+            if self._stores.arg is None and handle.lease_url:
+                raise BadHandle(f"the handle names a lease server no store can use: {exc}") from None
+            raise
 
     def transport(self, url: str) -> Transport:
         t = self._by_url.get(url)

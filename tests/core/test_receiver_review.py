@@ -270,3 +270,27 @@ def test_cancelling_a_task_awaiting_a_reservation_ends_it_off_the_event_loop() -
             assert gap < 0.5, f"the event loop stood still for {gap:.2f} s"
         finally:
             s.close()
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0?foo=bar", "redis://[zz/0", "http://127.0.0.1:1/"])
+def test_a_handle_naming_an_unusable_lease_server_is_a_bad_handle(url: str) -> None:
+    """The lease server a leased handle names (``lease_url``, outside its lease digest) comes from
+    the sender, or from whoever forged the handle: a URL the store cannot use raised ConfigError
+    -- "fix your configuration" -- from fetch and start_fetch. It is the handle's fault:
+    BadHandle, before anything moves; the receiver's own ``leases=`` URL stays a ConfigError."""
+    from kvbridge import BadHandle, ConfigError
+
+    with KVSender(KVPool.allocate(L, 4), "inproc://", leases=False) as snd, \
+            KVReceiver(KVPool.allocate(L, 4), leases=None) as rcv:
+        h = snd.publish("r", snd.pool.alloc(1), 16)
+        forged = dataclasses.replace(h, lease_url=url, lease_id="x")
+        forged = dataclasses.replace(forged, lease_id=forged.lease_digest())
+        dst = rcv.pool.alloc(1)
+        with pytest.raises(BadHandle, match="lease server"):
+            rcv.fetch(forged, dst)
+        with pytest.raises(BadHandle, match="lease server"):
+            rcv.start_fetch(forged, dst)
+        assert rcv.pool.generations(dst) == rcv.pool.generations(dst)
+    with pytest.raises(ConfigError):
+        with KVReceiver(KVPool.allocate(L, 4), leases=url) as own:
+            own.fetch(forged, own.pool.alloc(1))
