@@ -284,6 +284,8 @@ class Codec(abc.ABC):
     lossless: bool = True
     # the KV dtypes this codec encodes (None: any); a frame saying its KV was another is refused
     source_dtypes: Optional[frozenset[torch.dtype]] = None
+    # where an ``out`` staging buffer must start (the body's sections are viewed as wider types)
+    out_align: int = _ALIGN
 
     # -- subclass hooks --------------------------------------------------------------
     @abc.abstractmethod
@@ -325,9 +327,10 @@ class Codec(abc.ABC):
                checksum: Optional[bool] = None) -> EncodedKV:
         """Encode blocks ``block_ids`` of ``pool`` (all layers, or ``layers``) into one frame.
 
-        ``out``: a 1-D uint8 staging tensor of at least :meth:`max_encoded_nbytes` bytes on
-        :meth:`output_device` (pinned host memory, a registered buffer); the frame is a view of
-        its beginning. ``checksum`` (default: on for host frames) adds an xxh3-64 of the body that
+        ``out``: a 1-D contiguous uint8 staging tensor of at least :meth:`max_encoded_nbytes` bytes
+        on :meth:`output_device` (pinned host memory, a registered buffer), starting
+        ``out_align``-byte aligned (16; compressors: any byte); the frame is a view of its
+        beginning. ``checksum`` (default: on for host frames) adds an xxh3-64 of the body that
         :meth:`decode` verifies; device frames are hashed by whoever stages them to the host.
         """
         L = pool.layout
@@ -341,6 +344,9 @@ class Codec(abc.ABC):
             out = torch.empty(cap, dtype=torch.uint8, device=dev)
         elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < cap or out.device != dev:
             raise ConfigError(f"out must be a 1-D uint8 tensor of >= {cap} bytes on {dev}")
+        elif not out.is_contiguous() or out.data_ptr() % self.out_align:
+            raise ConfigError(f"out must be contiguous and start {self.out_align}-byte aligned for codec "
+                              f"{self.name!r} (a slice of a staging buffer at a multiple of {self.out_align})")
         body = out[HEADER_NBYTES:cap]
         written, aux = self._encode_body(pool, idx, rng, body)
         hdr = FrameHeader.for_pool(self.name, L, n, rng, written, aux)

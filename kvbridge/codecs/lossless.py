@@ -60,6 +60,7 @@ class _Compressor(Codec):
 
     lossless = True
     base_name = ""
+    out_align = 1         # bodies are written through numpy, byte by byte
 
     def __init__(self, shuffle: bool = False) -> None:
         self.shuffle = shuffle

@@ -155,3 +155,28 @@ def test_int4_frame_of_odd_parts_is_refused() -> None:
     assert _untouched(dst)
     with pytest.raises(ConfigError, match="even"):
         c.encode(dst, [0])
+
+
+# -- a careless caller's buffers and ids -----------------------------------------------------------
+
+@pytest.mark.parametrize("codec", ["raw", "int8", "fp8", "int4", "lz4", "zstd+shuffle"])
+def test_staging_buffer_that_cannot_hold_a_frame_is_refused(codec: str) -> None:
+    """``out`` strided, or starting off the alignment the frame's sections are viewed at: torch's
+    RuntimeError or a BufferError escaped. ConfigError; compressors take any start."""
+    L = KVLayout.vllm_flash(1, 2, 8, block_size=4, dtype="float16")
+    src = KVPool.allocate(L, 2)
+    for b in src.buffers:
+        b.copy_(torch.randn(b.shape))
+    c = get_codec(codec)
+    cap = c.max_encoded_nbytes(L, 2)
+    with pytest.raises(ConfigError, match="contiguous"):
+        c.encode(src, [0, 1], out=torch.zeros(2 * cap, dtype=torch.uint8)[::2])
+    off = torch.zeros(cap + 16, dtype=torch.uint8)[1:]
+    if codec.startswith(("lz4", "zstd")):
+        fr = c.encode(src, [0, 1], out=off)
+        dst = KVPool.allocate(L, 2)
+        decode_frame(fr, dst, [0, 1])
+        assert all(torch.equal(a, b) for a, b in zip(src.buffers, dst.buffers))
+    else:
+        with pytest.raises(ConfigError, match="aligned"):
+            c.encode(src, [0, 1], out=off)
