@@ -93,14 +93,17 @@ def test_a_cancel_during_connect_ends_the_transfer_cancelled(monkeypatch: pytest
             client = rcv.transport(h.urls[0])._client(h.urls[0])   # type: ignore[attr-defined]
             real = client._connect
             box: list[Any] = []
+            started = threading.Event()
 
             def connect(timeout: float) -> socket.socket:
                 s = real(timeout)
+                assert started.wait(5)            # the worker may get here before start_fetch returns
                 box[0].cancel_event.set()         # the cancel comes as the connection opens
                 return s
             client._connect = connect
             t = rcv.start_fetch(h, rcv.pool.alloc(2), release=False)
             box.append(t)
+            started.set()
             res = t.result(10)
             assert isinstance(res.error, TransferCancelled), repr(res.error)
             assert t.state.value == "cancelled"
@@ -138,9 +141,9 @@ def test_a_cancelled_push_still_tells_the_receiver(monkeypatch: pytest.MonkeyPat
         assert started.wait(5)
         t.cancel(5)
         assert isinstance(t.result(5).error, TransferCancelled), repr(t.result(5).error)
-        assert not cuts, "the push's WABORT was cut by its own transfer's cancel"
         r = rt.result(5)                          # the receiver heard the writer give up (not at expiry)
         assert not r.ok, "the push reports a cancel, but its write landed whole after it"
+        assert not cuts, "the push's WABORT was cut by its own transfer's cancel"
 
 
 def test_an_shm_sender_forgotten_under_one_url_is_forgotten_under_all() -> None:
