@@ -30,7 +30,8 @@ from typing import Any, Mapping, Optional, Protocol, Sequence, TypeVar
 from .errors import AccessDenied, BadHandle, ConfigError, HandleNotFound
 from .policy import _seconds
 
-__all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "MAX_TTL", "check_ttl", "compute_mac", "lookup_ticket"]
+__all__ = ["KVHandle", "HANDLE_VERSION", "MAX_HANDLE_BYTES", "MAX_TTL", "check_secret", "check_ttl", "compute_mac",
+           "lookup_ticket"]
 
 HANDLE_VERSION = 1
 MAGIC = b"KVH"
@@ -57,6 +58,15 @@ def check_ttl(owner: str, ttl: object) -> float:
         raise ConfigError(f"{owner}.ttl must be at most {MAX_TTL:.0f} seconds, got {ttl!r}",
                           hint="renew() a handle that must live longer")
     return ttl
+
+
+def check_secret(owner: str, secret: object) -> None:
+    """A sender's or receiver's ``secret=``: None, or non-empty bytes (a str failed every MAC in
+    hmac, an empty key signed nothing worth checking); :class:`ConfigError` otherwise."""
+    if secret is not None and (not isinstance(secret, (bytes, bytearray)) or not secret):
+        raise ConfigError(f"{owner} secret must be non-empty bytes, got {type(secret).__name__} of length "
+                          f"{len(secret) if hasattr(secret, '__len__') else '-'}",
+                          hint="e.g. bytes.fromhex(SECRET_HEX); the same bytes on every sender and receiver")
 
 
 def compute_mac(key: bytes, body: bytes) -> bytes:

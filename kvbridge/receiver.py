@@ -44,7 +44,7 @@ from typing import Any, Optional, Sequence, Union
 from .blockcopy import dst_snapshot
 from .errors import AccessDenied, BadHandle, ConfigError, KVBridgeError, LayoutMismatch, PoolError
 from .frames import check_codec
-from .handle import KVHandle
+from .handle import KVHandle, check_secret, check_ttl
 from .lease import Claim, LeaseStore
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout
@@ -81,6 +81,11 @@ class KVReceiver(ReceiverPipeline):
                  claimer: Optional[str] = None, claim_ttl: float = 30.0, lease_namespace: str = "kvb",
                  listen: Union[str, Sequence[str], None] = None, reservation_ttl: float = 60.0,
                  workers: int = 32, clock_margin: float = 1.0) -> None:
+        if not isinstance(pool, KVPool) or pool.closed:   # before anything opens: nothing to close
+            got = "a closed pool" if isinstance(pool, KVPool) else type(pool).__name__
+            raise ConfigError(f"KVReceiver(pool): an open KVPool, not {got}")
+        check_secret("KVReceiver", secret)
+        check_ttl("KVReceiver(reservation_ttl)", reservation_ttl)
         self.pool = pool
         self._closed = False
         self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"

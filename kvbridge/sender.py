@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .errors import AccessDenied, BadHandle, ConfigError, HandleNotFound, KVBridgeError, LayoutMismatch, PoolError
 from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, measure_codec_speeds
 from .frames import FrameStore, check_codec
-from .handle import KVHandle, check_ttl
+from .handle import KVHandle, check_secret, check_ttl
 from .integrity import block_checksums, layer_checksums
 from .lease import LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
@@ -86,10 +86,7 @@ class KVSender(SenderServing):
         if not isinstance(pool, KVPool) or pool.closed:   # before anything opens: nothing to close
             got = "a closed pool" if isinstance(pool, KVPool) else type(pool).__name__
             raise ConfigError(f"KVSender(pool): an open KVPool, not {got}")
-        if secret is not None and (not isinstance(secret, (bytes, bytearray)) or not secret):
-            raise ConfigError(f"KVSender secret must be non-empty bytes, got {type(secret).__name__} of length "
-                              f"{len(secret) if hasattr(secret, '__len__') else '-'}",
-                              hint="e.g. bytes.fromhex(SECRET_HEX); the same bytes on every sender and receiver")
+        check_secret("KVSender", secret)
         check_ttl("KVSender", ttl)
         if codec != "auto":
             check_codec(codec)

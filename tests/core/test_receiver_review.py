@@ -294,3 +294,22 @@ def test_a_handle_naming_an_unusable_lease_server_is_a_bad_handle(url: str) -> N
     with pytest.raises(ConfigError):
         with KVReceiver(KVPool.allocate(L, 4), leases=url) as own:
             own.fetch(forged, own.pool.alloc(1))
+
+
+def test_a_receiver_refuses_a_pool_secret_or_reservation_ttl_it_cannot_use() -> None:
+    """As KVSender does: a str or empty secret (every MAC check and reservation signing then
+    failed inside hmac), no pool or a closed one (an AttributeError later), and a reservation
+    TTL that is not finite seconds in (0, MAX_TTL] are ConfigError at construction."""
+    from kvbridge import ConfigError
+
+    closed = KVPool.allocate(L, 2)
+    closed.close()
+    for kw in ({"secret": "abc"}, {"secret": b""}, {"reservation_ttl": float("nan")}, {"reservation_ttl": 0},
+               {"reservation_ttl": 1e300}):
+        with pytest.raises(ConfigError):
+            KVReceiver(KVPool.allocate(L, 2), leases=False, **kw)  # type: ignore[arg-type]
+    for pool in (None, closed):
+        with pytest.raises(ConfigError, match="KVPool"):
+            KVReceiver(pool, leases=False)  # type: ignore[arg-type]
+    with KVReceiver(KVPool.allocate(L, 2), leases=False, secret=b"k" * 32, reservation_ttl=5) as ok:
+        assert ok.secret == b"k" * 32
