@@ -191,14 +191,16 @@ class EncodedKV:
 
 
 def as_byte_tensor(data: FrameInput) -> torch.Tensor:
-    """A flat uint8 tensor over ``data`` without copying (bytes-likes are wrapped read-only)."""
+    """A flat uint8 tensor over ``data`` without copying (bytes-likes are wrapped read-only; a
+    strided tensor is copied into one run)."""
     if isinstance(data, EncodedKV):
         return data.data
     if isinstance(data, torch.Tensor):
         if data.dtype != torch.uint8 or data.dim() != 1:
             raise ConfigError(f"a codec frame tensor must be 1-D uint8, got {data.dtype} {tuple(data.shape)}")
-        return data
-    mv = memoryview(data).cast("B")
+        return data if data.is_contiguous() else data.contiguous()   # a strided view: hashed and viewed as one run
+    mv = memoryview(data)
+    mv = (mv if mv.c_contiguous else memoryview(mv.tobytes())).cast("B")
     if mv.nbytes == 0:
         return torch.empty(0, dtype=torch.uint8)
     with warnings.catch_warnings():  # read-only buffers: decode never writes into its input

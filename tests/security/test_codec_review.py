@@ -180,3 +180,23 @@ def test_staging_buffer_that_cannot_hold_a_frame_is_refused(codec: str) -> None:
     else:
         with pytest.raises(ConfigError, match="aligned"):
             c.encode(src, [0, 1], out=off)
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4", "int8", "int4"])
+def test_strided_frame_tensor_decodes(codec: str) -> None:
+    """A frame handed over as a strided 1-D uint8 view (every other byte of a buffer): hashing it
+    raised a raw BufferError. It decodes like the same bytes laid out contiguously."""
+    L = KVLayout.vllm_flash(1, 2, 8, block_size=4, dtype="float16")
+    src = KVPool.allocate(L, 2)
+    for b in src.buffers:
+        b.copy_(torch.randn(b.shape))
+    fr = get_codec(codec).encode(src, [0, 1]).data
+    spread = torch.zeros(2 * fr.numel(), dtype=torch.uint8)
+    spread[::2] = fr
+    want, got = KVPool.allocate(L, 2), KVPool.allocate(L, 2)
+    decode_frame(fr, want, [0, 1])
+    decode_frame(spread[::2], got, [0, 1])
+    assert all(torch.equal(a, b) for a, b in zip(want.buffers, got.buffers))
+    got = KVPool.allocate(L, 2)
+    decode_frame(memoryview(spread.numpy()[::2]), got, [0, 1])     # a strided buffer, as numpy gives it
+    assert all(torch.equal(a, b) for a, b in zip(want.buffers, got.buffers))
