@@ -208,14 +208,17 @@ def as_byte_tensor(data: FrameInput) -> torch.Tensor:
         return torch.frombuffer(mv, dtype=torch.uint8)
 
 
-def block_index(pool: KVPool, block_ids: Union[Sequence[int], torch.Tensor]) -> torch.Tensor:
-    """``block_ids`` as an int64 index tensor on the pool's device, range-checked."""
+def block_index(pool: KVPool, block_ids: Union[Sequence[int], torch.Tensor], unique: bool = False) -> torch.Tensor:
+    """``block_ids`` as an int64 index tensor on the pool's device, range-checked (``unique``: and
+    without repeats, as destinations must be: two blocks decoded into one would overwrite each other)."""
     idx = torch.as_tensor(block_ids, dtype=torch.long)
     if idx.dim() != 1 or idx.numel() == 0:
         raise PoolError("a codec needs a non-empty 1-D list of block ids")
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 0 or hi >= pool.num_blocks:
         raise PoolError(f"block id {lo if lo < 0 else hi} outside a pool of {pool.num_blocks} blocks")
+    if unique and idx.numel() > 1 and int(torch.unique(idx).numel()) != idx.numel():
+        raise PoolError("duplicate destination block ids")
     return idx.to(pool.device)
 
 
@@ -377,7 +380,7 @@ class Codec(abc.ABC):
             raise ProtocolError(f"codec {self.name!r} frame says its KV was {hdr.src_dtype}: no encoder "
                                 "writes one")
         expect = None if layers is None else layer_range(pool.layout, layers)
-        idx = block_index(pool, block_ids)
+        idx = block_index(pool, block_ids, unique=True)
         _check_geometry(hdr, pool.layout, int(idx.numel()), expect)
         body = t[HEADER_NBYTES:]
         if hdr.body_hash is not None and _hash(body) != hdr.body_hash:

@@ -200,3 +200,20 @@ def test_strided_frame_tensor_decodes(codec: str) -> None:
     got = KVPool.allocate(L, 2)
     decode_frame(memoryview(spread.numpy()[::2]), got, [0, 1])     # a strided buffer, as numpy gives it
     assert all(torch.equal(a, b) for a, b in zip(want.buffers, got.buffers))
+
+
+@pytest.mark.parametrize("codec", ["raw", "lz4", "int8", "int4"])
+def test_duplicate_destination_ids_are_refused(codec: str) -> None:
+    """Two frame blocks decoded into one destination block: one silently overwrote the other (which
+    one depends on the scatter). PoolError, nothing written; a repeated source id still encodes."""
+    from kvbridge.errors import PoolError
+    L = KVLayout.vllm_flash(1, 2, 8, block_size=4, dtype="float16")
+    src = KVPool.allocate(L, 2)
+    for b in src.buffers:
+        b.copy_(torch.randn(b.shape))
+    fr = bytes(get_codec(codec).encode(src, [0, 0, 1]).data.numpy())
+    dst = KVPool.allocate(L, 3)
+    with pytest.raises(PoolError, match="duplicate"):
+        decode_frame(fr, dst, [2, 0, 2])
+    assert _untouched(dst)
+    decode_frame(fr, dst, [2, 0, 1])
