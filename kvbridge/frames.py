@@ -115,6 +115,8 @@ class FrameLoader:
 
     def spans_for(self, lo: int, hi: int, nbytes: int) -> Spans:
         L = self.pool.layout
+        if not 0 <= lo <= hi <= L.num_layers:    # before the range sizes anything
+            raise ProtocolError(f"sender offers layers [{lo}, {hi}) of a handle of {L.num_layers} layers")
         if not self.layerwise and (lo, hi) != (0, L.num_layers):
             raise ProtocolError(f"sender offers layers [{lo}, {hi}) of a coded handle published whole: its one "
                                 f"frame holds [0, {L.num_layers}), served in one reply")

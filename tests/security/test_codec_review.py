@@ -217,3 +217,19 @@ def test_duplicate_destination_ids_are_refused(codec: str) -> None:
         decode_frame(fr, dst, [2, 0, 2])
     assert _untouched(dst)
     decode_frame(fr, dst, [2, 0, 1])
+
+
+# -- the receiver's frame buffer -------------------------------------------------------------------
+
+@pytest.mark.parametrize("lo,hi", [(0, 4096), (1, 3), (-1, 1), (2, 1)])
+def test_frame_loader_sizes_nothing_by_a_layer_range_outside_the_layout(lo: int, hi: int) -> None:
+    """The staging buffer of a layer-wise coded read was sized by ``(hi - lo)`` layers' worth of
+    frames whatever ``hi`` was: a range past the layout's layers (a transport that did not check
+    it) let a peer size it at will. The range is checked first (ProtocolError), nothing allocated."""
+    from kvbridge.frames import FrameLoader
+    L = KVLayout.vllm_flash(2, 2, 8, block_size=4, dtype="float16")
+    loader = FrameLoader("lz4", KVPool.allocate(L, 2), [0, 1], layerwise=True)
+    one = get_codec("lz4").max_encoded_nbytes(L, 2, 1)
+    with pytest.raises(ProtocolError, match="layers"):
+        loader.spans_for(lo, hi, 3 * one)
+    assert loader.spans_for(0, 2, 2 * one).nbytes == 2 * one
