@@ -128,4 +128,8 @@ def decode_frame(data: FrameInput, pool: KVPool, block_ids: Any, layers: Union[r
     hdr = read_header(t)
     if expect_codec is not None and hdr.codec != expect_codec:
         raise ProtocolError(f"frame encoded with codec {hdr.codec!r}, the handle says {expect_codec!r}")
+    _load_entry_points()
+    if hdr.codec not in known_codecs:     # the frame's fault, not the caller's (get_codec: ConfigError)
+        raise ProtocolError(f"frame names codec {hdr.codec!r}, which this kvbridge does not know; known codecs: "
+                            f"{', '.join(sorted(known_codecs))}")
     return get_codec(hdr.codec).decode(t, pool, block_ids, layers)

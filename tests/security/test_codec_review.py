@@ -233,3 +233,18 @@ def test_frame_loader_sizes_nothing_by_a_layer_range_outside_the_layout(lo: int,
     with pytest.raises(ProtocolError, match="layers"):
         loader.spans_for(lo, hi, 3 * one)
     assert loader.spans_for(0, 2, 2 * one).nbytes == 2 * one
+
+
+# -- the registry as a peer reaches it -------------------------------------------------------------
+
+def test_frame_naming_an_unknown_codec_is_a_protocol_error() -> None:
+    """A frame whose header names no registered codec raised ConfigError (action FIX: "change
+    your call"), though the caller's call was fine and the peer's frame was not. ProtocolError."""
+    L = KVLayout.vllm_flash(1, 2, 8, block_size=4, dtype="float16")
+    dst = KVPool.allocate(L, 1)
+    for name in ("brotli", "raw\0x"):
+        with pytest.raises(ProtocolError, match="names codec"):
+            decode_frame(_forged(L, name, bytes(16), 1, range(1), 0), dst, [0])
+    assert _untouched(dst)
+    with pytest.raises(ConfigError, match="unknown codec"):     # the caller's own name stays a ConfigError
+        get_codec("brotli")
