@@ -36,17 +36,24 @@ known_codecs: dict[str, dict[str, Any]] = {
 }
 
 _lock = threading.Lock()
+_ep_lock = threading.Lock()
 _instances: dict[str, Codec] = {}
 _entry_points_loaded = False
 
 
 def _load_entry_points() -> None:
+    """Read the ``kvbridge.codecs`` entry points once; a thread that asks meanwhile waits for them."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
-    _entry_points_loaded = True
-    for ep in entry_points(group="kvbridge.codecs"):
-        known_codecs.setdefault(ep.name, {"class": ep.value})
+    with _ep_lock:
+        if _entry_points_loaded:
+            return
+        found = list(entry_points(group="kvbridge.codecs"))
+        with _lock:
+            for ep in found:
+                known_codecs.setdefault(ep.name, {"class": ep.value})
+        _entry_points_loaded = True     # only now: a name asked for meanwhile was not missed
 
 
 def register_codec(name: str, target: Union[str, type[Codec]], *, clobber: bool = False, **kwargs: Any) -> None:

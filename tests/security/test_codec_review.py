@@ -248,3 +248,40 @@ def test_frame_naming_an_unknown_codec_is_a_protocol_error() -> None:
     assert _untouched(dst)
     with pytest.raises(ConfigError, match="unknown codec"):     # the caller's own name stays a ConfigError
         get_codec("brotli")
+
+
+def test_entry_point_codec_is_found_while_another_thread_loads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry points were marked loaded before they were read: a thread asking for an entry-point
+    codec while another read them got "unknown codec". It waits for the reading and gets the codec."""
+    import threading
+    from importlib.metadata import EntryPoint
+
+    from kvbridge.codecs import registry as reg
+    monkeypatch.setattr(reg, "known_codecs", dict(reg.known_codecs))
+    monkeypatch.setattr(reg, "_instances", {})
+    monkeypatch.setattr(reg, "_entry_points_loaded", False)
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_entry_points(group: str) -> list[EntryPoint]:       # a slow scan of installed metadata
+        entered.set()
+        release.wait(5)
+        return [EntryPoint("plugin", "kvbridge.codecs.base:RawCodec", group)]
+    monkeypatch.setattr(reg, "entry_points", slow_entry_points)
+    got: dict[str, object] = {}
+
+    def ask(key: str, call: object) -> None:
+        try:
+            got[key] = call()  # type: ignore[operator]
+        except Exception as exc:  # noqa: BLE001 -- reported below
+            got[key] = exc
+    a = threading.Thread(target=ask, args=("names", reg.codec_names))
+    a.start()
+    assert entered.wait(5)
+    b = threading.Thread(target=ask, args=("codec", lambda: reg.get_codec("plugin")))
+    b.start()
+    b.join(0.2)
+    release.set()
+    a.join(5)
+    b.join(5)
+    assert "plugin" in got["names"]  # type: ignore[operator]
+    assert getattr(got["codec"], "name", got["codec"]) == "plugin"
