@@ -86,12 +86,14 @@ def choose_codec(link_gbps: float, speeds: Iterable[CodecSpeed], *, allow_lossy:
     """
     if not link_gbps > 0 or math.isinf(link_gbps):
         raise ConfigError(f"link bandwidth must be a positive finite GB/s figure, got {link_gbps!r}")
+    if not 0 <= min_gain < 1:
+        raise ConfigError(f"min_gain must be a fraction in [0, 1), got {min_gain!r}")
     raw_t = 1.0 / link_gbps
     best: Optional[tuple[float, CodecSpeed]] = None
     skipped_lossy: list[str] = []
     for s in speeds:
-        if s.name == "raw" or min(s.ratio, s.encode_gbps, s.decode_gbps) <= 0:
-            continue
+        if s.name == "raw" or not all(v > 0 for v in (s.ratio, s.encode_gbps, s.decode_gbps)):
+            continue                     # zero, negative or NaN (unmeasured): nothing to compare
         if not s.lossless and not allow_lossy:
             skipped_lossy.append(s.name)
             continue

@@ -69,3 +69,17 @@ def test_measured_speeds_feed_the_choice() -> None:
     assert all(s.encode_gbps > 0 and s.decode_gbps > 0 for s in speeds)
     assert speeds[3].ratio > 1.5 and not speeds[3].lossless
     assert choose_codec(1e-6, speeds, allow_lossy=True).codec != "raw"
+
+
+def test_an_unmeasured_figure_does_not_hide_the_others() -> None:
+    """A NaN figure (a failed measurement) came first and stuck as the best (NaN < t is never true),
+    so a slow link stayed raw whatever the other codecs measured. It is left out, like a zero one;
+    min_gain outside [0, 1) is refused (a negative one let the choice lose to raw)."""
+    nan = float("nan")
+    for bad in (CodecSpeed("lz4", ratio=nan, encode_gbps=2.0, decode_gbps=3.0),
+                CodecSpeed("lz4", ratio=1.5, encode_gbps=nan, decode_gbps=3.0)):
+        assert choose_codec(0.05, [bad, ZSTD]).codec == "zstd+shuffle"
+        assert choose_codec(0.05, [ZSTD, bad]).codec == "zstd+shuffle"
+    for g in (-0.5, 1.0, nan):
+        with pytest.raises(ConfigError, match="min_gain"):
+            choose_codec(0.05, [ZSTD], min_gain=g)
