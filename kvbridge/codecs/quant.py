@@ -7,7 +7,8 @@ values; or, for ``fp8-block``, one whole part of one block)::
 
     amax  = max |x|                 (float32)
     scale = amax * float32(1/QMAX)  (float32, stored in the frame)
-    inv   = QMAX / amax, 0 if amax == 0
+    inv   = QMAX / amax, 0 if amax == 0 (below 2^-96, where it would overflow: x and amax are
+            first multiplied by 2^64, exactly)
     q     = round_half_even(x * inv) clamped to [-127, 127]          int8,  QMAX = 127
     q     = e4m3(clamp(x * inv, -448, 448)), round to nearest even    fp8,   QMAX = 448
     x'    = float32(q) * scale, then rounded to the destination dtype
@@ -44,6 +45,7 @@ _INT_VIEW = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.float16: (torch.int
              torch.bfloat16: (torch.int16, 0x7FFF)}
 _ALIGN = 16
 _CHUNK = 1 << 18  # values per quantization chunk (1 MiB of float32 temporaries)
+_TINY, _UP = 2.0 ** -96, 2.0 ** 64  # rows with amax below _TINY are scaled by _UP (exactly) first
 
 
 def _scaled(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,9 +64,18 @@ def _scaled(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
     if not bool(torch.isfinite(amax).all()):
         raise ConfigError("KV holds non-finite values (inf/nan) that a scaled codec cannot encode; "
                           "use a lossless codec")
-    inv = torch.where(amax > 0, qmax / amax, torch.zeros((), dtype=torch.float32, device=x.device))
+    scale = (amax * _INV[qmax]).squeeze(-1)
     xf = x.to(torch.float32, copy=True)
-    return xf.mul_(inv), (amax * _INV[qmax]).squeeze(-1)
+    tiny = (amax < _TINY) & (amax > 0)      # all-zero rows (padding) need nothing
+    if bool(tiny.any()):
+        # QMAX / amax overflows float32 below ~1e-36 (subnormal or tiny normal groups: x * inf is
+        # inf, 0 * inf NaN): scale those rows and their amax by 2^64 first. Powers of two are exact,
+        # so x * inv rounds as it would without the overflow; other rows are untouched.
+        up = torch.where(tiny, _UP, 1.0)
+        amax = amax * up
+        xf.mul_(up)
+    inv = torch.where(amax > 0, qmax / amax, torch.zeros((), dtype=torch.float32, device=x.device))
+    return xf.mul_(inv), scale
 
 
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -285,3 +285,31 @@ def test_entry_point_codec_is_found_while_another_thread_loads_them(monkeypatch:
     b.join(5)
     assert "plugin" in got["names"]  # type: ignore[operator]
     assert getattr(got["codec"], "name", got["codec"]) == "plugin"
+
+
+# -- accuracy at the edges of the float range ------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("codec", ["int8", "fp8", "fp8-block"])
+def test_tiny_groups_quantize_within_bounds(codec: str, dtype: str) -> None:
+    """A group whose absmax is below QMAX / float32 max (~1e-36: subnormal, or tiny normal values;
+    bfloat16 has them too) made 1/amax overflow to inf: zeros became NaN, so fp8 wrote NaN codes its
+    own decode refused (a genuine frame failed as corrupted, every refetch again) and int8 wrote
+    +-127 for any value. Such groups round trip within the stated bounds."""
+    L = KVLayout.vllm_flash(1, 1, 8, block_size=2, dtype=dtype)
+    src = KVPool.allocate(L, 2)
+    rows = torch.tensor([[1e-39, 0.0, -3e-40, 2e-41, 0.0, 5e-40, -1e-39, 7e-42],
+                         [1e-37, 0.0, -3e-38, 2e-38, 4e-39, 0.0, -1e-37, 1e-40],
+                         [3e-37, -1e-37, 0.0, 1e-38, 2e-37, 1e-39, -3e-37, 0.0],
+                         [1.0, -0.5, 0.25, 0.0, 0.125, -1.0, 0.75, 0.5]])
+    for b in src.buffers:
+        b.view(-1, 8).copy_(rows.repeat(b.numel() // 32, 1))
+    dst = KVPool.allocate(L, 2)
+    decode_frame(bytes(get_codec(codec).encode(src, [0, 1]).data.numpy()), dst, [0, 1])
+    for s, d in zip(src.buffers, dst.buffers):
+        x, y = s.float().view(-1, 8), d.float().view(-1, 8)
+        amax = (x.abs().amax(-1, keepdim=True) if codec != "fp8-block"      # fp8-block: 2 rows a block part
+                else x.abs().view(-1, 16).amax(-1).repeat_interleave(2).view(-1, 1))
+        step = amax / 254 if codec == "int8" else x.abs() * 2.0 ** -4 + amax / 448 * 2.0 ** -9
+        rounding = (x.abs() + step) * (2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -24)   # the pool's own
+        assert bool(((x - y).abs() <= step * (1 + 1e-3) + rounding + 2.0 ** -140).all()), (x - y).abs().max()
