@@ -57,9 +57,11 @@ def _load_entry_points() -> None:
 
 
 def register_codec(name: str, target: Union[str, type[Codec]], *, clobber: bool = False, **kwargs: Any) -> None:
-    """Register a codec class (or ``"module:Class"``) under ``name`` (at most 12 ASCII bytes)."""
-    if not name.isascii() or not 0 < len(name) <= 12:
-        raise ConfigError(f"codec name {name!r} must be 1-12 ASCII characters")
+    """Register a codec class (or ``"module:Class"``) under ``name`` (1-12 printable ASCII
+    characters, no space: frames carry it NUL-padded)."""
+    if not isinstance(name, str) or not (name.isascii() and name.isprintable() and " " not in name
+                                         and 0 < len(name) <= 12):
+        raise ConfigError(f"codec name {name!r} must be 1-12 ASCII characters, printable, without spaces")
     with _lock:
         if name in known_codecs and not clobber:
             raise ConfigError(f"codec {name!r} already registered (pass clobber=True to replace it)")

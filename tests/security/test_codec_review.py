@@ -313,3 +313,17 @@ def test_tiny_groups_quantize_within_bounds(codec: str, dtype: str) -> None:
         step = amax / 254 if codec == "int8" else x.abs() * 2.0 ** -4 + amax / 448 * 2.0 ** -9
         rounding = (x.abs() + step) * (2.0 ** -8 if dtype == "bfloat16" else 2.0 ** -24)   # the pool's own
         assert bool(((x - y).abs() <= step * (1 + 1e-3) + rounding + 2.0 ** -140).all()), (x - y).abs().max()
+
+
+def test_codec_names_are_printable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name with a NUL or a control character was registered, then read back from a frame as
+    another name (the header pads names with NULs): its own frames were refused. ConfigError."""
+    from kvbridge.codecs import register_codec
+    from kvbridge.codecs import registry as reg
+    from kvbridge.codecs.base import RawCodec
+    monkeypatch.setattr(reg, "known_codecs", dict(reg.known_codecs))
+    monkeypatch.setattr(reg, "_instances", {})
+    for bad in ("plain\0", "pl\nain", "pl ain"):
+        with pytest.raises(ConfigError, match="1-12"):
+            register_codec(bad, RawCodec)
+    register_codec("plain-2", RawCodec)
