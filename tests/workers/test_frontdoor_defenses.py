@@ -7,11 +7,12 @@ Real servers on 127.0.0.1, raw sockets for the clients; every wait is bounded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
 import time
-from typing import AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import pytest
 from starlette.applications import Starlette
@@ -279,6 +280,25 @@ def test_a_full_worker_pool_is_reported_as_overload() -> None:
     ``worker_timeout`` per attempt (a prefill is tried twice: 8.4 s at 4 s) and got 504 blaming a
     silent worker, which was also marked down. Now it waits ``worker_pool_timeout`` and gets 503
     ``overloaded``; no worker is blamed, and a connection that comes free is used again."""
+    body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True}).encode()
+    with _one_connection_proxy() as (fake, http, proxy, first):
+        t0 = time.monotonic()
+        st, err = _post_json(http.url, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
+        assert st == 503 and time.monotonic() - t0 < 3.0, (st, err)
+        e = err["error"]
+        assert e["code"] == "overloaded" and "at capacity" in e["message"], e  # type: ignore[index]
+        assert not proxy._down_until and fake.streams_open == 1  # no worker blamed, none asked
+        first.close()  # its stream ends: the connection comes free for the next request
+        assert wait_until(lambda: fake.streams_ended == 1, 5.0)
+        with socket.create_connection((http.host, http.port), timeout=10) as again:
+            again.sendall(_post("/v1/completions", body, close=True))
+            assert wait_until(lambda: fake.streams_open == 2, 5.0)
+
+
+@contextlib.contextmanager
+def _one_connection_proxy() -> Iterator[tuple[_QueuedForever, HTTPServer, Any, socket.socket]]:
+    """A front door with one connection to a worker that keeps every request queued, and that
+    connection held by a streaming request: its pool is full."""
     from kvbridge.workers.proxy import Proxy, ProxyConfig
 
     fake = _QueuedForever()
@@ -292,17 +312,7 @@ def test_a_full_worker_pool_is_reported_as_overload() -> None:
     try:
         first.sendall(_post("/v1/completions", body, close=True))  # holds the pool's one connection
         assert wait_until(lambda: fake.streams_open == 1, 5.0)
-        t0 = time.monotonic()
-        st, err = _post_json(http.url, "/v1/completions", {"prompt": "hi", "max_tokens": 4})
-        assert st == 503 and time.monotonic() - t0 < 3.0, (st, err)
-        e = err["error"]
-        assert e["code"] == "overloaded" and "at capacity" in e["message"], e  # type: ignore[index]
-        assert not proxy._down_until and fake.streams_open == 1  # no worker blamed, none asked
-        first.close()  # its stream ends: the connection comes free for the next request
-        assert wait_until(lambda: fake.streams_ended == 1, 5.0)
-        with socket.create_connection((http.host, http.port), timeout=10) as again:
-            again.sendall(_post("/v1/completions", body, close=True))
-            assert wait_until(lambda: fake.streams_open == 2, 5.0)
+        yield fake, http, proxy, first
     finally:
         first.close()
         proxy.close()
@@ -498,19 +508,7 @@ def test_health_of_workers_whose_connections_are_all_in_use_is_ok() -> None:
     front door, nothing wrong with the workers) every worker was shown ``ok: false`` ("at
     capacity") and ``/health`` answered 503 ``degraded``. Health probes now have connections
     of their own; many ``/health`` callers at once share one round of probes."""
-    from kvbridge.workers.proxy import Proxy, ProxyConfig
-
-    fake = _QueuedForever()
-    worker = HTTPServer(fake.starlette(), bind_socket("127.0.0.1", 0), name="fake-worker")
-    proxy = Proxy(ProxyConfig(prefill=[worker.url], decode=[worker.url], model_name="m", worker_timeout=5.0,
-                              request_timeout=20.0, max_model_len=4096, worker_connections=1,
-                              worker_pool_timeout=0.5))
-    http = proxy.serve("127.0.0.1", 0)
-    body = json.dumps({"prompt": "hi", "max_tokens": 4, "stream": True}).encode()
-    first = socket.create_connection((http.host, http.port), timeout=10)
-    try:
-        first.sendall(_post("/v1/completions", body, close=True))  # holds the pool's one connection
-        assert wait_until(lambda: fake.streams_open == 1, 5.0)
+    with _one_connection_proxy() as (fake, http, _, _):
         st, health = _get(http.url, "/health")
         assert st == 200 and health["status"] == "ok", health
         assert all(w["ok"] for w in health["workers"]), health  # type: ignore[attr-defined]
@@ -523,10 +521,6 @@ def test_health_of_workers_whose_connections_are_all_in_use_is_ok() -> None:
             t.join(10)
         assert len(results) == 20 and all(st == 200 for st, _ in results), results[:2]
         assert fake.health_calls - probes <= 2 * 2, fake.health_calls - probes  # not 20 callers x 2 workers
-    finally:
-        first.close()
-        proxy.close()
-        worker.close(timeout=5)
 
 
 @pytest.mark.timeout(40)
