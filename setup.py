@@ -11,6 +11,7 @@ from setuptools import Extension, setup
 
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686", "x86")
 SOURCES = ["native/cpu/kvcopy.c", "native/cpu/copyhash.c", "native/cpu/blake2b.c", "native/cpu/dstids.c",
+           "native/cpu/helper.c",
            "native/cpu/xxhash/xxhash.c"]
 MACROS = [("XXH_NAMESPACE", "kvb_")]
 if X86:   # xxHash's runtime dispatch (SSE2/AVX2/AVX-512) needs baseline flags, no -march

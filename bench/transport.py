@@ -54,6 +54,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
+from kvbridge.blockcopy import copy_threads
 from bench._report import log
 from bench._transport_cases import (  # noqa: F401  (re-exported: tests and other benches use bt.<name>)
     CONTIG_SIZES,
@@ -429,6 +430,8 @@ class Bench(LatencyRuns):
                         "cpus": os.cpu_count(), "torch": torch.__version__,
                         "kvbridge": getattr(kvbridge, "__version__", "?"),
                         "loadavg_at_end": os.getloadavg(),   # other tenants' load: judge the spread by it
+                        # threads sharing large host copies, and how often the helper took part
+                        "copy_threads": copy_threads(),
                         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}},
             "method": {
                 "throughput_ratio": "ceiling seconds / kvbridge seconds, paired per repetition "
@@ -446,7 +449,11 @@ class Bench(LatencyRuns):
         }
 
     def markdown(self) -> str:
-        lines = ["| size / shape | transport | kvbridge GB/s (median) | ceiling GB/s (median) | "
+        ct = copy_threads()
+        lines = [f"Host copies of 512 KiB or more on {ct['threads']} thread(s) (`--copy-threads`); the helper "
+                 f"took part in {ct['helped']} of {ct['jobs']} shared copies, {ct['helper_units']} of their "
+                 f"{ct['units']} units.", "",
+                 "| size / shape | transport | kvbridge GB/s (median) | ceiling GB/s (median) | "
                  "ratio median [min–max] | target | pass/fail |",
                  "|---|---|---:|---:|---|---|---|"]
         for r in self.results:
@@ -514,9 +521,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-nixl", action="store_true", help="skip the NIXL peer column even if nixl is installed")
     ap.add_argument("--no-mooncake", action="store_true",
                     help="skip the Mooncake Transfer Engine peer row even if mooncake is installed")
+    ap.add_argument("--copy-threads", type=int, default=None, choices=(1, 2),
+                    help="threads that share a host copy of 512 KiB or more (default: kvbridge's, "
+                    "2 where this process may run on two CPUs)")
     ap.add_argument("--transports", default=None, help="comma-separated subset of tcp,shm,ucx (default: all "
                     "available)")
     a = ap.parse_args(argv)
+    if a.copy_threads is not None:
+        copy_threads(a.copy_threads)
     reps = a.reps or (3 if a.quick else 7)
     sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else None
     b = Bench(reps, a.quick, lat_iters=a.lat_iters, lat_reps=3 if a.quick else 5, sizes=sizes,

@@ -41,9 +41,9 @@ import xxhash
 if TYPE_CHECKING:
     from .pool import KVPool
 
-__all__ = ["NATIVE", "planes", "pack_planes", "hash_blocks", "copy_blocks", "gather_blocks", "scatter_blocks",
-           "dst_snapshot", "py_hash_blocks", "py_copy_blocks", "py_gather_blocks", "py_scatter_blocks",
-           "py_dst_snapshot"]
+__all__ = ["NATIVE", "copy_threads", "planes", "pack_planes", "hash_blocks", "copy_blocks", "gather_blocks",
+           "scatter_blocks", "dst_snapshot", "py_hash_blocks", "py_copy_blocks", "py_gather_blocks",
+           "py_scatter_blocks", "py_dst_snapshot"]
 
 _native: Any = None
 if not os.environ.get("KVBRIDGE_NO_NATIVE"):
@@ -52,6 +52,48 @@ if not os.environ.get("KVBRIDGE_NO_NATIVE"):
     except ImportError:                     # not built (no compiler at install): the Python twin
         _native = None
 NATIVE: bool = _native is not None
+
+
+def _default_copy_threads() -> int:
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return 2 if cpus >= 2 else 1
+
+
+def copy_threads(threads: Optional[int] = None, spin_us: Optional[int] = None) -> dict[str, int]:
+    """How many threads share a host copy of 512 KiB or more (the extension's; 1 without it).
+
+    ``threads`` 2 (the default where this process may run on two CPUs or more, or
+    ``KVBRIDGE_COPY_THREADS``) lets one helper thread take part of every such copy -- whole
+    blocks where there are four or more, else each block's bytes (and its checksum's share, see
+    ``native/cpu/copyhash.c``) -- the calling thread taking the first 55 %; 1 copies on the
+    calling thread alone. ``spin_us`` (``KVBRIDGE_COPY_SPIN_US``, default 50) is how long the
+    helper polls for the next copy before it sleeps. Returns the settings and counters:
+    ``threads``, ``spin_us``, ``jobs`` (copies offered to the helper), ``helped`` (those it
+    took part in), ``units`` (their pieces) and ``helper_units`` (the pieces the helper ran)."""
+    if _native is None:
+        if threads not in (None, 1):
+            raise ValueError("copy_threads: no native extension here; copies run on the calling thread")
+        return {"threads": 1, "spin_us": 0, "jobs": 0, "helped": 0, "units": 0, "helper_units": 0}
+    t, s, jobs, helped, units, helper_units = _native.copy_threads(threads, spin_us)
+    return {"threads": t, "spin_us": s, "jobs": jobs, "helped": helped, "units": units, "helper_units": helper_units}
+
+
+def _configure_from_env() -> None:
+    if _native is None:
+        return
+    raw_t, raw_s = os.environ.get("KVBRIDGE_COPY_THREADS"), os.environ.get("KVBRIDGE_COPY_SPIN_US")
+    try:
+        threads = int(raw_t) if raw_t else _default_copy_threads()
+        spin = int(raw_s) if raw_s else 50
+        copy_threads(threads, spin)
+    except ValueError as exc:
+        raise ValueError(f"KVBRIDGE_COPY_THREADS={raw_t!r} / KVBRIDGE_COPY_SPIN_US={raw_s!r}: {exc}") from None
+
+
+_configure_from_env()
 
 _PLANES: "weakref.WeakKeyDictionary[Any, dict[tuple[int, int], tuple[Any, bytes]]]" = weakref.WeakKeyDictionary()
 _TRIPLE = struct.Struct("=3q")

@@ -95,6 +95,7 @@
 #include "xxhash.h"
 #endif
 #include "copyhash.h"
+#include "helper.h"
 #include "blake2b.h"
 #include "dstids.h"
 
@@ -102,6 +103,13 @@
 #define CHUNK (64 * 1024)
 #endif          /* copy then hash this much at a time: it stays in L2 */
 #define NOGIL_BYTES (64 * 1024)    /* release the GIL for transfers at least this large */
+/* Copies of at least PAR_BYTES are shared with the helper thread where one is configured
+ * (helper.h): it takes the units from PAR_SHARE percent on -- whole blocks where there are
+ * PAR_MIN_BLOCKS or more (in at most PAR_MAX_UNITS units), else each block's own bytes. */
+#define PAR_BYTES (512 * 1024)
+#define PAR_SHARE 55
+#define PAR_MIN_BLOCKS 4
+#define PAR_MAX_UNITS 4096
 
 typedef struct {
     int64_t base, stride, end;
@@ -272,75 +280,153 @@ done:
  * partly overlaps its source, else in CHUNK pieces, each hashed after its copy. Addresses were
  * checked by the callers. Returns the digest list (None where they equal `expect`, see
  * digests_unless), None unhashed, or NULL with an exception set. */
+/* copy_core's work, shared with the helper thread (helper.h) when it is large: block k's parts
+ * copied (and hashed into d[k]) by copy_one on whichever thread claimed it, with that thread's
+ * own scratch (`who`: 0 the caller, 1 the helper). */
+typedef struct {
+    const planes_t *dp, *sp;
+    const int64_t *did, *sid;
+    int64_t part;
+    int hash;
+    Py_ssize_t per;                  /* blocks per unit */
+    Py_ssize_t n;
+    XXH64_hash_t *d;
+    char **dps[2];                   /* one block's parts, for the one-pass copy and hash */
+    const char **sps[2];
+    XXH3_state_t *st[2];
+    int wide;                        /* one block at a time, each shared with the helper */
+} copyjob_t;
+
+static void copy_one(copyjob_t *c, Py_ssize_t k, int who) {
+    const planes_t *dp = c->dp, *sp = c->sp;
+    int64_t part = c->part;
+    if (c->dps[who] != NULL) {
+        char **dps = c->dps[who];
+        const char **sps = c->sps[who];
+        int fused = 1;
+        for (Py_ssize_t j = 0; j < dp->n; j++) {
+            dps[j] = (char *)(uintptr_t)(dp->p[j].base + c->did[k] * dp->p[j].stride);
+            sps[j] = (const char *)(uintptr_t)(sp->p[j].base + c->sid[k] * sp->p[j].stride);
+            if (dps[j] != sps[j] && dps[j] < sps[j] + part && sps[j] < dps[j] + part)
+                fused = 0;
+        }
+        if (fused) {
+            int level = c->hash == 3 ? 1 : 2;
+            c->d[k] = c->wide ? kvb_copy_hash_par(dps, sps, (size_t)dp->n, (size_t)part, level, PAR_SHARE)
+                              : kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, level);
+            return;
+        }
+    }
+    XXH3_state_t *st = c->st[who];
+    if (c->hash)
+        XXH3_64bits_reset(st);
+    for (Py_ssize_t j = 0; j < dp->n; j++) {
+        char *dst = (char *)(uintptr_t)(dp->p[j].base + c->did[k] * dp->p[j].stride);
+        const char *src = (const char *)(uintptr_t)(sp->p[j].base + c->sid[k] * sp->p[j].stride);
+        for (int64_t off = 0; off < part; off += CHUNK) {
+            size_t m = (size_t)(part - off < CHUNK ? part - off : CHUNK);
+            memmove(dst + off, src + off, m);   /* a block read into itself overlaps */
+            if (c->hash)
+                XXH3_64bits_update(st, dst + off, m);
+        }
+    }
+    if (c->hash)
+        c->d[k] = XXH3_64bits_digest(st);
+}
+
+static void copy_unit(void *ctx, size_t u, int who) {
+    copyjob_t *c = ctx;
+    Py_ssize_t k = (Py_ssize_t)u * c->per, end = k + c->per < c->n ? k + c->per : c->n;
+    for (; k < end; k++)
+        copy_one(c, k, who);
+}
+
+/* An unhashed block's bytes in units of CHUNK, plane after plane (the helper's share of one
+ * large block). */
+typedef struct {
+    const planes_t *dp, *sp;
+    int64_t did, sid, part, per;     /* per: chunks per plane */
+} rawjob_t;
+
+static void raw_unit(void *ctx, size_t u, int who) {
+    (void)who;
+    rawjob_t *r = ctx;
+    int64_t j = (int64_t)u / r->per, off = ((int64_t)u % r->per) * CHUNK;
+    size_t m = (size_t)(r->part - off < CHUNK ? r->part - off : CHUNK);
+    char *dst = (char *)(uintptr_t)(r->dp->p[j].base + r->did * r->dp->p[j].stride) + off;
+    const char *src = (const char *)(uintptr_t)(r->sp->p[j].base + r->sid * r->sp->p[j].stride) + off;
+    memmove(dst, src, m);
+}
+
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
                            Py_ssize_t n, int64_t part, int hash, PyObject *expect) {
     PyObject *res = NULL;
-    XXH64_hash_t *d = NULL;
-    XXH3_state_t *st = NULL;
-    char **dps = NULL;          /* one block's parts, for the one-pass copy and hash */
-    const char **sps = NULL;
+    copyjob_t c = {dp, sp, did, sid, part, hash, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}, 0};
+    double total = (double)part * (double)n * (double)dp->n;
+    /* the helper takes part of it: whole blocks where there are several, else the block's bytes */
+    int shared = total >= PAR_BYTES && kvb_par_on();
+    int nt = shared ? 2 : 1;
     if (hash) {
-        d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
-        st = XXH3_createState();
-        if (d == NULL || st == NULL) {
+        c.d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
+        for (int w = 0; w < nt; w++)
+            c.st[w] = XXH3_createState();
+        if (c.d == NULL || c.st[0] == NULL || (shared && c.st[1] == NULL)) {
             PyErr_NoMemory();
             goto done;
         }
     }
     /* one pass per block (copyhash.c) where the CPU allows and no part partly overlaps itself */
     if ((hash == 1 || hash == 3) && kvb_copy_hash_fused() && part * dp->n > 240) {
-        dps = PyMem_Malloc((size_t)dp->n * sizeof(char *));
-        sps = PyMem_Malloc((size_t)dp->n * sizeof(char *));
-        if (dps == NULL || sps == NULL) {
-            PyErr_NoMemory();
-            goto done;
+        for (int w = 0; w < nt; w++) {
+            c.dps[w] = PyMem_Malloc((size_t)dp->n * sizeof(char *));
+            c.sps[w] = PyMem_Malloc((size_t)dp->n * sizeof(const char *));
+            if (c.dps[w] == NULL || c.sps[w] == NULL) {
+                PyErr_NoMemory();
+                goto done;
+            }
         }
     }
-    int nogil = (double)part * (double)n * (double)dp->n >= NOGIL_BYTES;
+    int nogil = total >= NOGIL_BYTES;
     PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t k = 0; k < n; k++) {
-        if (dps != NULL) {
-            int fused = 1;
-            for (Py_ssize_t j = 0; j < dp->n; j++) {
-                dps[j] = (char *)(uintptr_t)(dp->p[j].base + did[k] * dp->p[j].stride);
-                sps[j] = (const char *)(uintptr_t)(sp->p[j].base + sid[k] * sp->p[j].stride);
-                if (dps[j] != sps[j] && dps[j] < sps[j] + part && sps[j] < dps[j] + part)
-                    fused = 0;
+    if (shared && n >= PAR_MIN_BLOCKS) {
+        c.per = (n + PAR_MAX_UNITS - 1) / PAR_MAX_UNITS;
+        size_t units = (size_t)((n + c.per - 1) / c.per);
+        kvb_par_run(&c, units, units * PAR_SHARE / 100, copy_unit, NULL);
+    } else {
+        c.wide = shared && hash;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (shared && !hash) {
+                rawjob_t r = {dp, sp, did[k], sid[k], part, (part + CHUNK - 1) / CHUNK};
+                size_t units = (size_t)(r.per * dp->n);
+                int overlap = 0;
+                for (Py_ssize_t j = 0; j < dp->n && !overlap; j++) {
+                    int64_t a = dp->p[j].base + did[k] * dp->p[j].stride, b = sp->p[j].base + sid[k] * sp->p[j].stride;
+                    overlap = a != b && a < b + part && b < a + part;
+                }
+                if (!overlap && units <= PAR_MAX_UNITS) {
+                    kvb_par_run(&r, units, units * PAR_SHARE / 100, raw_unit, NULL);
+                    continue;
+                }
             }
-            if (fused) {
-                d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, hash == 3 ? 1 : 2);
-                continue;
-            }
+            copy_one(&c, k, 0);
         }
-        if (hash)
-            XXH3_64bits_reset(st);
-        for (Py_ssize_t j = 0; j < dp->n; j++) {
-            char *dst = (char *)(uintptr_t)(dp->p[j].base + did[k] * dp->p[j].stride);
-            const char *src = (const char *)(uintptr_t)(sp->p[j].base + sid[k] * sp->p[j].stride);
-            for (int64_t off = 0; off < part; off += CHUNK) {
-                size_t c = (size_t)(part - off < CHUNK ? part - off : CHUNK);
-                memmove(dst + off, src + off, c);   /* a block read into itself overlaps */
-                if (hash)
-                    XXH3_64bits_update(st, dst + off, c);
-            }
-        }
-        if (hash)
-            d[k] = XXH3_64bits_digest(st);
     }
     if (ts)
         PyEval_RestoreThread(ts);
     if (hash) {
-        res = digests_unless(d, n, expect);
+        res = digests_unless(c.d, n, expect);
     } else {
         res = Py_None;
         Py_INCREF(res);
     }
 done:
-    if (st)
-        XXH3_freeState(st);
-    PyMem_Free(d);
-    PyMem_Free(dps);
-    PyMem_Free(sps);
+    for (int w = 0; w < 2; w++) {
+        if (c.st[w])
+            XXH3_freeState(c.st[w]);
+        PyMem_Free(c.dps[w]);
+        PyMem_Free((void *)c.sps[w]);
+    }
+    PyMem_Free(c.d);
     return res;
 }
 
@@ -1155,7 +1241,41 @@ static PyObject *blake2b_128(PyObject *self, PyObject *args) {
     return PyBytes_FromStringAndSize((const char *)out, sizeof out);
 }
 
+/* copy_threads(threads=None, spin_us=None) -> (threads, spin_us, jobs, helped, units, helper_units) */
+static PyObject *copy_threads(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"threads", "spin_us", NULL};
+    PyObject *tobj = Py_None, *sobj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|OO:copy_threads", names, &tobj, &sobj))
+        return NULL;
+    int threads;
+    long spin;
+    unsigned long long jobs, helped, units, uh;
+    kvb_par_get(&threads, &spin, &jobs, &helped, &units, &uh);
+    if (tobj != Py_None || sobj != Py_None) {
+        long t = threads, sp = spin;
+        if (tobj != Py_None && (!PyLong_Check(tobj) || PyBool_Check(tobj) || (t = PyLong_AsLong(tobj)) == -1)) {
+            PyErr_Clear();
+            t = -1;
+        }
+        if (sobj != Py_None && (!PyLong_Check(sobj) || PyBool_Check(sobj) || (sp = PyLong_AsLong(sobj)) == -1)) {
+            PyErr_Clear();
+            sp = -1;
+        }
+        if (t < 1 || t > 2 || kvb_par_config((int)t, sp) < 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_threads: threads must be 1 or 2 and spin_us an int in [0, 100000]");
+            return NULL;
+        }
+        kvb_par_get(&threads, &spin, &jobs, &helped, &units, &uh);
+    }
+    return Py_BuildValue("(ilKKKK)", threads, spin, jobs, helped, units, uh);
+}
+
 static PyMethodDef methods[] = {
+    {"copy_threads", (PyCFunction)(void (*)(void))copy_threads, METH_VARARGS | METH_KEYWORDS,
+     "copy_threads(threads=None, spin_us=None) -> (threads, spin_us, jobs, helped, units, helper_units): the "
+     "threads that share a copy of 512 KiB or more (1, or 2: one helper), how long the helper polls for the next "
+     "job before it sleeps; copies offered to the helper, those it took part in, their units, the helper's units"},
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
     {"copy_blocks", copy_blocks, METH_VARARGS,

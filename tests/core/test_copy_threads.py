@@ -1,0 +1,203 @@
+"""Large host copies shared with the extension's helper thread (``blockcopy.copy_threads``):
+the same bytes and the same xxh3 digests as one thread, for every shape that takes the shared
+path and every one that must not; a helper that sleeps, wakes late or is busy with another
+thread's copy changes nothing; a forked child starts its own; bad settings are refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import xxhash
+
+from kvbridge import blockcopy
+
+pytestmark = [pytest.mark.timeout(120),
+              pytest.mark.skipif(not blockcopy.NATIVE, reason="the extension is not built: copies run in Python")]
+
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _restore_settings():
+    before = blockcopy.copy_threads()
+    yield
+    blockcopy.copy_threads(before["threads"], before["spin_us"])
+
+
+def _shape(nblocks: int, nplanes: int, part: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    srcs = [torch.randint(0, 256, (nblocks * part,), dtype=torch.uint8, generator=g) for _ in range(nplanes)]
+    dsts = [torch.zeros(nblocks * part, dtype=torch.uint8) for _ in range(nplanes)]
+
+    def pl(ts):
+        return blockcopy.pack_planes([(t.data_ptr(), part, t.data_ptr() + nblocks * part) for t in ts])
+    return srcs, dsts, pl(srcs), pl(dsts)
+
+
+def _check(srcs, dsts, part, sid, did, got, hashed):
+    for k, (s, d) in enumerate(zip(sid, did)):
+        sent = b"".join(bytes(t[s * part:(s + 1) * part].numpy()) for t in srcs)
+        landed = b"".join(bytes(t[d * part:(d + 1) * part].numpy()) for t in dsts)
+        assert landed == sent, k
+        if hashed:
+            assert got[k] == xxhash.xxh3_64_intdigest(sent), k
+    if not hashed:
+        assert got is None
+
+
+# (blocks, planes, part): one block split in 32 KiB units (parts of 512 KiB; a unit across two
+# parts; windows of 2 MiB; a last window of one unit), parts that are no multiple of 1 KiB (one
+# thread), two and three blocks (each block's bytes shared), four and more (whole blocks shared),
+# more blocks than units (several blocks per unit)
+SHAPES = [(1, 2, 512 * 1024), (1, 5, 300 * 1024), (1, 2, 3 * MiB + 32 * 1024), (1, 1, MiB + 64),
+          (1, 3, 1000 * 1000), (2, 2, 256 * 1024), (3, 1, 700 * 1024), (7, 3, 64 * 1024), (5000, 2, 128),
+          (1, 2, 8 * MiB)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}x{s[2]}")
+def test_shared_copies_land_the_bytes_and_their_digests(shape, threads):
+    nblocks, nplanes, part = shape
+    blockcopy.copy_threads(threads, 50)
+    srcs, dsts, sp, dp = _shape(nblocks, nplanes, part, seed=nblocks + part)
+    sid = list(range(nblocks))
+    did = sid[::-1]
+    for mode in (1, 0, 2, 3):        # the fastest pass, no hash, the chunked pass, AVX2's
+        for t in dsts:
+            t.zero_()
+        got = blockcopy.copy_blocks(dp, did, sp, sid, part, mode)
+        _check(srcs, dsts, part, sid, did, got, mode != 0)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def test_the_helper_takes_part_and_one_thread_means_none():
+    if sys.platform != "linux" or _cpus() < 2:
+        pytest.skip("the helper runs on Linux with two CPUs or more")
+    srcs, dsts, sp, dp = _shape(1, 2, 2 * MiB, seed=5)
+    blockcopy.copy_threads(1)
+    before = blockcopy.copy_threads()
+    for _ in range(5):
+        blockcopy.copy_blocks(dp, [0], sp, [0], 2 * MiB, 1)
+    assert blockcopy.copy_threads()["jobs"] == before["jobs"]         # one thread: nothing offered
+    blockcopy.copy_threads(2, 1000)
+    deadline = time.monotonic() + 20
+    while blockcopy.copy_threads()["helper_units"] == before["helper_units"]:
+        assert time.monotonic() < deadline, "the helper never took part in a 4 MiB copy"
+        got = blockcopy.copy_blocks(dp, [0], sp, [0], 2 * MiB, 1)
+        _check(srcs, dsts, 2 * MiB, [0], [0], got, True)
+    after = blockcopy.copy_threads()
+    assert after["jobs"] > before["jobs"] and after["helped"] > before["helped"]
+    assert after["units"] - before["units"] > after["helper_units"] - before["helper_units"]
+
+
+def test_a_helper_that_sleeps_between_copies_or_wakes_late_changes_nothing():
+    """spin 0: the helper sleeps after every copy, so each copy may finish before it wakes (the
+    caller then takes its job back) or meet it part-way; every digest is still the bytes'."""
+    blockcopy.copy_threads(2, 0)
+    srcs, dsts, sp, dp = _shape(1, 2, 512 * 1024, seed=9)
+    want = xxhash.xxh3_64_intdigest(b"".join(bytes(t.numpy()) for t in srcs))
+    for i in range(300):
+        dsts[i % 2].zero_()
+        assert blockcopy.copy_blocks(dp, [0], sp, [0], 512 * 1024, 1) == [want], i
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+
+
+def test_copies_from_several_threads_at_once():
+    """One copy at a time is shared; the others run on their own threads meanwhile."""
+    blockcopy.copy_threads(2, 50)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            srcs, dsts, sp, dp = _shape(1, 2, MiB, seed=seed)
+            want = xxhash.xxh3_64_intdigest(b"".join(bytes(t.numpy()) for t in srcs))
+            for _ in range(40):
+                for t in dsts:
+                    t.zero_()
+                assert blockcopy.copy_blocks(dp, [0], sp, [0], MiB, 1) == [want]
+                assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+                assert blockcopy.copy_blocks(dp, [0], sp, [0], MiB, 0) is None
+        except BaseException as exc:   # noqa: BLE001 -- reported below
+            errors.append(exc)
+    ts = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
+def test_partly_overlapping_parts_are_never_shared():
+    """A block read into a part that partly overlaps its source (hand-made planes) is copied as
+    memmove does, on one thread, with or without a hash."""
+    blockcopy.copy_threads(2, 50)
+    part = MiB
+    for mode in (1, 0):
+        buf = torch.randint(0, 256, (part + 4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        want = bytes(buf[4096:4096 + part].numpy())
+        base = buf.data_ptr()
+        got = blockcopy.copy_blocks(blockcopy.pack_planes([(base, part, base + part + 4096)]), [0],
+                                    blockcopy.pack_planes([(base + 4096, part, base + part + 4096)]), [0], part, mode)
+        assert bytes(buf[:part].numpy()) == want
+        assert got == ([xxhash.xxh3_64_intdigest(want)] if mode else None)
+
+
+def test_bad_settings_are_refused():
+    for bad in ({"threads": 0}, {"threads": 3}, {"threads": True}, {"threads": "2"}, {"spin_us": -1},
+                {"spin_us": 100001}, {"spin_us": 1.5}):
+        with pytest.raises(ValueError, match="copy_threads"):
+            blockcopy.copy_threads(**bad)
+    env = dict(os.environ, KVBRIDGE_COPY_THREADS="4")
+    out = subprocess.run([sys.executable, "-c", "import kvbridge.blockcopy"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "KVBRIDGE_COPY_THREADS='4'" in out.stderr
+
+
+def test_a_forked_child_starts_its_own_helper(tmp_path):
+    if sys.platform != "linux" or _cpus() < 2:
+        pytest.skip("the helper runs on Linux with two CPUs or more")
+    script = textwrap.dedent("""
+        import ctypes, os, sys, time, xxhash
+        from kvbridge import blockcopy
+        blockcopy.copy_threads(2, 1000)
+        part = 1 << 20
+        src = ctypes.create_string_buffer(os.urandom(2 * part), 2 * part)
+        dst = ctypes.create_string_buffer(2 * part)
+        s, d = ctypes.addressof(src), ctypes.addressof(dst)
+        sp = blockcopy.pack_planes([(s, part, s + 2 * part)])
+        dp = blockcopy.pack_planes([(d, part, d + 2 * part)])
+        want = [xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part]) for b in (1, 0)]
+        def until_helped():
+            start = blockcopy.copy_threads()["helper_units"]
+            deadline = time.monotonic() + 20
+            while blockcopy.copy_threads()["helper_units"] == start:
+                assert time.monotonic() < deadline, "no helper"
+                assert blockcopy.copy_blocks(dp, [0, 1], sp, [1, 0], part, 1) == want
+                assert dst.raw == src.raw[part:] + src.raw[:part]
+        until_helped()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                until_helped()          # the parent's helper is not in the child: a new one
+                os._exit(0)
+            except BaseException as exc:
+                print("child:", exc, file=sys.stderr)
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        until_helped()
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
