@@ -63,16 +63,17 @@ def _default_copy_threads() -> int:
 
 
 def copy_threads(threads: Optional[int] = None, spin_us: Optional[int] = None) -> dict[str, int]:
-    """How many threads share a host copy of 512 KiB or more (the extension's; 1 without it).
+    """How many threads share a large block copy of the extension (1 without it).
 
     ``threads`` 2 (the default where this process may run on two CPUs or more, or
-    ``KVBRIDGE_COPY_THREADS``) lets one helper thread take part of every such copy -- whole
-    blocks where there are four or more, else each block's bytes (and its checksum's share, see
-    ``native/cpu/copyhash.c``) -- the calling thread taking the first 55 %; 1 copies on the
-    calling thread alone. ``spin_us`` (``KVBRIDGE_COPY_SPIN_US``, default 50) is how long the
-    helper polls for the next copy before it sleeps. Returns the settings and counters:
-    ``threads``, ``spin_us``, ``jobs`` (copies offered to the helper), ``helped`` (those it
-    took part in), ``units`` (their pieces) and ``helper_units`` (the pieces the helper ran)."""
+    ``KVBRIDGE_COPY_THREADS``) lets one helper thread take whole blocks of every copy of 8 MiB
+    or more in four blocks or more (shm's one-sided read, :func:`copy_blocks`): the calling
+    thread copies the first half, the helper the second from its start and the caller the
+    rest from its end until they meet; 1 copies on the calling thread alone. One block is never
+    split. ``spin_us`` (``KVBRIDGE_COPY_SPIN_US``, default 50) is how long the helper polls for
+    the next copy before it sleeps. Returns the settings and counters: ``threads``,
+    ``spin_us``, ``jobs`` (copies offered to the helper), ``helped`` (those it took part in),
+    ``units`` (their pieces) and ``helper_units`` (the pieces the helper ran)."""
     if _native is None:
         if threads not in (None, 1):
             raise ValueError("copy_threads: no native extension here; copies run on the calling thread")

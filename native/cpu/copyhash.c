@@ -16,9 +16,6 @@
 #define XXH_INLINE_ALL
 #include "xxhash.h"
 #include "copyhash.h"
-#include "helper.h"
-
-#include <stdlib.h>
 
 #include <string.h>
 
@@ -135,110 +132,7 @@ __attribute__((target("avx512f,prfchw"))) static void stripes_avx512(uint64_t *a
     }
     _mm512_storeu_si512((void *)acc, a);
 }
-
-/* The parallel pass (kvb_copy_hash_par): xxh3 adds every stripe of a block of 16 into the
- * accumulators and scrambles them once after it, so a block's whole contribution -- the sum of
- * its 16 products plus its swapped stripes -- depends on its bytes alone. The helper copies its
- * blocks and leaves that sum (a "delta"); the caller, meeting them in order, adds each to the
- * accumulators and scrambles them as the block itself would have. */
-__attribute__((target("avx512f,prfchw"))) static void deltas_avx512(uint64_t *out, char *dst, const char *src,
-                                                            size_t nblocks) {
-    const unsigned char *secret = XXH3_kSecret;
-    for (size_t b = 0; b < nblocks; b++, dst += STRIPE * STRIPES_PER_BLOCK, src += STRIPE * STRIPES_PER_BLOCK) {
-        __m512i a = _mm512_setzero_si512(), sum = _mm512_setzero_si512(), d;
-#pragma GCC unroll 16
-        for (int j = 0; j < STRIPES_PER_BLOCK; j++) {
-            a = stripe_avx512(a, dst + j * STRIPE, src + j * STRIPE, secret + j * 8, &d);
-            sum = _mm512_add_epi64(sum, d);
-        }
-        _mm512_storeu_si512((void *)(out + 8 * b), _mm512_add_epi64(a, swapped(sum)));
-    }
-}
-
-__attribute__((target("avx512f"))) static void fold_avx512(uint64_t *acc, const uint64_t *deltas, size_t nblocks) {
-    __m512i a = _mm512_loadu_si512((const void *)acc);
-    const __m512i prime32 = _mm512_set1_epi32((int)XXH_PRIME32_1);
-    const __m512i scramble = _mm512_loadu_si512((const void *)(XXH3_kSecret + SECRET_SCRAMBLE));
-    for (size_t b = 0; b < nblocks; b++) {
-        a = _mm512_add_epi64(a, _mm512_loadu_si512((const void *)(deltas + 8 * b)));
-        __m512i x = _mm512_xor_si512(_mm512_xor_si512(a, _mm512_srli_epi64(a, 47)), scramble);
-        a = _mm512_add_epi64(_mm512_mul_epu32(x, prime32),
-                             _mm512_slli_epi64(_mm512_mul_epu32(_mm512_srli_epi64(x, 32), prime32), 32));
-    }
-    _mm512_storeu_si512((void *)acc, a);
-}
 #endif
-
-#define XBLOCK (STRIPE * STRIPES_PER_BLOCK)    /* 1 KiB: the bytes between two scrambles */
-#define UNIT_BLOCKS 32                          /* xxh3 blocks per unit of a shared pass (32 KiB) */
-#define WINDOW_UNITS 64                         /* units per job: deltas of at most 128 KiB */
-
-/* One window of a shared pass: xxh3 blocks [first, first + nb) of the input. */
-typedef struct {
-    char *const *dst;
-    const char *const *src;
-    size_t part, first, nb;
-    uint64_t *acc, *deltas;
-} window_t;
-
-#ifdef KVB_AVX2
-static void window_run(void *ctx, size_t u, int on_helper) {
-    window_t *w = ctx;
-    size_t b = w->first + u * UNIT_BLOCKS, end = w->first + w->nb;
-    if (end > b + UNIT_BLOCKS)
-        end = b + UNIT_BLOCKS;
-    while (b < end) {                          /* a unit may span two pieces, a block never does */
-        size_t off = b * XBLOCK, j = off / w->part, o = off % w->part;
-        size_t cnt = (w->part - o) / XBLOCK;
-        if (cnt > end - b)
-            cnt = end - b;
-        if (on_helper)
-            deltas_avx512(w->deltas + 8 * (b - w->first), w->dst[j] + o, w->src[j] + o, cnt);
-        else
-            stripes_avx512(w->acc, w->dst[j] + o, w->src[j] + o, cnt * STRIPES_PER_BLOCK, b * STRIPES_PER_BLOCK);
-        b += cnt;
-    }
-}
-
-static void window_fold(void *ctx, size_t u) {
-    window_t *w = ctx;
-    size_t b = u * UNIT_BLOCKS, n = w->nb - b < UNIT_BLOCKS ? w->nb - b : UNIT_BLOCKS;
-    fold_avx512(w->acc, w->deltas + 8 * b, n);
-}
-#endif
-
-uint64_t kvb_copy_hash_par(char *const *dst, const char *const *src, size_t np, size_t part, int level,
-                           size_t share) {
-    const size_t len = np * part;
-#ifdef KVB_AVX2
-    if (level >= 2 && kvb_copy_hash_fused() >= 2 && part % XBLOCK == 0 && len >= WIDE_FROM && kvb_par_on()) {
-        /* one shared pass at a time (the helper takes one job at a time too): its deltas */
-        static XXH_ALIGN(64) uint64_t deltas[WINDOW_UNITS * UNIT_BLOCKS * 8];
-        static int busy;
-        if (!__atomic_exchange_n(&busy, 1, __ATOMIC_ACQUIRE)) {
-            XXH_ALIGN(64) uint64_t acc[8] = XXH3_INIT_ACC;
-            const size_t R = (len - 1) / STRIPE, nb = R / STRIPES_PER_BLOCK;   /* len % 1 KiB == 0: nb = len/1KiB - 1 */
-            window_t w = {dst, src, part, 0, 0, acc, deltas};
-            for (w.first = 0; w.first < nb; w.first += w.nb) {
-                w.nb = nb - w.first < WINDOW_UNITS * UNIT_BLOCKS ? nb - w.first : WINDOW_UNITS * UNIT_BLOCKS;
-                size_t units = (w.nb + UNIT_BLOCKS - 1) / UNIT_BLOCKS;
-                kvb_par_run(&w, units, units * share / 100, window_run, window_fold);
-            }
-            __atomic_store_n(&busy, 0, __ATOMIC_RELEASE);
-            /* the last block's 15 stripes and the last stripe, all in the last piece */
-            char *d = dst[np - 1] + part - XBLOCK;
-            const char *s = src[np - 1] + part - XBLOCK;
-            stripes_avx512(acc, d, s, R - nb * STRIPES_PER_BLOCK, nb * STRIPES_PER_BLOCK);
-            memmove(d + XBLOCK - STRIPE, s + XBLOCK - STRIPE, STRIPE);
-            XXH3_accumulate_512_scalar(acc, (const unsigned char *)d + XBLOCK - STRIPE,
-                                       XXH3_kSecret + XXH_SECRET_DEFAULT_SIZE - STRIPE - XXH_SECRET_LASTACC_START);
-            return XXH3_mergeAccs(acc, XXH3_kSecret + XXH_SECRET_MERGEACCS_START, (uint64_t)len * XXH_PRIME64_1);
-        }
-    }
-#endif
-    (void)share;
-    return kvb_copy_hash(dst, src, np, part, level);
-}
 
 int kvb_copy_hash_fused(void) {
 #ifdef KVB_AVX2

@@ -13,12 +13,6 @@
 
 uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part, int level);
 
-/* kvb_copy_hash shared with the helper thread (helper.h) where there is one, the CPU has
- * AVX-512F, `level` is 2, the whole is 16 KiB or more and `part` a multiple of 1 KiB: units of
- * 32 KiB, the helper from `share` percent of each window of 2 MiB on. The same digest. */
-uint64_t kvb_copy_hash_par(char *const *dst, const char *const *src, size_t np, size_t part, int level,
-                           size_t share);
-
 /* The highest level kvb_copy_hash runs at here: 2 with AVX-512F, 1 with AVX2 (x86-64), else 0. */
 int kvb_copy_hash_fused(void);
 

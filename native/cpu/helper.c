@@ -3,8 +3,9 @@
  * One job at a time (a mutex, tried, never waited for: a second caller runs alone). The job
  * word goes IDLE -> POSTED (the caller) -> RUNNING (the helper took it) -> FINISHED (the
  * helper let go of it) -> IDLE; a caller that finishes before the helper took the job takes
- * it back (POSTED -> IDLE) and returns at once. Units are claimed with one compare-and-swap
- * each (FREE -> MINE by the caller, FREE -> TAKEN -> DONE by the helper). After a job the
+ * it back (POSTED -> IDLE) and returns at once. The units from `from` on are claimed with one
+ * compare-and-swap each (FREE -> MINE by the caller, FREE -> TAKEN -> DONE by the helper,
+ * which stops at the first unit it cannot claim: the caller's, from the end). After a job the
  * helper polls for the next one for `spin_us` (with the CPU's pause instruction), then sleeps
  * on a futex; a caller wakes it only when it sleeps. The helper blocks every signal, and a
  * forked child starts without one (a new one is started there on its first shared job). */
@@ -62,9 +63,9 @@ static long long now_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* Spin until *p == want; after a while let others run (a helper preempted mid-unit). */
-static void await_int(const int *p, int want) {
-    for (unsigned i = 0; LD(p) != want; i++) {
+/* Spin until the job is `want`; after a while let others run (a helper preempted mid-unit). */
+static void await_job(int want) {
+    for (unsigned i = 0; LD(&H.job) != want; i++) {
         if (i < 20000)
             relax();
         else
@@ -94,7 +95,7 @@ static void *helper_main(void *arg) {
         for (size_t u = H.from; u < H.n; u++) {
             unsigned char f = FREE;
             if (!__atomic_compare_exchange_n(&H.state[u], &f, TAKEN, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-                continue;                               /* the caller's */
+                break;                                  /* the caller's, and all above it */
             H.run(H.ctx, u, 1);
             ST(&H.state[u], DONE);
             did++;
@@ -148,7 +149,7 @@ int kvb_par_on(void) {
 #endif
 }
 
-size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, kvb_fold_fn fold) {
+size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run) {
 #ifdef KVB_PAR
     if (from == 0)
         from = 1;
@@ -163,25 +164,18 @@ size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, kvb_fold_f
         __atomic_add_fetch(&H.bell, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&H.sleeping, __ATOMIC_SEQ_CST))
             syscall(SYS_futex, &H.bell, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-        for (size_t u = 0; u < n; u++) {
+        for (size_t u = 0; u < from; u++)             /* never the helper's */
+            run(ctx, u, 0);
+        for (size_t u = n; u-- > from;) {               /* then from the end down to the helper */
             unsigned char f = FREE;
-            if (__atomic_compare_exchange_n(&H.state[u], &f, MINE, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-                run(ctx, u, 0);
-                continue;
-            }
-            for (unsigned i = 0; LD(&H.state[u]) != DONE; i++) {
-                if (i < 20000)
-                    relax();
-                else
-                    sched_yield();
-            }
-            if (fold)
-                fold(ctx, u);
+            if (!__atomic_compare_exchange_n(&H.state[u], &f, MINE, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+                break;
+            run(ctx, u, 0);
         }
         int expect = POSTED;
         size_t did = 0;
         if (!__atomic_compare_exchange_n(&H.job, &expect, IDLE, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-            await_int(&H.job, FINISHED);                /* taken: it lets go once past the last unit */
+            await_job(FINISHED);                        /* taken: it lets go once past its last unit */
             did = H.did;
             ST(&H.job, IDLE);
         }

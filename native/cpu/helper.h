@@ -1,24 +1,24 @@
 /* kvbridge._kvcopy: one helper thread that takes part of a large copy (see helper.c).
  *
- * A job is `n` units. The calling thread runs them in order from unit 0; the helper, once it
- * has taken the job, runs the units from `from` on that the caller has not reached, each
- * claimed by one atomic compare-and-swap, so that every unit runs exactly once. The caller
- * then meets each of the helper's units in order, waits until it is done and calls
- * `fold(ctx, u)` for it (may be NULL). `run(ctx, u, on_helper)` must only touch memory of its
- * own unit and the helper's share of `ctx`. Without a helper (configured off, not on Linux,
- * busy with another thread's job, or the thread could not be started) the caller runs every
- * unit itself; a helper that wakes too late finds the units taken and does nothing, and the
- * caller never waits for a helper that has not taken the job. */
+ * A job is `n` independent units. The calling thread runs units 0 .. from-1; the helper, once
+ * it has taken the job, runs units from `from` upwards, and the caller, done with its own,
+ * takes the rest from the last unit downwards until the two meet: each unit of that range
+ * claimed by one atomic compare-and-swap, so every unit runs exactly once and neither waits
+ * while the other falls behind. `run(ctx, u, on_helper)` must only touch its own unit's
+ * memory and the running thread's share of `ctx`. The caller returns only once no unit is
+ * running on the helper. Without a helper (configured off, not on Linux, busy with another
+ * thread's job, or the thread could not be started) the caller runs every unit itself; a helper
+ * that wakes too late finds the units taken, and the caller never waits for a helper that has
+ * not taken the job. */
 #ifndef KVB_HELPER_H
 #define KVB_HELPER_H
 
 #include <stddef.h>
 
 typedef void (*kvb_unit_fn)(void *ctx, size_t u, int on_helper);
-typedef void (*kvb_fold_fn)(void *ctx, size_t u);
 
 /* Returns how many units the helper ran. */
-size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, kvb_fold_fn fold);
+size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run);
 
 /* 1 where a job may be shared now (configured on; Linux). */
 int kvb_par_on(void);

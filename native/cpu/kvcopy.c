@@ -103,11 +103,10 @@
 #define CHUNK (64 * 1024)
 #endif          /* copy then hash this much at a time: it stays in L2 */
 #define NOGIL_BYTES (64 * 1024)    /* release the GIL for transfers at least this large */
-/* Copies of at least PAR_BYTES are shared with the helper thread where one is configured
- * (helper.h): it takes the units from PAR_SHARE percent on -- whole blocks where there are
- * PAR_MIN_BLOCKS or more (in at most PAR_MAX_UNITS units), else each block's own bytes. */
-#define PAR_BYTES (512 * 1024)
-#define PAR_SHARE 55
+/* Copies of at least PAR_BYTES in PAR_MIN_BLOCKS blocks or more are shared with the helper
+ * thread where one is configured (helper.h), whole blocks at a time (at most PAR_MAX_UNITS
+ * units). One block is never split: see README, "Large shm reads of many blocks". */
+#define PAR_BYTES (8 * 1024 * 1024)
 #define PAR_MIN_BLOCKS 4
 #define PAR_MAX_UNITS 4096
 
@@ -294,7 +293,6 @@ typedef struct {
     char **dps[2];                   /* one block's parts, for the one-pass copy and hash */
     const char **sps[2];
     XXH3_state_t *st[2];
-    int wide;                        /* one block at a time, each shared with the helper */
 } copyjob_t;
 
 static void copy_one(copyjob_t *c, Py_ssize_t k, int who) {
@@ -311,9 +309,7 @@ static void copy_one(copyjob_t *c, Py_ssize_t k, int who) {
                 fused = 0;
         }
         if (fused) {
-            int level = c->hash == 3 ? 1 : 2;
-            c->d[k] = c->wide ? kvb_copy_hash_par(dps, sps, (size_t)dp->n, (size_t)part, level, PAR_SHARE)
-                              : kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, level);
+            c->d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, c->hash == 3 ? 1 : 2);
             return;
         }
     }
@@ -341,30 +337,12 @@ static void copy_unit(void *ctx, size_t u, int who) {
         copy_one(c, k, who);
 }
 
-/* An unhashed block's bytes in units of CHUNK, plane after plane (the helper's share of one
- * large block). */
-typedef struct {
-    const planes_t *dp, *sp;
-    int64_t did, sid, part, per;     /* per: chunks per plane */
-} rawjob_t;
-
-static void raw_unit(void *ctx, size_t u, int who) {
-    (void)who;
-    rawjob_t *r = ctx;
-    int64_t j = (int64_t)u / r->per, off = ((int64_t)u % r->per) * CHUNK;
-    size_t m = (size_t)(r->part - off < CHUNK ? r->part - off : CHUNK);
-    char *dst = (char *)(uintptr_t)(r->dp->p[j].base + r->did * r->dp->p[j].stride) + off;
-    const char *src = (const char *)(uintptr_t)(r->sp->p[j].base + r->sid * r->sp->p[j].stride) + off;
-    memmove(dst, src, m);
-}
-
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
                            Py_ssize_t n, int64_t part, int hash, PyObject *expect) {
     PyObject *res = NULL;
-    copyjob_t c = {dp, sp, did, sid, part, hash, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}, 0};
+    copyjob_t c = {dp, sp, did, sid, part, hash, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
     double total = (double)part * (double)n * (double)dp->n;
-    /* the helper takes part of it: whole blocks where there are several, else the block's bytes */
-    int shared = total >= PAR_BYTES && kvb_par_on();
+    int shared = total >= PAR_BYTES && n >= PAR_MIN_BLOCKS && kvb_par_on();   /* whole blocks to the helper */
     int nt = shared ? 2 : 1;
     if (hash) {
         c.d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
@@ -388,28 +366,13 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
     }
     int nogil = total >= NOGIL_BYTES;
     PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
-    if (shared && n >= PAR_MIN_BLOCKS) {
+    if (shared) {
         c.per = (n + PAR_MAX_UNITS - 1) / PAR_MAX_UNITS;
         size_t units = (size_t)((n + c.per - 1) / c.per);
-        kvb_par_run(&c, units, units * PAR_SHARE / 100, copy_unit, NULL);
+        kvb_par_run(&c, units, units / 2, copy_unit);
     } else {
-        c.wide = shared && hash;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            if (shared && !hash) {
-                rawjob_t r = {dp, sp, did[k], sid[k], part, (part + CHUNK - 1) / CHUNK};
-                size_t units = (size_t)(r.per * dp->n);
-                int overlap = 0;
-                for (Py_ssize_t j = 0; j < dp->n && !overlap; j++) {
-                    int64_t a = dp->p[j].base + did[k] * dp->p[j].stride, b = sp->p[j].base + sid[k] * sp->p[j].stride;
-                    overlap = a != b && a < b + part && b < a + part;
-                }
-                if (!overlap && units <= PAR_MAX_UNITS) {
-                    kvb_par_run(&r, units, units * PAR_SHARE / 100, raw_unit, NULL);
-                    continue;
-                }
-            }
+        for (Py_ssize_t k = 0; k < n; k++)
             copy_one(&c, k, 0);
-        }
     }
     if (ts)
         PyEval_RestoreThread(ts);
@@ -1274,8 +1237,9 @@ static PyObject *copy_threads(PyObject *self, PyObject *args, PyObject *kw) {
 static PyMethodDef methods[] = {
     {"copy_threads", (PyCFunction)(void (*)(void))copy_threads, METH_VARARGS | METH_KEYWORDS,
      "copy_threads(threads=None, spin_us=None) -> (threads, spin_us, jobs, helped, units, helper_units): the "
-     "threads that share a copy of 512 KiB or more (1, or 2: one helper), how long the helper polls for the next "
-     "job before it sleeps; copies offered to the helper, those it took part in, their units, the helper's units"},
+     "threads that share a copy of 8 MiB or more in four blocks or more (1, or 2: one helper), how long the "
+     "helper polls for the next job before it sleeps; copies offered to the helper, those it took part in, "
+     "their units, the helper's units"},
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
     {"copy_blocks", copy_blocks, METH_VARARGS,

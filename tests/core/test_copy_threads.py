@@ -1,7 +1,8 @@
-"""Large host copies shared with the extension's helper thread (``blockcopy.copy_threads``):
-the same bytes and the same xxh3 digests as one thread, for every shape that takes the shared
-path and every one that must not; a helper that sleeps, wakes late or is busy with another
-thread's copy changes nothing; a forked child starts its own; bad settings are refused."""
+"""Large copies of many blocks shared with the extension's helper thread
+(``blockcopy.copy_threads``): the same bytes and the same xxh3 digests as one thread, for
+every shape that takes the shared path and every one that must not (fewer than four blocks,
+under 8 MiB, one thread); a helper that sleeps, wakes late or is busy with another thread's
+copy changes nothing; a forked child starts its own; bad settings are refused."""
 
 from __future__ import annotations
 
@@ -52,13 +53,11 @@ def _check(srcs, dsts, part, sid, did, got, hashed):
         assert got is None
 
 
-# (blocks, planes, part): one block split in 32 KiB units (parts of 512 KiB; a unit across two
-# parts; windows of 2 MiB; a last window of one unit), parts that are no multiple of 1 KiB (one
-# thread), two and three blocks (each block's bytes shared), four and more (whole blocks shared),
-# more blocks than units (several blocks per unit)
-SHAPES = [(1, 2, 512 * 1024), (1, 5, 300 * 1024), (1, 2, 3 * MiB + 32 * 1024), (1, 1, MiB + 64),
-          (1, 3, 1000 * 1000), (2, 2, 256 * 1024), (3, 1, 700 * 1024), (7, 3, 64 * 1024), (5000, 2, 128),
-          (1, 2, 8 * MiB)]
+# (blocks, planes, part): shared -- four blocks of 8 MiB in all, odd parts, an odd number of
+# blocks, more blocks than units (two per unit); never shared -- one block of 16 MiB, three of
+# 12 MiB, many blocks under 8 MiB
+SHAPES = [(4, 2, MiB), (4, 1, 2 * MiB + 64), (9, 3, 333 * 1000), (5000, 2, 1024), (1, 2, 8 * MiB),
+          (3, 2, 2 * MiB), (7, 3, 64 * 1024), (5000, 2, 128)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -86,18 +85,22 @@ def _cpus() -> int:
 def test_the_helper_takes_part_and_one_thread_means_none():
     if sys.platform != "linux" or _cpus() < 2:
         pytest.skip("the helper runs on Linux with two CPUs or more")
-    srcs, dsts, sp, dp = _shape(1, 2, 2 * MiB, seed=5)
+    srcs, dsts, sp, dp = _shape(4, 2, MiB, seed=5)
+    ids = [0, 1, 2, 3]
     blockcopy.copy_threads(1)
     before = blockcopy.copy_threads()
-    for _ in range(5):
-        blockcopy.copy_blocks(dp, [0], sp, [0], 2 * MiB, 1)
+    for _ in range(3):
+        blockcopy.copy_blocks(dp, ids, sp, ids, MiB, 1)
     assert blockcopy.copy_threads()["jobs"] == before["jobs"]         # one thread: nothing offered
     blockcopy.copy_threads(2, 1000)
+    one = _shape(1, 2, 8 * MiB, seed=6)
+    blockcopy.copy_blocks(one[3], [0], one[2], [0], 8 * MiB, 1)
+    assert blockcopy.copy_threads()["jobs"] == before["jobs"]         # one block: never split
     deadline = time.monotonic() + 20
     while blockcopy.copy_threads()["helper_units"] == before["helper_units"]:
-        assert time.monotonic() < deadline, "the helper never took part in a 4 MiB copy"
-        got = blockcopy.copy_blocks(dp, [0], sp, [0], 2 * MiB, 1)
-        _check(srcs, dsts, 2 * MiB, [0], [0], got, True)
+        assert time.monotonic() < deadline, "the helper never took part in an 8 MiB copy of four blocks"
+        got = blockcopy.copy_blocks(dp, ids[::-1], sp, ids, MiB, 1)
+        _check(srcs, dsts, MiB, ids, ids[::-1], got, True)
     after = blockcopy.copy_threads()
     assert after["jobs"] > before["jobs"] and after["helped"] > before["helped"]
     assert after["units"] - before["units"] > after["helper_units"] - before["helper_units"]
@@ -107,11 +110,13 @@ def test_a_helper_that_sleeps_between_copies_or_wakes_late_changes_nothing():
     """spin 0: the helper sleeps after every copy, so each copy may finish before it wakes (the
     caller then takes its job back) or meet it part-way; every digest is still the bytes'."""
     blockcopy.copy_threads(2, 0)
-    srcs, dsts, sp, dp = _shape(1, 2, 512 * 1024, seed=9)
-    want = xxhash.xxh3_64_intdigest(b"".join(bytes(t.numpy()) for t in srcs))
-    for i in range(300):
+    part, ids = 256 * 1024, list(range(16))
+    srcs, dsts, sp, dp = _shape(16, 2, part, seed=9)
+    want = [xxhash.xxh3_64_intdigest(bytes(srcs[0][b * part:(b + 1) * part].numpy()) +
+                                     bytes(srcs[1][b * part:(b + 1) * part].numpy())) for b in ids]
+    for i in range(200):
         dsts[i % 2].zero_()
-        assert blockcopy.copy_blocks(dp, [0], sp, [0], 512 * 1024, 1) == [want], i
+        assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 1) == want, i
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
 
 
@@ -122,14 +127,16 @@ def test_copies_from_several_threads_at_once():
 
     def worker(seed: int) -> None:
         try:
-            srcs, dsts, sp, dp = _shape(1, 2, MiB, seed=seed)
-            want = xxhash.xxh3_64_intdigest(b"".join(bytes(t.numpy()) for t in srcs))
-            for _ in range(40):
+            part, ids = MiB, [0, 1, 2, 3]
+            srcs, dsts, sp, dp = _shape(4, 2, part, seed=seed)
+            want = [xxhash.xxh3_64_intdigest(bytes(srcs[0][b * part:(b + 1) * part].numpy()) +
+                                             bytes(srcs[1][b * part:(b + 1) * part].numpy())) for b in ids]
+            for _ in range(15):
                 for t in dsts:
                     t.zero_()
-                assert blockcopy.copy_blocks(dp, [0], sp, [0], MiB, 1) == [want]
+                assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 1) == want
                 assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
-                assert blockcopy.copy_blocks(dp, [0], sp, [0], MiB, 0) is None
+                assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 0) is None
         except BaseException as exc:   # noqa: BLE001 -- reported below
             errors.append(exc)
     ts = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
@@ -140,19 +147,19 @@ def test_copies_from_several_threads_at_once():
     assert not errors, errors
 
 
-def test_partly_overlapping_parts_are_never_shared():
-    """A block read into a part that partly overlaps its source (hand-made planes) is copied as
-    memmove does, on one thread, with or without a hash."""
+def test_blocks_that_partly_overlap_their_source_in_a_shared_copy():
+    """Blocks read into parts that partly overlap their sources (hand-made planes) are copied as
+    memmove does and hashed as landed, whichever thread takes them."""
     blockcopy.copy_threads(2, 50)
-    part = MiB
+    part, stride, ids = 2 * MiB, 2 * MiB + 8192, [0, 1, 2, 3]
     for mode in (1, 0):
-        buf = torch.randint(0, 256, (part + 4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-        want = bytes(buf[4096:4096 + part].numpy())
-        base = buf.data_ptr()
-        got = blockcopy.copy_blocks(blockcopy.pack_planes([(base, part, base + part + 4096)]), [0],
-                                    blockcopy.pack_planes([(base + 4096, part, base + part + 4096)]), [0], part, mode)
-        assert bytes(buf[:part].numpy()) == want
-        assert got == ([xxhash.xxh3_64_intdigest(want)] if mode else None)
+        buf = torch.randint(0, 256, (4 * stride,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        want = [bytes(buf[b * stride + 4096:b * stride + 4096 + part].numpy()) for b in ids]
+        base, end = buf.data_ptr(), buf.data_ptr() + 4 * stride
+        got = blockcopy.copy_blocks(blockcopy.pack_planes([(base, stride, end)]), ids,
+                                    blockcopy.pack_planes([(base + 4096, stride, end)]), ids, part, mode)
+        assert [bytes(buf[b * stride:b * stride + part].numpy()) for b in ids] == want
+        assert got == ([xxhash.xxh3_64_intdigest(w) for w in want] if mode else None)
 
 
 def test_bad_settings_are_refused():
@@ -172,20 +179,22 @@ def test_a_forked_child_starts_its_own_helper(tmp_path):
         import ctypes, os, sys, time, xxhash
         from kvbridge import blockcopy
         blockcopy.copy_threads(2, 1000)
-        part = 1 << 20
-        src = ctypes.create_string_buffer(os.urandom(2 * part), 2 * part)
-        dst = ctypes.create_string_buffer(2 * part)
+        part, n = 2 << 20, 4
+        src = ctypes.create_string_buffer(os.urandom(n * part), n * part)
+        dst = ctypes.create_string_buffer(n * part)
         s, d = ctypes.addressof(src), ctypes.addressof(dst)
-        sp = blockcopy.pack_planes([(s, part, s + 2 * part)])
-        dp = blockcopy.pack_planes([(d, part, d + 2 * part)])
-        want = [xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part]) for b in (1, 0)]
+        sp = blockcopy.pack_planes([(s, part, s + n * part)])
+        dp = blockcopy.pack_planes([(d, part, d + n * part)])
+        order = [3, 2, 1, 0]
+        want = [xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part]) for b in order]
+        moved = b"".join(src.raw[b * part:(b + 1) * part] for b in order)
         def until_helped():
             start = blockcopy.copy_threads()["helper_units"]
             deadline = time.monotonic() + 20
             while blockcopy.copy_threads()["helper_units"] == start:
                 assert time.monotonic() < deadline, "no helper"
-                assert blockcopy.copy_blocks(dp, [0, 1], sp, [1, 0], part, 1) == want
-                assert dst.raw == src.raw[part:] + src.raw[:part]
+                assert blockcopy.copy_blocks(dp, [0, 1, 2, 3], sp, order, part, 1) == want
+                assert dst.raw == moved
         until_helped()
         pid = os.fork()
         if pid == 0:
