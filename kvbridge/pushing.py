@@ -28,11 +28,14 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
     t0 = time.perf_counter()
     out = FetchResult(res, list(res.block_ids))
     rec = snd._records.get(h.handle_id)
-    store = snd._push_stores.for_ticket(res)
+    store: Optional[LeaseStore] = None
     claim: Optional[Claim] = None
     url = res.urls[0]
     L = snd.pool.layout.num_layers
     try:
+        # inside: a reservation naming a lease server no store can use (BadHandle) ends the push
+        # and its handle like any other failure, never leaves its blocks pinned until their TTL
+        store = snd._push_stores.for_ticket(res)
         if rec is None:
             raise StaleHandle(f"push of {res.request_id!r}: its blocks were freed before it started")
         if store is not None:

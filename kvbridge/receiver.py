@@ -124,12 +124,7 @@ class KVReceiver(ReceiverPipeline):
     def lease_store(self, handle: KVHandle) -> Optional[LeaseStore]:
         """The store to claim ``handle`` in, or None for an unleased handle. A lease server URL
         the handle names (``leases=None``) that no store can use is the handle's fault: BadHandle."""
-        try:
-            return self._stores.for_ticket(handle)
-        except ConfigError as exc:
-            if self._stores.arg is None and handle.lease_url:
-                raise BadHandle(f"the handle names a lease server no store can use: {exc}") from None
-            raise
+        return self._stores.for_ticket(handle)
 
     def transport(self, url: str) -> Transport:
         t = self._by_url.get(url)

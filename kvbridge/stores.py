@@ -6,6 +6,7 @@ import threading
 from collections import OrderedDict
 from typing import Optional, Union
 
+from .errors import BadHandle, ConfigError
 from .handle import KVHandle
 from .lease import LeaseStore, open_lease_store
 
@@ -53,13 +54,24 @@ class StoreCache:
         return self._open(arg if isinstance(arg, str) else "")
 
     def for_ticket(self, ticket: KVHandle) -> Optional[LeaseStore]:
-        """The store to claim ``ticket`` in, or None for an unleased ticket."""
+        """The store to claim ``ticket`` in, or None for an unleased ticket. A lease server URL
+        the ticket names (``leases=None``; it is outside the ticket's lease digest: whoever made
+        the ticket chose it) that no store can use is the ticket's fault: BadHandle. This side's
+        own ``leases=`` URL stays a ConfigError."""
         arg = self.arg
         if not ticket.lease_id or arg is False:
             return None
         if isinstance(arg, LeaseStore):
             return arg
-        return self._open(arg if isinstance(arg, str) else ticket.lease_url)
+        if isinstance(arg, str):
+            return self._open(arg)
+        try:
+            return self._open(ticket.lease_url)
+        except ConfigError as exc:
+            if not ticket.lease_url:
+                raise
+            raise BadHandle(f"the {'reservation' if ticket.reservation else 'handle'} names a lease server "
+                            f"no store can use: {exc}") from None
 
     def close(self) -> None:
         with self._lock:

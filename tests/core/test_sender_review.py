@@ -219,3 +219,29 @@ def test_a_ttl_that_means_nothing_is_refused_before_anything_is_taken(ttl: float
             snd.renew(h, ttl)
     with pytest.raises(ConfigError, match="ttl"):
         KVSender(pool, "tcp://127.0.0.1:0", leases=False, ttl=ttl)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0?foo=bar", "http://127.0.0.1:1/"])
+def test_a_reservation_naming_an_unusable_lease_server_fails_the_push_and_frees_its_blocks(url: str) -> None:
+    """The lease server a leased reservation names is outside its lease digest: whoever made the
+    reservation chose it. One no store can use made push() report ConfigError ("fix your
+    configuration") from before the push's own error handling, so the push's handle never ended
+    and its blocks stayed pinned until their TTL. It is the reservation's fault: BadHandle, the
+    blocks freed at once ("aborted")."""
+    import dataclasses
+
+    from kvbridge import BadHandle
+
+    why: list[str] = []
+    spool, rpool = KVPool.allocate(L, 8), KVPool.allocate(L, 8)
+    with KVReceiver(rpool, listen="inproc://bad-lease-push", leases=False) as rcv, \
+            KVSender(spool, "inproc://bad-lease-push-src", leases=None, ttl=600,
+                     on_free=lambda h, reason: why.append(reason)) as snd:
+        res = rcv.reserve(rpool.alloc(2), "p").reservation
+        assert res is not None
+        forged = dataclasses.replace(res, lease_url=url, lease_id="x")
+        forged = dataclasses.replace(forged, lease_id=forged.lease_digest())
+        t = snd.push(forged, spool.alloc(2))
+        out = t.result(10)
+        assert isinstance(out.error, BadHandle) and "lease server" in str(out.error)
+        assert why == ["aborted"] and spool.num_free == 8
