@@ -4,7 +4,7 @@
 //
 //   amax  = max |x| over a group (a row of head_dim values, or a whole part for "block")
 //   scale = amax * (1/QMAX)                  float32, QMAX = 127 (int8) or 448 (fp8 e4m3)
-//   inv   = QMAX / amax, 0 when amax == 0
+//   inv   = QMAX / amax, 0 when amax == 0 (0 < amax < 2^-96: x and amax scaled by 2^64 first, kvb_up)
 //   q     = rint(x * inv) clamped to +-127     (int8)
 //   q     = e4m3_rne(clamp(x * inv, +-448))     (fp8)
 //   x'    = float(q) * scale, rounded to nearest even into the destination dtype
@@ -95,6 +95,13 @@ KVB_HD bool kvb_finite(float f) { return (kvb_float_to_bits(f) & 0x7f800000u) !=
 
 KVB_HD float kvb_nanmax(float m, float a) { return (a > m || a != a) ? a : m; }  // NaN propagates
 
+// QMAX / amax overflows float32 below ~1e-36 (subnormal or tiny normal groups: x * inf is inf,
+// 0 * inf NaN): a group with 0 < amax < 2^-96 and its values are scaled by 2^64 first, as the
+// torch twin does (kvbridge/codecs/quant.py). Powers of two are exact, so x * inv rounds as it
+// would without the overflow; the scale written stays amax * (1/QMAX).
+KVB_HD float kvb_up(float m) { return (m > 0.0f && m < 0x1p-96f) ? 0x1p64f : 1.0f; }
+KVB_HD float kvb_inv(float m, float up, float qmax) { return m > 0.0f ? qmax / (m * up) : 0.0f; }
+
 KVB_HD signed char kvb_q_int8(float x, float inv) {
   float r = rintf(x * inv);
   r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
@@ -145,9 +152,9 @@ __device__ void kvb_gather_quant_rows(const u64* parts, long long num_rows, int 
   for (int i = lane; i < dim; i += 32) m = kvb_nanmax(m, fabsf(kvb_load(src + i)));
   m = kvb_warp_max(m);
   if (!kvb_finite(m)) { if (lane == 0) *bad = 1; }
-  float inv = m > 0.0f ? Q::QMAX / m : 0.0f;
+  float up = kvb_up(m), inv = kvb_inv(m, up, Q::QMAX);
   u8* out = q + row * (long long)dim;
-  for (int i = lane; i < dim; i += 32) out[i] = Q::enc(kvb_load(src + i), inv);
+  for (int i = lane; i < dim; i += 32) out[i] = Q::enc(kvb_load(src + i) * up, inv);
   if (lane == 0) scales[row] = m * Q::inv_qmax();
 }
 
@@ -182,9 +189,9 @@ __device__ void kvb_gather_quant_parts(const u64* parts, int part_elems, u8* q, 
   __syncthreads();
   m = red[0];
   if (threadIdx.x == 0 && !kvb_finite(m)) *bad = 1;
-  float inv = m > 0.0f ? Q::QMAX / m : 0.0f;
+  float up = kvb_up(m), inv = kvb_inv(m, up, Q::QMAX);
   u8* out = q + (long long)blockIdx.x * part_elems;
-  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) out[i] = Q::enc(kvb_load(src + i), inv);
+  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) out[i] = Q::enc(kvb_load(src + i) * up, inv);
   if (threadIdx.x == 0) scales[blockIdx.x] = m * Q::inv_qmax();
 }
 
@@ -278,10 +285,10 @@ __device__ void kvb_gather_quant_rows_vec(const u64* parts, long long num_rows, 
   for (int o = lanes_per_row >> 1; o > 0; o >>= 1) m = kvb_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (!valid) return;
   if (sub == 0 && !kvb_finite(m)) *bad = 1;
-  float inv = m > 0.0f ? Q::QMAX / m : 0.0f;
+  float up = kvb_up(m), inv = kvb_inv(m, up, Q::QMAX);
   u8 c[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) c[i] = Q::enc(v[i], inv);
+  for (int i = 0; i < N; ++i) c[i] = Q::enc(v[i] * up, inv);
   KvbCodes<N>::store(q + row * (long long)dim + sub * N, c);
   if (sub == 0) scales[row] = m * Q::inv_qmax();
 }

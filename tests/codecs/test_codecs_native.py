@@ -155,10 +155,31 @@ def test_kernel_matches_torch_twin(name: str) -> None:
         kernels.vectorize = True
 
 
-def _compare(name: str, dtype: str, kind: str) -> None:
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(CODECS))
+def test_kernel_matches_torch_twin_on_tiny_groups(name: str) -> None:
+    """Groups whose absmax is tiny (2^-110, normal) or subnormal (2^-135) in float32 and bfloat16:
+    QMAX / amax overflows float32 there, and the twin scales such groups by 2^64 first; the
+    kernels must do the same (before, they wrote inf or NaN codes). Same tolerance as above."""
+    kernels = _gpu_or_skip()
+    try:
+        for vectorize in (True, False):
+            kernels.vectorize = vectorize
+            for dtype in ["float32", "bfloat16"]:
+                for kind in ["vllm_flash", "mla"]:
+                    _compare(name, dtype, kind, tiny=True)
+    finally:
+        kernels.vectorize = True
+
+
+def _compare(name: str, dtype: str, kind: str, tiny: bool = False) -> None:
     layout = KVLayout.vllm_flash(2, 8, 128, 16, dtype) if kind == "llama" else LAYOUTS[kind](dtype, 16)
     host = KVPool.allocate(layout, 64)
     fill_pool(host, seed=5)
+    if tiny:      # buffers by turns tiny normal, partly subnormal, as filled (exact: powers of two)
+        for i, buf in enumerate(host.buffers):
+            buf.mul_((2.0 ** -110, 2.0 ** -125, 1.0)[i % 3])
+        assert any(bool(((b != 0) & (b.abs().float() < 2.0 ** -96)).any()) for b in host.buffers)
     pool = KVPool.allocate(host.layout, 64, device="cuda")
     for a, b in zip(pool.buffers, host.buffers):
         a.copy_(b)
