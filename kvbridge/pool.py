@@ -268,6 +268,10 @@ class KVPool:
         self._free: deque[int] = deque(() if self.engine_allocated else range(num_blocks))
         self._refs = [0] * num_blocks
         self._gens = [0] * num_blocks
+        # Destination blocks of the fetches and reservations in progress into this pool (any
+        # receiver's): a second one naming any of them is refused (_land).
+        self._landing: set[int] = set()
+        self._landing_lock = threading.Lock()
         # Every block's generation: the pool's own list (never replaced), read by the C extension
         # on every small read and fetch -- a plain attribute, not a property, for that hot path.
         # Never change it from outside the pool.
@@ -522,6 +526,30 @@ class KVPool:
 
     def refcount(self, block_id: int) -> int:
         return self._refs[self._one(block_id)]
+
+    def _land(self, block_ids: Sequence[int], what: str = "a fetch") -> None:
+        """Mark ``block_ids`` (checked ids) as the destination of ``what``, in progress; PoolError,
+        marking nothing, where any of them already is one: two transfers landing in one block
+        would leave it holding bytes of either, each verified against its own. Undone by
+        :meth:`_landed` when the transfer ends, however it ends."""
+        with self._landing_lock:
+            busy = self._landing.intersection(block_ids)
+            if not busy:
+                self._landing.update(block_ids)
+                return
+        shown = sorted(busy)
+        raise PoolError(f"{what} into destination block{'s' if len(shown) > 1 else ''} "
+                        f"{shown[:8]}{' ...' if len(shown) > 8 else ''}, which another fetch or reservation "
+                        "in progress is writing: wait for it to end, or name other blocks")
+
+    def _landed(self, block_ids: Sequence[int]) -> None:
+        with self._landing_lock:
+            self._landing.difference_update(block_ids)
+
+    def landing(self) -> list[int]:
+        """Destination blocks of the fetches and reservations in progress into this pool."""
+        with self._landing_lock:
+            return sorted(self._landing)
 
     def generation(self, block_id: int) -> int:
         return self._gens[self._one(block_id)]

@@ -39,6 +39,7 @@ import os
 import socket
 import threading
 import time
+from functools import partial
 from typing import Any, Optional, Sequence, Union
 
 from .blockcopy import dst_snapshot
@@ -60,6 +61,11 @@ from .transports.registry import get_transport_class, scheme_of
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 
 log = logging.getLogger("kvbridge.receiver")
+
+
+def _unland(pool: KVPool, dst: list[int], _t: Transfer) -> None:
+    """A transfer into ``dst`` ended: its destination is no longer marked (KVPool._land)."""
+    pool._landed(dst)
 HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 RELEASED_KEPT = 4096    # released handles remembered (far longer than a deferred release takes to land)
 MAX_URLS = 4096         # sender URLs whose transport is remembered (a cache)
@@ -207,7 +213,24 @@ class KVReceiver(ReceiverPipeline):
         """Start moving the handle's blocks (or ``indices`` of them) into ``dst_block_ids``
         and return at once: poll ``done()``, block in ``wait()``/``result()``, follow
         ``wait_layer(i)``, or ``cancel()``. Invalid input raises here."""
-        return self._workers.submit(self._transfer(self._prepare(handle, dst_block_ids, indices, release)))
+        return self._submit([self._prepare(handle, dst_block_ids, indices, release)])[0]
+
+    def _submit(self, jobs: list[_Job]) -> list[Transfer]:
+        """Each job's transfer on the workers, its destination marked in the pool until it ends
+        (however it ends: done, failed, cancelled before it started)."""
+        pool = self.pool
+        pool._land([b for j in jobs for b in j.dst])   # distinct (_prepare_many)
+        ts = []
+        for k, j in enumerate(jobs):
+            t = self._transfer(j)
+            t.add_done_callback(partial(_unland, pool, j.dst))
+            try:
+                ts.append(self._workers.submit(t))
+            except BaseException:
+                for rest in jobs[k:]:
+                    pool._landed(rest.dst)
+                raise
+        return ts
 
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,
               indices: Optional[Sequence[int]] = None, release: bool = True) -> FetchResult:
@@ -222,33 +245,45 @@ class KVReceiver(ReceiverPipeline):
         if (indices is not None or type(h) is not KVHandle or self.secret is not None
                 or h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
                 or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released or self._closed):
-            return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
+            return self._fetch_job(self._prepare(handle, dst_block_ids, indices, release))
         # the destination as the fetch begins: read_small and any fallback hold to these generations
         got_dst = dst_snapshot(dst_block_ids, pool.live_generations, len(h.block_ids))
         if got_dst is None:              # the pipeline's _check_dst says what is wrong with them
-            return self._pull(None, self._prepare(handle, dst_block_ids, indices, release))
+            return self._fetch_job(self._prepare(handle, dst_block_ids, indices, release))
         dst, gens = got_dst
-        url = h.urls[0]
-        t0 = time.perf_counter()
-        tr = self._by_url.get(url) or self.transport(url)
+        pool._land(dst)
         try:
-            got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
-        except KVBridgeError as exc:
-            return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
-        if got is None or got[1] is not None:
-            # no fast path, or it could not vouch: the pipeline, held to `gens`; or a checksum
-            # differs (`landed`): the pipeline refetches or refuses
-            return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
-        if release:
+            url = h.urls[0]
+            t0 = time.perf_counter()
+            tr = self._by_url.get(url) or self.transport(url)
             try:
-                tr.release(url, h, False)              # without a reply: it rides on a later request
-            except KVBridgeError:
-                self.release(h, wait=False)            # the other URLs, and the log line
-            else:
-                self._released.add(h.handle_id)
-        seconds = time.perf_counter() - t0
-        self.stats.fetched(True, got[0], seconds)
-        return FetchResult(h, dst, True, got[0], seconds, 1)
+                got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
+            except KVBridgeError as exc:
+                return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
+            if got is None or got[1] is not None:
+                # no fast path, or it could not vouch: the pipeline, held to `gens`; or a checksum
+                # differs (`landed`): the pipeline refetches or refuses
+                return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
+            if release:
+                try:
+                    tr.release(url, h, False)              # without a reply: it rides on a later request
+                except KVBridgeError:
+                    self.release(h, wait=False)            # the other URLs, and the log line
+                else:
+                    self._released.add(h.handle_id)
+            seconds = time.perf_counter() - t0
+            self.stats.fetched(True, got[0], seconds)
+            return FetchResult(h, dst, True, got[0], seconds, 1)
+        finally:
+            pool._landed(dst)
+
+    def _fetch_job(self, j: _Job) -> FetchResult:
+        """A fetch through the pipeline on this thread, its destination marked meanwhile."""
+        self.pool._land(j.dst)
+        try:
+            return self._pull(None, j)
+        finally:
+            self.pool._landed(j.dst)
 
     def _job(self, h: KVHandle, dst: list[int], release: bool, gens: list[int], t0: float) -> _Job:
         j = _Job(h, dst, None, release, FetchResult(h, dst), None, gens)
@@ -266,6 +301,14 @@ class KVReceiver(ReceiverPipeline):
         """Fetch many handles: claims batched per lease server (one round trip), reads
         pipelined per sender on one connection."""
         jobs = self._prepare_many(items, release)
+        every = [b for j in jobs for b in j.dst]      # distinct (_prepare_many)
+        self.pool._land(every, "fetch_many")
+        try:
+            return self._fetch_many(jobs)
+        finally:
+            self.pool._landed(every)
+
+    def _fetch_many(self, jobs: list[_Job]) -> list[FetchResult]:
         claim_batch(self, jobs)
         groups: dict[str, list[tuple[_Job, ReadOp]]] = {}
         for j in jobs:
@@ -306,7 +349,7 @@ class KVReceiver(ReceiverPipeline):
                           release: bool = True) -> list[FetchResult]:
         """Awaitable fetches, each on a worker thread; cancelling the awaiting task cancels
         every one of them, and it ends once none will land a byte any more."""
-        ts = [self._workers.submit(self._transfer(j)) for j in self._prepare_many(items, release)]
+        ts = self._submit(self._prepare_many(items, release))
         try:
             return [await t for t in ts]
         except asyncio.CancelledError:
@@ -372,7 +415,15 @@ class KVReceiver(ReceiverPipeline):
         if not self.servers:
             raise ConfigError("reserve() needs a receiver that listens: KVReceiver(pool, listen='tcp://...')")
         dst = self._check_dst(dst_block_ids, len(dst_block_ids))
-        return self._desk.reserve(dst, request_id, num_tokens, self.reservation_ttl if ttl is None else ttl)
+        pool = self.pool
+        pool._land(dst, "a reservation")       # until it ends, no fetch or other reservation lands there
+        try:
+            t = self._desk.reserve(dst, request_id, num_tokens, self.reservation_ttl if ttl is None else ttl)
+        except BaseException:
+            pool._landed(dst)
+            raise
+        t.add_done_callback(partial(_unland, pool, dst))
+        return t
 
     def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> WriteGrant:
         return self._desk.open_write(ticket_bytes, layers, claim)

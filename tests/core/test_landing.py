@@ -1,0 +1,125 @@
+"""Two transfers never land in one destination block at once: a fetch, start_fetch, fetch_many
+or reservation naming a block that another one in progress into the same pool is writing --
+from this receiver or another on the pool -- is refused with PoolError before anything moves,
+and every way a transfer ends (done, failed, cancelled before or after it started) frees its
+blocks for the next one."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, PoolError
+
+from ._peer import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
+
+
+@pytest.fixture
+def pair():
+    spool, rpool = KVPool.allocate(L, 128), KVPool.allocate(L, 16)
+    for b in spool.buffers:
+        b.fill_(1.5)                 # the receiver's blocks are zeros: a landed byte shows
+    snd = KVSender(spool, "inproc://landing-src", leases=False)
+    rcv = KVReceiver(rpool, listen="inproc://landing-dst", leases=False)
+    try:
+        yield snd, rcv
+    finally:
+        rcv.close()
+        snd.close()
+
+
+def _publish(snd: KVSender, n: int, **kw):
+    ids = snd.pool.alloc(n)
+    return snd.publish(f"r{ids[0]}", ids, n * L.block_size, **kw)
+
+
+def test_a_fetch_into_blocks_a_fetch_in_progress_is_writing_is_refused(pair):
+    snd, rcv = pair
+    pool = rcv.pool
+    slow = _publish(snd, 2, layers_ready=0)             # layer-wise: its fetch waits for its layers
+    t = rcv.start_fetch(slow, [3, 4])
+    assert wait_until(lambda: pool.landing() == [3, 4], 5.0)
+    before = [bytes(b.numpy().tobytes()) for b in pool.buffers]
+    other = _publish(snd, 2)
+    for call in (lambda: rcv.fetch(other, [4, 5]), lambda: rcv.start_fetch(other, [5, 3]),
+                 lambda: rcv.fetch_many([(other, [4, 9])])):
+        with pytest.raises(PoolError, match=r"block \[[34]\], which another fetch"):
+            call()
+    assert [bytes(b.numpy().tobytes()) for b in pool.buffers] == before      # nothing moved
+    assert pool.landing() == [3, 4]                                          # nothing else marked
+    assert rcv.fetch(other, [5, 6]).ok                                       # other blocks: fine
+    assert t.cancel(5.0)
+    assert pool.landing() == []
+    assert rcv.fetch(_publish(snd, 2), [3, 4]).ok
+
+
+def test_a_reservation_holds_its_blocks_until_it_ends(pair):
+    snd, rcv = pair
+    pool = rcv.pool
+    rt = rcv.reserve([7, 8], "pushed")
+    h = _publish(snd, 2)
+    with pytest.raises(PoolError, match="another fetch or reservation"):
+        rcv.fetch(h, [8, 9])
+    with pytest.raises(PoolError, match="a reservation into destination block"):
+        rcv.reserve([1, 7], "again")
+    assert pool.landing() == [7, 8]
+    pid = snd.push(rt.reservation, snd.pool.alloc(2))
+    assert rt.result(10).ok and pid.result(10).ok
+    assert pool.landing() == []
+    assert rcv.fetch(h, [8, 9]).ok
+    rt2 = rcv.reserve([7, 8], "expires", ttl=0.2)                            # ends at its ttl
+    assert not rt2.result(10).ok and pool.landing() == []
+    rt3 = rcv.reserve([7, 8], "cancelled")
+    assert rt3.cancel(5.0) and pool.landing() == []
+
+
+def test_another_receiver_on_the_same_pool_is_refused_too(pair):
+    snd, rcv = pair
+    with KVReceiver(rcv.pool, leases=False) as second:
+        slow = _publish(snd, 1, layers_ready=0)
+        t = second.start_fetch(slow, [2])
+        assert wait_until(lambda: rcv.pool.landing() == [2], 5.0)
+        with pytest.raises(PoolError):
+            rcv.fetch(_publish(snd, 1), [2])
+        snd.mark_ready(slow, L.num_layers)
+        assert t.result(10).ok and rcv.pool.landing() == []
+
+
+def test_every_end_unmarks(pair):
+    snd, rcv = pair
+    pool = rcv.pool
+    assert rcv.fetch(_publish(snd, 2), [0, 1]).ok and pool.landing() == []            # the usual fetch
+    gone = _publish(snd, 1)
+    snd.revoke(gone)
+    assert not rcv.fetch(gone, [0]).ok and pool.landing() == []                      # failed
+    assert all(r.ok for r in rcv.fetch_many([(_publish(snd, 1), [0]), (_publish(snd, 1), [1])]))
+    assert pool.landing() == []
+    t = rcv.start_fetch(_publish(snd, 1, layers_ready=0), [5])
+    assert t.cancel(5.0) and pool.landing() == []                                    # cancelled running
+    with pytest.raises(PoolError):
+        rcv.fetch(_publish(snd, 2), [3, 3])                                          # refused input
+    assert pool.landing() == []
+
+
+def test_threads_fetching_into_their_own_blocks_never_collide(pair):
+    snd, rcv = pair
+    errors: list[BaseException] = []
+    hs = [[_publish(snd, 1) for _ in range(10)] for _ in range(4)]
+
+    def run(k: int) -> None:
+        try:
+            for h in hs[k]:
+                assert rcv.fetch(h, [10 + k]).ok
+        except BaseException as exc:       # noqa: BLE001 -- reported below
+            errors.append(exc)
+    ts = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors and rcv.pool.landing() == []
