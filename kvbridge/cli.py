@@ -242,7 +242,7 @@ def _run_up(a: argparse.Namespace) -> int:
     interrupt = _InterruptOnce()
     prev = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        cluster.start()
+        cluster.start(check=interrupt.check)
         cluster.wait(progress=not a.no_progress)
     finally:
         interrupt.armed = False
@@ -255,15 +255,24 @@ def _run_up(a: argparse.Namespace) -> int:
 
 
 class _InterruptOnce:
-    """A signal handler that raises KeyboardInterrupt the first time, and ignores later signals."""
+    """A signal handler that raises KeyboardInterrupt the first time, and ignores later signals.
+    Where that exception was swallowed -- raised inside an at-fork hook while a worker is being
+    forked, the interpreter only prints it -- :meth:`check` raises it again."""
 
     def __init__(self) -> None:
         self.armed = True
+        self.fired: Optional[str] = None
 
     def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.armed:
             self.armed = False
-            raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+            self.fired = signal.Signals(signum).name
+            raise KeyboardInterrupt(f"signal {self.fired}")
+
+    def check(self) -> None:
+        if self.fired is not None and self.armed is False:
+            fired, self.fired = self.fired, None
+            raise KeyboardInterrupt(f"signal {fired}")
 
 
 def _run_leases(a: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional, TextIO
+from typing import Any, Callable, Optional, TextIO
 
 from ..errors import ConfigError
 from ..lease import EmbeddedRedis
@@ -210,9 +210,13 @@ class Cluster:
         except OSError:
             return ""
 
-    def start(self) -> str:
-        """Start everything; return the proxy's URL once every worker answers ``/health``."""
+    def start(self, check: Optional[Callable[[], None]] = None) -> str:
+        """Start everything; return the proxy's URL once every worker answers ``/health``.
+        ``check()`` runs between steps and while waiting: a stop asked for by a signal whose
+        KeyboardInterrupt was swallowed (one raised inside the interpreter's at-fork hooks, as
+        while a worker is being forked, is only printed) raises it again there."""
         c = self.cfg
+        check = check or (lambda: None)
         t0 = time.monotonic()
         self._sock = bind_socket(c.host, c.port)  # before anything starts: a busy --port fails here
         try:
@@ -230,19 +234,23 @@ class Cluster:
                 # all on this machine: with a wildcard --host, the KV is read over loopback
                 local = ["--advertise-host", "127.0.0.1"] if c.host in ("0.0.0.0", "::", "") else []
                 for i in range(c.prefill_workers):
+                    check()
                     self._spawn("prefill", self._engine_args("prefill") + local + [
                         "--leases", self.lease_url, "--transport", c.transport, "--ttl", str(c.ttl)], i)
                 for i in range(c.decode_workers):
+                    check()
                     self._spawn("decode", self._engine_args("decode") + ["--leases", self.lease_url], i)
             deadline = time.monotonic() + c.startup_timeout
             for ch in self.children:
                 while not ch.ready.wait(0.1):
+                    check()
                     if ch.proc.poll() is not None:
                         raise ConfigError(f"{ch.role} worker exited at start (code {ch.proc.returncode}; "
                                           f"log {ch.log_path}):\n{self._log_tail(ch)}")
                     if time.monotonic() > deadline:
                         raise ConfigError(f"{ch.role} worker not ready within {c.startup_timeout:.0f}s")
                 self._say(f"{ch.role} worker pid {ch.proc.pid} at {ch.url} ({time.monotonic() - t0:.1f}s)")
+            check()
             urls = {r: [ch.url for ch in self.children if ch.role == r and ch.url] for r in
                     ("prefill", "decode", "colocated")}
             max_len = min(int(get_json(f"{ch.url}/health")["max_model_len"]) for ch in self.children)
@@ -254,8 +262,10 @@ class Cluster:
                 max_body_bytes=c.max_body_bytes, max_model_len=max_len, max_connections=c.max_connections,
                 worker_connections=c.worker_connections, worker_pool_timeout=c.worker_pool_timeout),
                 tokenizer=load_tokenizer(None if c.model in PRESETS or not os.path.isdir(c.model) else c.model))
+            check()
             self.url = self.proxy.serve(c.host, c.port, sock=self._sock).url
             self._write_state()
+            check()
         except BaseException:
             self.clean = False
             self.stop()
