@@ -114,7 +114,10 @@ class RedisLeaseStore(LeaseStore):
         self._maxlen = int(events_maxlen)
         self._src = dict(_scripts.ALL)
         self._sha = {k: hashlib.sha1(v.encode()).hexdigest() for k, v in self._src.items()}
+        # each owner's read position in its event stream; readers of one owner's events on
+        # several threads (or tasks) each get an event once: the position only moves forward
         self._cursors: dict[str, str] = {}
+        self._cursor_lock = threading.Lock()
         kw: dict[str, Any] = dict(decode_responses=True, socket_timeout=socket_timeout,
                                   socket_connect_timeout=connect_timeout, protocol=2,
                                   max_connections=max_connections)
@@ -527,10 +530,18 @@ class RedisLeaseStore(LeaseStore):
         return max(1, int(min(timeout_s, cap) * 1000))
 
     def _parse_events(self, owner: str, raw: Any) -> List[LeaseEvent]:
+        """The events of an XREAD from the owner's read position. Two readers that read from the
+        same position (threads, tasks) get the same entries: the first to parse them takes them
+        and moves the position past them, the other drops what is at or before it."""
         out: list[LeaseEvent] = []
         try:
-            for _key, entries in raw or []:
-                for eid, fields in entries:
+            entries = [(_stream_id(eid), eid, fields) for _key, es in raw or [] for eid, fields in es]
+            with self._cursor_lock:
+                last = _stream_id(self._cursors.get(owner, "0-0"))
+                for sid, eid, fields in entries:
+                    if sid <= last:
+                        continue                        # another reader of these events took it
+                    last = sid
                     self._cursors[owner] = eid
                     kind, ref = fields.get("k", ""), fields.get("id", "")
                     if kind in EVENT_KINDS:
@@ -538,6 +549,14 @@ class RedisLeaseStore(LeaseStore):
         except (ValueError, TypeError, AttributeError) as exc:
             raise self._malformed("XREAD", raw, exc) from exc
         return out
+
+
+def _stream_id(eid: Any) -> tuple[int, int]:
+    """A Redis stream entry id ("<ms>-<seq>") as a pair that orders as the stream does."""
+    ms, sep, seq = str(eid).partition("-")
+    if not sep:
+        raise ValueError(f"stream id {eid!r}")
+    return int(ms), int(seq)
 
 
 class LeaseBatch:

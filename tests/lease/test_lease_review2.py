@@ -245,3 +245,37 @@ def test_tickets_naming_many_lease_servers_do_not_pile_up_connections(server: Em
         assert tickets.for_ticket(same) is tickets.for_ticket(same)      # still one store per URL
     finally:
         tickets.close()
+
+
+def test_readers_of_one_owners_events_on_several_threads_get_each_event_once(store: RedisLeaseStore) -> None:
+    """events() reads from the owner's position in its stream and moves it: two threads reading
+    at once read from the same position, and both got the same events (the owner freed a block
+    twice, or counted a release twice). The position only moves forward: each event reaches one
+    reader."""
+    n = 60
+    for i in range(n):
+        store.publish(f"l{i}", "owner", 30)
+        c = store.claim(f"l{i}", "dec", 30)
+        store.release(f"l{i}", "dec", c.fence)
+    got: list[list[str]] = [[], [], []]
+    start = threading.Barrier(3)
+
+    def reader(k: int) -> None:
+        start.wait()
+        for _ in range(20):
+            got[k] += [e.ref for e in store.events("owner", timeout_s=0.01)]
+    ts = [threading.Thread(target=reader, args=(k,)) for k in range(3)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    every = [r for g in got for r in g]
+    assert sorted(every) == sorted(store.ref(f"l{i}") for i in range(n))     # each once, none lost
+    raw = [("k", [("5-1", {"k": "released", "id": "x"})])]
+    store._cursors["other"] = "5-1"
+    assert store._parse_events("other", raw) == []        # a reader that read the same entries late
+
+
+def test_a_malformed_stream_id_is_a_malformed_reply(store: RedisLeaseStore) -> None:
+    with pytest.raises(KVBridgeError):
+        store._parse_events("owner", [("k", [("garbage", {"k": "released", "id": "x"})])])
