@@ -28,6 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Optional, TextIO
 
 from ..errors import ConfigError
@@ -141,6 +142,15 @@ class _Child:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _worker_setup(mask: "set[int | signal.Signals]") -> None:
+    """In the forked worker, before exec: die with the parent, and the parent's signal mask."""
+    die_with_parent()
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 class Cluster:
     """The processes of one ``kvbridge up``; ``start()`` then ``stop()`` (or use as a context manager)."""
 
@@ -179,12 +189,20 @@ class Cluster:
 
     def _spawn(self, role: str, args: list[str], n: int) -> _Child:
         log_path = os.path.join(self.log_dir, f"{role}-{n}.log")
-        with open(log_path, "w") as log:
-            # own session: a Ctrl-C in the terminal reaches only this process, which stops the
-            # workers after the proxy has answered the requests in flight
-            proc = subprocess.Popen([*worker_command(), role, *args], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=die_with_parent,
-                                    start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # The stop signals wait while the worker is forked: a handler that raises KeyboardInterrupt
+        # inside the interpreter's at-fork hooks has it printed and dropped, and the start went on
+        # (Cluster.start's check() catches that too). The child gets the mask back before exec.
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            with open(log_path, "w") as log:
+                # own session: a Ctrl-C in the terminal reaches only this process, which stops the
+                # workers after the proxy has answered the requests in flight
+                proc = subprocess.Popen([*worker_command(), role, *args], stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=log, text=True,
+                                        preexec_fn=partial(_worker_setup, old_mask), start_new_session=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)   # a signal that came meanwhile lands here
         child = _Child(role, proc, log_path)
         threading.Thread(target=self._read_ready, args=(child,), daemon=True).start()
         self.children.append(child)
