@@ -337,12 +337,76 @@ static void copy_unit(void *ctx, size_t u, int who) {
         copy_one(c, k, who);
 }
 
+/* 1 where a destination byte of this copy may be another block's source: the span of some
+ * destination plane (its lowest block's start to its highest block's end) meets the span of
+ * some source plane; 0 where none does. One thread copies blocks in order, so a copy within one
+ * buffer (blocks moved down, say) lands as that order says; shared, the caller takes its tail
+ * from the end while the helper copies at the same time, so a block could be read after (or
+ * while) another overwrote it. Such copies stay on one thread. Conservative (spans, not
+ * blocks); O(planes log planes), under the GIL; -1 without memory (then: one thread too). */
+typedef struct {
+    int64_t lo, hi;
+} span_t;
+
+static int span_cmp(const void *a, const void *b) {
+    int64_t x = ((const span_t *)a)->lo, y = ((const span_t *)b)->lo;
+    return (x > y) - (x < y);
+}
+
+static int spans_meet(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid, Py_ssize_t n,
+                      int64_t part) {
+    int64_t dmin = INT64_MAX, dmax = -1, smin = INT64_MAX, smax = -1;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (did[k] < dmin) dmin = did[k];
+        if (did[k] > dmax) dmax = did[k];
+        if (sid[k] < smin) smin = sid[k];
+        if (sid[k] > smax) smax = sid[k];
+    }
+    if (n == 0 || sp->n == 0 || dp->n == 0)
+        return 0;
+    span_t *s = PyMem_Malloc((size_t)sp->n * sizeof(span_t));
+    if (s == NULL)
+        return -1;
+    /* ids and planes were checked (get_ids): strides >= 0, every block inside its plane */
+    for (Py_ssize_t j = 0; j < sp->n; j++) {
+        s[j].lo = sp->p[j].base + smin * sp->p[j].stride;
+        s[j].hi = sp->p[j].base + smax * sp->p[j].stride + part;
+    }
+    qsort(s, (size_t)sp->n, sizeof(span_t), span_cmp);
+    Py_ssize_t m = 0;                           /* merged: disjoint, ascending in lo and hi */
+    for (Py_ssize_t j = 1; j < sp->n; j++) {
+        if (s[j].lo < s[m].hi) {
+            if (s[j].hi > s[m].hi)
+                s[m].hi = s[j].hi;
+        } else {
+            s[++m] = s[j];
+        }
+    }
+    m++;
+    int meet = 0;
+    for (Py_ssize_t j = 0; j < dp->n && !meet; j++) {
+        int64_t lo = dp->p[j].base + dmin * dp->p[j].stride, hi = dp->p[j].base + dmax * dp->p[j].stride + part;
+        Py_ssize_t a = 0, b = m;                /* the first merged span ending after lo */
+        while (a < b) {
+            Py_ssize_t c = a + (b - a) / 2;
+            if (s[c].hi <= lo)
+                a = c + 1;
+            else
+                b = c;
+        }
+        meet = a < m && s[a].lo < hi;
+    }
+    PyMem_Free(s);
+    return meet;
+}
+
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
                            Py_ssize_t n, int64_t part, int hash, PyObject *expect) {
     PyObject *res = NULL;
     copyjob_t c = {dp, sp, did, sid, part, hash, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
     double total = (double)part * (double)n * (double)dp->n;
-    int shared = total >= PAR_BYTES && n >= PAR_MIN_BLOCKS && kvb_par_on();   /* whole blocks to the helper */
+    int shared = total >= PAR_BYTES && n >= PAR_MIN_BLOCKS && kvb_par_on() &&   /* whole blocks to the helper */
+                 spans_meet(dp, did, sp, sid, n, part) == 0;                 /* unless a copy within one buffer */
     int nt = shared ? 2 : 1;
     if (hash) {
         c.d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));

@@ -147,9 +147,10 @@ def test_copies_from_several_threads_at_once():
     assert not errors, errors
 
 
-def test_blocks_that_partly_overlap_their_source_in_a_shared_copy():
-    """Blocks read into parts that partly overlap their sources (hand-made planes) are copied as
-    memmove does and hashed as landed, whichever thread takes them."""
+def test_blocks_that_partly_overlap_their_source():
+    """Blocks read into parts that partly overlap their sources (hand-made planes over one
+    buffer) are copied as memmove does and hashed as landed (a copy within one buffer whose
+    spans meet runs on the calling thread, see the test below)."""
     blockcopy.copy_threads(2, 50)
     part, stride, ids = 2 * MiB, 2 * MiB + 8192, [0, 1, 2, 3]
     for mode in (1, 0):
@@ -160,6 +161,42 @@ def test_blocks_that_partly_overlap_their_source_in_a_shared_copy():
                                     blockcopy.pack_planes([(base + 4096, stride, end)]), ids, part, mode)
         assert [bytes(buf[b * stride:b * stride + part].numpy()) for b in ids] == want
         assert got == ([xxhash.xxh3_64_intdigest(w) for w in want] if mode else None)
+
+
+def test_blocks_moved_within_one_buffer_land_in_order():
+    """Blocks moved down within one buffer (destinations 0..3 from sources 1..4: each block's
+    destination is the source of the block before it) land as the one-thread copy and the
+    Python twin land them, block by block in order, each read before it is overwritten. Shared,
+    the caller takes its tail from the end while the helper copies at the same time, so block 2
+    would be read after (or while) block 3 was overwritten: a copy whose destination blocks
+    span its source blocks stays on the calling thread. One within one buffer whose two spans
+    do not meet is still shared."""
+    part, n = 2 * MiB, 5
+    orig = torch.randint(0, 256, (n * part,), dtype=torch.uint8, generator=torch.Generator().manual_seed(11))
+    blocks = [bytes(orig[b * part:(b + 1) * part].numpy()) for b in range(n)]
+    for threads in (2, 1):
+        blockcopy.copy_threads(threads, 50)
+        for mode in (1, 0, 2):
+            buf, twin = orig.clone(), orig.clone()
+            pl = blockcopy.pack_planes([(buf.data_ptr(), part, buf.data_ptr() + n * part)])
+            tpl = blockcopy.pack_planes([(twin.data_ptr(), part, twin.data_ptr() + n * part)])
+            got = blockcopy.copy_blocks(pl, [0, 1, 2, 3], pl, [1, 2, 3, 4], part, mode)
+            want = blockcopy.py_copy_blocks(tpl, [0, 1, 2, 3], tpl, [1, 2, 3, 4], part, mode != 0)
+            landed = [bytes(buf[b * part:(b + 1) * part].numpy()) for b in range(n)]
+            assert landed == blocks[1:] + blocks[4:], (threads, mode, [blocks.index(x) if x in blocks else None
+                                                                       for x in landed])
+            assert torch.equal(buf, twin) and got == want, (threads, mode)
+    if sys.platform != "linux":
+        return
+    blockcopy.copy_threads(2, 50)
+    far = torch.randint(0, 256, (12 * part,), dtype=torch.uint8, generator=torch.Generator().manual_seed(12))
+    want = [bytes(far[b * part:(b + 1) * part].numpy()) for b in range(8, 12)]
+    pl = blockcopy.pack_planes([(far.data_ptr(), part, far.data_ptr() + 12 * part)])
+    jobs = blockcopy.copy_threads()["jobs"]
+    got = blockcopy.copy_blocks(pl, [0, 1, 2, 3], pl, [8, 9, 10, 11], part, 1)
+    assert blockcopy.copy_threads()["jobs"] == jobs + 1                  # offered to the helper
+    assert [bytes(far[b * part:(b + 1) * part].numpy()) for b in range(4)] == want
+    assert got == [xxhash.xxh3_64_intdigest(w) for w in want]
 
 
 def test_bad_settings_are_refused():
