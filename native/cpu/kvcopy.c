@@ -337,13 +337,17 @@ static void copy_unit(void *ctx, size_t u, int who) {
         copy_one(c, k, who);
 }
 
-/* 1 where a destination byte of this copy may be another block's source: the span of some
- * destination plane (its lowest block's start to its highest block's end) meets the span of
- * some source plane; 0 where none does. One thread copies blocks in order, so a copy within one
- * buffer (blocks moved down, say) lands as that order says; shared, the caller takes its tail
+/* 1 where the bytes this copy lands may depend on the order of its blocks: a destination byte
+ * may be another block's source (the span of some destination plane, its lowest block's start
+ * to its highest block's end, meets the span of some source plane), or two blocks may land on
+ * the same bytes (a destination id named twice, or a destination plane's stride under a part);
+ * 0 where none of that holds. One thread copies blocks in order, so such a copy (blocks moved
+ * down within one buffer, say) lands as that order says; shared, the caller takes its tail
  * from the end while the helper copies at the same time, so a block could be read after (or
- * while) another overwrote it. Such copies stay on one thread. Conservative (spans, not
- * blocks); O(planes log planes), under the GIL; -1 without memory (then: one thread too). */
+ * while) another overwrote it, or be written by both. Such copies stay on one thread.
+ * Conservative (spans, not blocks; ids spread over more than 2^23 are not looked at, they stay
+ * on one thread too); under the GIL, O(n + planes log planes); -1 without memory (one thread).
+ * Not seen: distinct destination planes that overlap one another (hand-made planes). */
 typedef struct {
     int64_t lo, hi;
 } span_t;
@@ -353,8 +357,8 @@ static int span_cmp(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static int spans_meet(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid, Py_ssize_t n,
-                      int64_t part) {
+static int order_matters(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid, Py_ssize_t n,
+                         int64_t part) {
     int64_t dmin = INT64_MAX, dmax = -1, smin = INT64_MAX, smax = -1;
     for (Py_ssize_t k = 0; k < n; k++) {
         if (did[k] < dmin) dmin = did[k];
@@ -364,6 +368,23 @@ static int spans_meet(const planes_t *dp, const int64_t *did, const planes_t *sp
     }
     if (n == 0 || sp->n == 0 || dp->n == 0)
         return 0;
+    for (Py_ssize_t j = 0; n > 1 && j < dp->n; j++)
+        if (dp->p[j].stride < part)             /* neighbouring blocks share bytes */
+            return 1;
+    if (dmax - dmin >= ((int64_t)1 << 23))
+        return 1;
+    unsigned char *seen = PyMem_Calloc((size_t)((dmax - dmin) / 8 + 1), 1);
+    if (seen == NULL)
+        return -1;
+    int twice = 0;
+    for (Py_ssize_t k = 0; k < n && !twice; k++) {
+        int64_t v = did[k] - dmin;
+        twice = seen[v >> 3] >> (v & 7) & 1;
+        seen[v >> 3] |= (unsigned char)(1u << (v & 7));
+    }
+    PyMem_Free(seen);
+    if (twice)
+        return 1;
     span_t *s = PyMem_Malloc((size_t)sp->n * sizeof(span_t));
     if (s == NULL)
         return -1;
@@ -406,7 +427,7 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
     copyjob_t c = {dp, sp, did, sid, part, hash, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
     double total = (double)part * (double)n * (double)dp->n;
     int shared = total >= PAR_BYTES && n >= PAR_MIN_BLOCKS && kvb_par_on() &&   /* whole blocks to the helper */
-                 spans_meet(dp, did, sp, sid, n, part) == 0;                 /* unless a copy within one buffer */
+                 order_matters(dp, did, sp, sid, n, part) == 0;              /* unless it lands in block order */
     int nt = shared ? 2 : 1;
     if (hash) {
         c.d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));

@@ -199,6 +199,32 @@ def test_blocks_moved_within_one_buffer_land_in_order():
     assert got == [xxhash.xxh3_64_intdigest(w) for w in want]
 
 
+@pytest.mark.parametrize("case", ["one block named twice", "blocks that overlap one another"])
+def test_destination_blocks_that_meet_land_as_one_thread_lands_them(case):
+    """A destination block named twice (or destination blocks closer than a part apart) takes the
+    bytes of the last block that names it, as the one-thread copy and the Python twin do: shared,
+    both threads would write it at once (a torn block, or the earlier source's bytes). Such
+    copies stay on the calling thread."""
+    part = 2 * MiB
+    src = torch.randint(0, 256, (4 * part,), dtype=torch.uint8, generator=torch.Generator().manual_seed(13))
+    sp = blockcopy.pack_planes([(src.data_ptr(), part, src.data_ptr() + 4 * part)])
+    did, stride = ([0, 1, 2, 2], part) if case == "one block named twice" else ([0, 1, 2, 3], part // 2)
+    size = 3 * part if stride == part else 3 * stride + part
+
+    def run(copy):
+        dst = torch.zeros(size, dtype=torch.uint8)
+        dp = blockcopy.pack_planes([(dst.data_ptr(), stride, dst.data_ptr() + size)])
+        return dst, copy(dp, did, sp, [0, 1, 2, 3], part, 1)
+
+    twin, want = run(lambda *a: blockcopy.py_copy_blocks(*a[:5], True))
+    for threads in (2, 1):
+        blockcopy.copy_threads(threads, 50)
+        for i in range(10):
+            dst, got = run(blockcopy.copy_blocks)
+            assert torch.equal(dst, twin), (threads, i)
+            assert got == want, (threads, i)
+
+
 def test_bad_settings_are_refused():
     for bad in ({"threads": 0}, {"threads": 3}, {"threads": True}, {"threads": "2"}, {"spin_us": -1},
                 {"spin_us": 100001}, {"spin_us": 1.5}):
