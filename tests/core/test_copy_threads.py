@@ -7,6 +7,7 @@ copy changes nothing; a forked child starts its own; bad settings are refused.""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -68,11 +69,15 @@ def test_shared_copies_land_the_bytes_and_their_digests(shape, threads):
     srcs, dsts, sp, dp = _shape(nblocks, nplanes, part, seed=nblocks + part)
     sid = list(range(nblocks))
     did = sid[::-1]
+    jobs = blockcopy.copy_threads()["jobs"]
     for mode in (1, 0, 2, 3):        # the fastest pass, no hash, the chunked pass, AVX2's
         for t in dsts:
             t.zero_()
         got = blockcopy.copy_blocks(dp, did, sp, sid, part, mode)
         _check(srcs, dsts, part, sid, did, got, mode != 0)
+    if sys.platform == "linux":      # offered to the helper exactly where promised: 8 MiB+, 4+ blocks
+        shared = threads == 2 and nblocks >= 4 and nblocks * nplanes * part >= 8 * MiB
+        assert blockcopy.copy_threads()["jobs"] - jobs == (4 if shared else 0)
 
 
 def _cpus() -> int:
@@ -235,6 +240,37 @@ def test_bad_settings_are_refused():
     assert out.returncode != 0 and "KVBRIDGE_COPY_THREADS='4'" in out.stderr
 
 
+def _until_helped(dp, sp, ids, part, seconds: float = 20) -> None:
+    start = blockcopy.copy_threads()["helper_units"]
+    deadline = time.monotonic() + seconds
+    while blockcopy.copy_threads()["helper_units"] == start:
+        assert time.monotonic() < deadline, "the helper never took part"
+        blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)
+
+
+def test_the_helper_blocks_every_signal():
+    """Process-directed signals never land on the helper (README: it blocks every signal)."""
+    if sys.platform != "linux" or _cpus() < 2:
+        pytest.skip("the helper runs on Linux with two CPUs or more")
+    blockcopy.copy_threads(2, 1000)
+    srcs, dsts, sp, dp = _shape(4, 2, MiB, seed=21)
+    _until_helped(dp, sp, [0, 1, 2, 3], MiB)
+    masks = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != "kvbridge-copy":
+                    continue
+            with open(f"/proc/self/task/{tid}/status") as f:
+                masks += [int(line.split()[1], 16) for line in f if line.startswith("SigBlk:")]
+        except FileNotFoundError:
+            continue
+    assert len(masks) == 1, masks
+    for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGPIPE,
+                signal.SIGALRM, signal.SIGTERM, signal.SIGCHLD, signal.SIGWINCH, signal.SIGRTMAX):
+        assert masks[0] >> (sig - 1) & 1, (sig, hex(masks[0]))
+
+
 def test_a_forked_child_starts_its_own_helper(tmp_path):
     if sys.platform != "linux" or _cpus() < 2:
         pytest.skip("the helper runs on Linux with two CPUs or more")
@@ -273,3 +309,48 @@ def test_a_forked_child_starts_its_own_helper(tmp_path):
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
+
+
+def test_a_child_forked_while_another_thread_copies_starts_its_own_helper():
+    """A fork while another thread's copy holds the helper (its job taken, the one-job lock held)
+    leaves the child a free lock and no helper: the child's own copies are shared again."""
+    if sys.platform != "linux" or _cpus() < 2:
+        pytest.skip("the helper runs on Linux with two CPUs or more")
+    script = textwrap.dedent("""
+        import ctypes, os, sys, threading, time
+        from kvbridge import blockcopy
+        blockcopy.copy_threads(2, 1000)
+        part, n = 2 << 20, 4
+        src = ctypes.create_string_buffer(os.urandom(n * part), n * part)
+        dst = ctypes.create_string_buffer(n * part)
+        s, d = ctypes.addressof(src), ctypes.addressof(dst)
+        sp = blockcopy.pack_planes([(s, part, s + n * part)])
+        dp = blockcopy.pack_planes([(d, part, d + n * part)])
+        ids = [0, 1, 2, 3]
+        stop = False
+        def busy():
+            while not stop:
+                blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)   # the GIL let go for each
+        t = threading.Thread(target=busy, daemon=True)
+        t.start()
+        time.sleep(0.2)
+        bad = 0
+        for i in range(4):
+            time.sleep(0.01)
+            pid = os.fork()
+            if pid == 0:
+                start = blockcopy.copy_threads()["helper_units"]
+                deadline = time.monotonic() + 5
+                while blockcopy.copy_threads()["helper_units"] == start:
+                    if time.monotonic() > deadline:
+                        os._exit(3)
+                    blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            bad += os.waitstatus_to_exitcode(status) != 0
+        stop = True
+        t.join()
+        sys.exit(bad)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, (out.returncode, out.stderr)
