@@ -113,14 +113,18 @@ static void after_fork_child(void) {
     H.job = IDLE;
 }
 
+/* The child's reset is registered when the library is loaded, before the one-job lock can first
+ * be taken: registered on the first shared job instead, a fork while that job's thread held the
+ * lock and had not yet registered left the child a lock no one would release (never shared). */
+__attribute__((constructor)) static void register_fork_reset(void) {
+    H.atfork = pthread_atfork(NULL, NULL, after_fork_child) == 0;
+}
+
 static int ensure_started(void) {
     if (H.started)
         return 1;
-    if (!H.atfork) {
-        if (pthread_atfork(NULL, NULL, after_fork_child) != 0)
-            return 0;
-        H.atfork = 1;
-    }
+    if (!H.atfork)              /* no reset for a forked child: no helper either */
+        return 0;
     pthread_attr_t attr;
     pthread_t t;
     sigset_t all, old;

@@ -354,3 +354,84 @@ def test_a_child_forked_while_another_thread_copies_starts_its_own_helper():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, (out.returncode, out.stderr)
+
+
+_ATFORK_SHIM = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+/* pthread_atfork (libc_nonshared) calls this: when the extension registers its handler, say so on
+ * KVB_ATFORK_FD and take 300 ms first, holding open whatever window the caller is in */
+int __register_atfork(void (*prepare)(void), void (*parent)(void), void (*child)(void), void *dso) {
+    int (*real)(void (*)(void), void (*)(void), void (*)(void), void *) =
+        (int (*)(void (*)(void), void (*)(void), void (*)(void), void *))dlsym(RTLD_NEXT, "__register_atfork");
+    Dl_info info;
+    const char *fd = getenv("KVB_ATFORK_FD");
+    if (fd && dso && dladdr(dso, &info) && info.dli_fname && strstr(info.dli_fname, "_kvcopy")) {
+        char c = 1;
+        if (write(atoi(fd), &c, 1) != 1)
+            abort();
+        usleep(300000);
+    }
+    return real(prepare, parent, child, dso);
+}
+"""
+
+
+def test_a_child_forked_during_the_first_shared_copy_gets_a_helper(tmp_path):
+    """The fork handler that frees the one-job lock in a child is registered before that lock is
+    first taken: a fork while another thread makes the process's first shared copy (the lock
+    held, the helper being started) leaves the child a lock it can take. Made reproducible by a
+    preloaded shim that holds the extension's handler registration open for 300 ms."""
+    if sys.platform != "linux" or _cpus() < 2:
+        pytest.skip("the helper runs on Linux with two CPUs or more")
+    import shutil
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler for the shim")
+    shim = tmp_path / "atfork_shim.so"
+    (tmp_path / "shim.c").write_text(_ATFORK_SHIM)
+    build = subprocess.run([cc, "-shared", "-fPIC", "-O1", "-o", str(shim), str(tmp_path / "shim.c"), "-ldl"],
+                           capture_output=True, text=True)
+    if build.returncode != 0:
+        pytest.skip(f"the shim did not build: {build.stderr[-300:]}")
+    script = textwrap.dedent("""
+        import ctypes, os, select, sys, threading, time
+        r = int(sys.argv[1])
+        from kvbridge import blockcopy
+        blockcopy.copy_threads(2, 1000)
+        part, n = 2 << 20, 4
+        src = ctypes.create_string_buffer(n * part)
+        dst = ctypes.create_string_buffer(n * part)
+        s, d = ctypes.addressof(src), ctypes.addressof(dst)
+        sp = blockcopy.pack_planes([(s, part, s + n * part)])
+        dp = blockcopy.pack_planes([(d, part, d + n * part)])
+        ids = [0, 1, 2, 3]
+        assert blockcopy.copy_threads()["jobs"] == 0
+        t = threading.Thread(target=blockcopy.copy_blocks, args=(dp, ids, sp, ids, part, 0))
+        t.start()                                   # the process's first shared copy
+        assert select.select([r], [], [], 10)[0], "the extension never registered its fork handler"
+        pid = os.fork()
+        if pid == 0:
+            start = blockcopy.copy_threads()["helper_units"]
+            deadline = time.monotonic() + 3
+            while blockcopy.copy_threads()["helper_units"] == start:
+                if time.monotonic() > deadline:
+                    os._exit(3)
+                blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        t.join()
+        sys.exit(os.waitstatus_to_exitcode(status))
+    """)
+    r, w = os.pipe()
+    try:
+        env = dict(os.environ, LD_PRELOAD=str(shim), KVB_ATFORK_FD=str(w))
+        out = subprocess.run([sys.executable, "-c", script, str(r)], env=env, pass_fds=(r, w),
+                             capture_output=True, text=True, timeout=60)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
