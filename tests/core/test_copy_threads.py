@@ -2,7 +2,10 @@
 (``blockcopy.copy_threads``): the same bytes and the same xxh3 digests as one thread, for
 every shape that takes the shared path and every one that must not (fewer than four blocks,
 under 8 MiB, one thread); a helper that sleeps, wakes late or is busy with another thread's
-copy changes nothing; a forked child starts its own; bad settings are refused."""
+copy changes nothing; a copy whose bytes depend on its blocks' order (blocks moved within one
+buffer, a destination named twice) stays on the calling thread; the helper blocks every signal;
+a forked child starts its own, also when the fork came during another thread's copy; bad
+settings are refused."""
 
 from __future__ import annotations
 
