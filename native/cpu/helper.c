@@ -40,14 +40,14 @@ enum { IDLE = 0, POSTED = 1, RUNNING = 2, FINISHED = 3 };    /* the job */
 
 static struct {
     pthread_mutex_t mu;
-    int started, atfork;
+    int started, atfork, failed;
     uint32_t bell;              /* the futex word: bumped on every post */
     int sleeping, job;
     void *ctx;
     size_t n, from, did;
     kvb_unit_fn run;
     unsigned char state[MAX_UNITS];
-} H = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, IDLE, NULL, 0, 0, 0, NULL, {0}};
+} H = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, IDLE, NULL, 0, 0, 0, NULL, {0}};
 
 static void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -109,6 +109,7 @@ static void *helper_main(void *arg) {
 static void after_fork_child(void) {
     pthread_mutex_init(&H.mu, NULL);
     H.started = 0;
+    H.failed = 0;
     H.sleeping = 0;
     H.job = IDLE;
 }
@@ -123,22 +124,29 @@ __attribute__((constructor)) static void register_fork_reset(void) {
 static int ensure_started(void) {
     if (H.started)
         return 1;
-    if (!H.atfork)              /* no reset for a forked child: no helper either */
+    if (!H.atfork || H.failed)  /* no reset for a forked child, or no thread to be had: no helper */
         return 0;
     pthread_attr_t attr;
     pthread_t t;
     sigset_t all, old;
+    cpu_set_t cpus;
     if (pthread_attr_init(&attr) != 0)
         return 0;
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_attr_setstacksize(&attr, 256 << 10);
+    /* the CPUs of the process's main thread, not those of the thread whose copy starts it (a
+     * thread pinned to one CPU would otherwise pin its helper beside it) */
+    if (sched_getaffinity(getpid(), sizeof cpus, &cpus) == 0)
+        pthread_attr_setaffinity_np(&attr, sizeof cpus, &cpus);
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);            /* the helper inherits a full mask */
     int rc = pthread_create(&t, &attr, helper_main, NULL);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
-    if (rc != 0)
+    if (rc != 0) {
+        H.failed = 1;           /* not tried again on every copy (a forked child tries afresh) */
         return 0;
+    }
     pthread_setname_np(t, "kvbridge-copy");
     H.started = 1;
     return 1;
@@ -201,6 +209,9 @@ alone:
 int kvb_par_config(int threads, long spin_us) {
     if (threads < 1 || threads > 2 || spin_us < 0 || spin_us > 100000)
         return -1;
+#ifndef KVB_PAR
+    threads = 1;                /* nothing is shared here (no helper off Linux): say so */
+#endif
     __atomic_store_n(&cfg_threads, threads, __ATOMIC_RELAXED);
     __atomic_store_n(&cfg_spin_us, spin_us, __ATOMIC_RELAXED);
     return 0;
@@ -208,6 +219,7 @@ int kvb_par_config(int threads, long spin_us) {
 
 void kvb_par_get(int *threads, long *spin_us, unsigned long long *jobs, unsigned long long *helped,
                  unsigned long long *units, unsigned long long *units_helper) {
+
     *units = __atomic_load_n(&n_units, __ATOMIC_RELAXED);
     *units_helper = __atomic_load_n(&n_units_helper, __ATOMIC_RELAXED);
     *threads = __atomic_load_n(&cfg_threads, __ATOMIC_RELAXED);

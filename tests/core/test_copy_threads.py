@@ -438,3 +438,34 @@ def test_a_child_forked_during_the_first_shared_copy_gets_a_helper(tmp_path):
         os.close(r)
         os.close(w)
     assert out.returncode == 0, (out.returncode, out.stderr[-2000:])
+
+
+def test_the_helper_runs_on_the_processs_cpus_not_its_starters() -> None:
+    """A thread pinned to one CPU whose copy starts the helper: the helper used to inherit that
+    pin, and every shared copy then ran on one CPU, slower than no sharing at all."""
+    if sys.platform != "linux" or _cpus() < 2:
+        pytest.skip("the helper runs on Linux with two CPUs or more")
+    script = textwrap.dedent("""
+        import ctypes, os, sys, threading
+        from kvbridge import blockcopy
+        blockcopy.copy_threads(2, 1000)
+        part, n = 2 << 20, 4
+        src = ctypes.create_string_buffer(n * part)
+        dst = ctypes.create_string_buffer(n * part)
+        s, d = ctypes.addressof(src), ctypes.addressof(dst)
+        sp = blockcopy.pack_planes([(s, part, s + n * part)])
+        dp = blockcopy.pack_planes([(d, part, d + n * part)])
+        first = min(os.sched_getaffinity(0))
+        def pinned():
+            os.sched_setaffinity(0, {first})
+            blockcopy.copy_blocks(dp, [0, 1, 2, 3], sp, [0, 1, 2, 3], part, 1)
+        t = threading.Thread(target=pinned)
+        t.start(); t.join()
+        for tid in os.listdir("/proc/self/task"):
+            if open(f"/proc/self/task/{tid}/comm").read().strip() == "kvbridge-copy":
+                got = os.sched_getaffinity(int(tid))
+                sys.exit(0 if got == os.sched_getaffinity(0) else f"helper on {sorted(got)}")
+        sys.exit("no helper thread")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
