@@ -410,7 +410,7 @@ class KVSender(SenderServing):
         with self._lock:   # submitted before close() stops the workers; else it fails here, at once
             if not self._closed:
                 return self._workers.submit(t)
-        t._run()           # close() ended its handle: it fails and tells the receiver (WABORT)
+        t._run(inline=True)   # close() ended its handle: it fails and tells the receiver (WABORT)
         return t
 
     def _run_push(self, t: Transfer, h: KVHandle, res: KVHandle) -> FetchResult:

@@ -151,8 +151,10 @@ class Transfer:
             self._state = TransferState.RUNNING
             return True
 
-    def _run(self) -> None:
-        """Run the job unless another thread has taken it (the worker, or a waiter)."""
+    def _run(self, inline: bool = False) -> None:
+        """Run the job unless another thread has taken it (the worker, or a waiter). ``inline``:
+        this is the caller's own thread (a waiter, or a push after close), so the work after the
+        end (``_then``) goes to a thread of its own instead of holding the caller."""
         if not self._take():
             return
         assert self._job is not None
@@ -165,12 +167,19 @@ class Transfer:
             raise
         self._finish(res)
         then, self._then = self._then, None
-        if then is not None:     # after the result is out: a cancel() or wait() does not wait for it
-            with serving(None):
-                try:
-                    then()
-                except Exception:
-                    log.exception("transfer %s: the work after its end failed", self.request_id)
+        if then is None:
+            return
+        if inline:               # the caller's thread: wait() or push() returns without waiting for it
+            threading.Thread(target=self._after, args=(then,), name="kvb-after", daemon=True).start()
+        else:                    # after the result is out: a cancel() or wait() does not wait for it
+            self._after(then)
+
+    def _after(self, then: Callable[[], None]) -> None:
+        with serving(None):
+            try:
+                then()
+            except Exception:
+                log.exception("transfer %s: the work after its end failed", self.request_id)
 
     def _fail_crashed(self) -> None:
         with self._cv:
@@ -228,7 +237,7 @@ class Transfer:
         worker (running it here could block past ``timeout``: a layer-wise handle waits for its
         layers)."""
         if timeout is None and not self._taken:
-            self._run()                    # nobody has picked it up: run it here
+            self._run(inline=True)         # nobody has picked it up: run it here
         with self._cv:
             return self._cv.wait_for(self.done, timeout)
 

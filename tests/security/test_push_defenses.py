@@ -17,7 +17,7 @@ import pytest
 from loopback import Listener
 import torch
 
-from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout, TransferCancelled
 from kvbridge.integrity import layer_checksums, pack_sums
 from kvbridge.transfer import FetchResult, Transfer, Workers
 from kvbridge.transports import socket_server
@@ -357,6 +357,31 @@ def test_a_crashed_job_does_not_cost_its_worker() -> None:
         time.sleep(0.01)
     assert good.done()
     w.close()
+
+
+def test_a_waiter_that_runs_the_job_itself_does_not_wait_for_the_work_after_it() -> None:
+    """wait() without a timeout runs a transfer no worker has picked up on the waiting thread. The
+    work after its end (a failed push's abort, which waits up to Timeout.transfer for a silent
+    receiver) ran there too, so wait() and result() returned only after it. It now runs on a
+    thread of its own; the transfer's result is out at once."""
+    after_started, release = threading.Event(), threading.Event()
+
+    def slow_abort() -> None:
+        after_started.set()
+        release.wait(10)                 # a receiver that never answers the abort
+
+    def job(t: Transfer) -> FetchResult:
+        t._then = slow_abort
+        return FetchResult(None, [], error=TransferCancelled("push failed"))   # type: ignore[arg-type]
+    t = Transfer("inline", 1, job)
+    t0 = time.monotonic()
+    assert t.wait()                      # nobody took it: it runs here
+    took = time.monotonic() - t0
+    assert after_started.wait(5)         # the abort runs, elsewhere
+    assert took < 1.0, f"wait() took {took:.1f} s"
+    assert isinstance(t.result().error, TransferCancelled)
+    assert threading.current_thread().name != "kvb-after"
+    release.set()
 
 
 @pytest.mark.parametrize("scheme", ["tcp", "shm"])
