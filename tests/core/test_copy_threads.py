@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -22,6 +21,7 @@ import torch
 import xxhash
 
 from kvbridge import blockcopy
+from waiting import in_threads
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not blockcopy.NATIVE, reason="the extension is not built: copies run in Python")]
@@ -131,27 +131,19 @@ def test_a_helper_that_sleeps_between_copies_or_wakes_late_changes_nothing():
 def test_copies_from_several_threads_at_once():
     """One copy at a time is shared; the others run on their own threads meanwhile."""
     blockcopy.copy_threads(2, 50)
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
-        try:
-            part, ids = MiB, [0, 1, 2, 3]
-            srcs, dsts, sp, dp = _shape(4, 2, part, seed=seed)
-            want = [xxhash.xxh3_64_intdigest(bytes(srcs[0][b * part:(b + 1) * part].numpy()) +
-                                             bytes(srcs[1][b * part:(b + 1) * part].numpy())) for b in ids]
-            for _ in range(15):
-                for t in dsts:
-                    t.zero_()
-                assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 1) == want
-                assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
-                assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 0) is None
-        except BaseException as exc:   # noqa: BLE001 -- reported below
-            errors.append(exc)
-    ts = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+        part, ids = MiB, [0, 1, 2, 3]
+        srcs, dsts, sp, dp = _shape(4, 2, part, seed=seed)
+        want = [xxhash.xxh3_64_intdigest(bytes(srcs[0][b * part:(b + 1) * part].numpy()) +
+                                         bytes(srcs[1][b * part:(b + 1) * part].numpy())) for b in ids]
+        for _ in range(15):
+            for t in dsts:
+                t.zero_()
+            assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 1) == want
+            assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+            assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 0) is None
+    errors = in_threads(worker, 4)
     assert not errors, errors
 
 
@@ -274,29 +266,44 @@ def test_the_helper_blocks_every_signal():
         assert masks[0] >> (sig - 1) & 1, (sig, hex(masks[0]))
 
 
+# What the subprocess scripts below start from: the helper on, and four blocks of 2 MiB (8 MiB:
+# shared) in a source and a destination buffer with their planes.
+_BUFFERS = """
+import ctypes, os, sys, threading, time
+from kvbridge import blockcopy
+blockcopy.copy_threads(2, 1000)
+part, n = 2 << 20, 4
+src = ctypes.create_string_buffer(os.urandom(n * part), n * part)
+dst = ctypes.create_string_buffer(n * part)
+s, d = ctypes.addressof(src), ctypes.addressof(dst)
+sp = blockcopy.pack_planes([(s, part, s + n * part)])
+dp = blockcopy.pack_planes([(d, part, d + n * part)])
+ids = [0, 1, 2, 3]
+
+def helped_within(seconds, copy):   # copy() until the helper took part in one (True), or False
+    start = blockcopy.copy_threads()["helper_units"]
+    deadline = time.monotonic() + seconds
+    while blockcopy.copy_threads()["helper_units"] == start:
+        if time.monotonic() > deadline:
+            return False
+        copy()
+    return True
+"""
+
+
 def test_a_forked_child_starts_its_own_helper(tmp_path):
     if sys.platform != "linux" or _cpus() < 2:
         pytest.skip("the helper runs on Linux with two CPUs or more")
-    script = textwrap.dedent("""
-        import ctypes, os, sys, time, xxhash
-        from kvbridge import blockcopy
-        blockcopy.copy_threads(2, 1000)
-        part, n = 2 << 20, 4
-        src = ctypes.create_string_buffer(os.urandom(n * part), n * part)
-        dst = ctypes.create_string_buffer(n * part)
-        s, d = ctypes.addressof(src), ctypes.addressof(dst)
-        sp = blockcopy.pack_planes([(s, part, s + n * part)])
-        dp = blockcopy.pack_planes([(d, part, d + n * part)])
+    script = _BUFFERS + textwrap.dedent("""
+        import xxhash
         order = [3, 2, 1, 0]
         want = [xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part]) for b in order]
         moved = b"".join(src.raw[b * part:(b + 1) * part] for b in order)
+        def checked_copy():
+            assert blockcopy.copy_blocks(dp, ids, sp, order, part, 1) == want
+            assert dst.raw == moved
         def until_helped():
-            start = blockcopy.copy_threads()["helper_units"]
-            deadline = time.monotonic() + 20
-            while blockcopy.copy_threads()["helper_units"] == start:
-                assert time.monotonic() < deadline, "no helper"
-                assert blockcopy.copy_blocks(dp, [0, 1, 2, 3], sp, order, part, 1) == want
-                assert dst.raw == moved
+            assert helped_within(20, checked_copy), "no helper"
         until_helped()
         pid = os.fork()
         if pid == 0:
@@ -319,17 +326,7 @@ def test_a_child_forked_while_another_thread_copies_starts_its_own_helper():
     leaves the child a free lock and no helper: the child's own copies are shared again."""
     if sys.platform != "linux" or _cpus() < 2:
         pytest.skip("the helper runs on Linux with two CPUs or more")
-    script = textwrap.dedent("""
-        import ctypes, os, sys, threading, time
-        from kvbridge import blockcopy
-        blockcopy.copy_threads(2, 1000)
-        part, n = 2 << 20, 4
-        src = ctypes.create_string_buffer(os.urandom(n * part), n * part)
-        dst = ctypes.create_string_buffer(n * part)
-        s, d = ctypes.addressof(src), ctypes.addressof(dst)
-        sp = blockcopy.pack_planes([(s, part, s + n * part)])
-        dp = blockcopy.pack_planes([(d, part, d + n * part)])
-        ids = [0, 1, 2, 3]
+    script = _BUFFERS + textwrap.dedent("""
         stop = False
         def busy():
             while not stop:
@@ -342,13 +339,7 @@ def test_a_child_forked_while_another_thread_copies_starts_its_own_helper():
             time.sleep(0.01)
             pid = os.fork()
             if pid == 0:
-                start = blockcopy.copy_threads()["helper_units"]
-                deadline = time.monotonic() + 5
-                while blockcopy.copy_threads()["helper_units"] == start:
-                    if time.monotonic() > deadline:
-                        os._exit(3)
-                    blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)
-                os._exit(0)
+                os._exit(0 if helped_within(5, lambda: blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)) else 3)
             _, status = os.waitpid(pid, 0)
             bad += os.waitstatus_to_exitcode(status) != 0
         stop = True
@@ -400,31 +391,16 @@ def test_a_child_forked_during_the_first_shared_copy_gets_a_helper(tmp_path):
                            capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"the shim did not build: {build.stderr[-300:]}")
-    script = textwrap.dedent("""
-        import ctypes, os, select, sys, threading, time
+    script = _BUFFERS + textwrap.dedent("""
+        import select
         r = int(sys.argv[1])
-        from kvbridge import blockcopy
-        blockcopy.copy_threads(2, 1000)
-        part, n = 2 << 20, 4
-        src = ctypes.create_string_buffer(n * part)
-        dst = ctypes.create_string_buffer(n * part)
-        s, d = ctypes.addressof(src), ctypes.addressof(dst)
-        sp = blockcopy.pack_planes([(s, part, s + n * part)])
-        dp = blockcopy.pack_planes([(d, part, d + n * part)])
-        ids = [0, 1, 2, 3]
         assert blockcopy.copy_threads()["jobs"] == 0
         t = threading.Thread(target=blockcopy.copy_blocks, args=(dp, ids, sp, ids, part, 0))
         t.start()                                   # the process's first shared copy
         assert select.select([r], [], [], 10)[0], "the extension never registered its fork handler"
         pid = os.fork()
         if pid == 0:
-            start = blockcopy.copy_threads()["helper_units"]
-            deadline = time.monotonic() + 3
-            while blockcopy.copy_threads()["helper_units"] == start:
-                if time.monotonic() > deadline:
-                    os._exit(3)
-                blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)
-            os._exit(0)
+            os._exit(0 if helped_within(3, lambda: blockcopy.copy_blocks(dp, ids, sp, ids, part, 0)) else 3)
         _, status = os.waitpid(pid, 0)
         t.join()
         sys.exit(os.waitstatus_to_exitcode(status))
@@ -445,16 +421,7 @@ def test_the_helper_runs_on_the_processs_cpus_not_its_starters() -> None:
     pin, and every shared copy then ran on one CPU, slower than no sharing at all."""
     if sys.platform != "linux" or _cpus() < 2:
         pytest.skip("the helper runs on Linux with two CPUs or more")
-    script = textwrap.dedent("""
-        import ctypes, os, sys, threading
-        from kvbridge import blockcopy
-        blockcopy.copy_threads(2, 1000)
-        part, n = 2 << 20, 4
-        src = ctypes.create_string_buffer(n * part)
-        dst = ctypes.create_string_buffer(n * part)
-        s, d = ctypes.addressof(src), ctypes.addressof(dst)
-        sp = blockcopy.pack_planes([(s, part, s + n * part)])
-        dp = blockcopy.pack_planes([(d, part, d + n * part)])
+    script = _BUFFERS + textwrap.dedent("""
         first = min(os.sched_getaffinity(0))
         def pinned():
             os.sched_setaffinity(0, {first})

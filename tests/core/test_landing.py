@@ -6,11 +6,11 @@ blocks for the next one."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, PoolError
+
+from waiting import in_threads
 
 from ._peer import wait_until
 
@@ -108,18 +108,10 @@ def test_every_end_unmarks(pair):
 
 def test_threads_fetching_into_their_own_blocks_never_collide(pair):
     snd, rcv = pair
-    errors: list[BaseException] = []
     hs = [[_publish(snd, 1) for _ in range(10)] for _ in range(4)]
 
     def run(k: int) -> None:
-        try:
-            for h in hs[k]:
-                assert rcv.fetch(h, [10 + k]).ok
-        except BaseException as exc:       # noqa: BLE001 -- reported below
-            errors.append(exc)
-    ts = [threading.Thread(target=run, args=(k,)) for k in range(4)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+        for h in hs[k]:
+            assert rcv.fetch(h, [10 + k]).ok
+    errors = in_threads(run, 4)
     assert not errors and rcv.pool.landing() == []
