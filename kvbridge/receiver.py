@@ -39,7 +39,6 @@ import os
 import socket
 import threading
 import time
-from functools import partial
 from typing import Any, Optional, Sequence, Union
 
 from .blockcopy import dst_snapshot
@@ -63,9 +62,25 @@ __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 log = logging.getLogger("kvbridge.receiver")
 
 
-def _unland(pool: KVPool, dst: list[int], _t: Transfer) -> None:
-    """A transfer into ``dst`` ended: its destination is no longer marked (KVPool._land)."""
-    pool._landed(dst)
+class _Marked:
+    """Destination blocks marked in ``pool`` (:meth:`KVPool._land`); calling it unmarks them, the
+    first time only -- a later call (two ends racing, a cleanup after an end) never unmarks
+    blocks that another transfer has marked since."""
+
+    __slots__ = ("pool", "_ids")
+
+    def __init__(self, pool: KVPool, ids: list[int]) -> None:
+        self.pool = pool
+        self._ids = [ids]
+
+    def __call__(self) -> None:
+        try:
+            ids = self._ids.pop()           # atomic: one caller gets them
+        except IndexError:
+            return
+        self.pool._landed(ids)
+
+
 HandleLike = Union[KVHandle, bytes, dict[str, Any]]
 RELEASED_KEPT = 4096    # released handles remembered (far longer than a deferred release takes to land)
 MAX_URLS = 4096         # sender URLs whose transport is remembered (a cache)
@@ -217,18 +232,20 @@ class KVReceiver(ReceiverPipeline):
 
     def _submit(self, jobs: list[_Job]) -> list[Transfer]:
         """Each job's transfer on the workers, its destination marked in the pool until it ends
-        (however it ends: done, failed, cancelled before it started)."""
+        (however it ends: done, failed, cancelled before it started), unmarked before anyone
+        sees it ended."""
         pool = self.pool
+        marks = [_Marked(pool, j.dst) for j in jobs]
         pool._land([b for j in jobs for b in j.dst])   # distinct (_prepare_many)
         ts = []
-        for k, j in enumerate(jobs):
+        for k, (j, mark) in enumerate(zip(jobs, marks)):
             t = self._transfer(j)
-            t.add_done_callback(partial(_unland, pool, j.dst))
+            t._at_end(mark)
             try:
                 ts.append(self._workers.submit(t))
             except BaseException:
-                for rest in jobs[k:]:
-                    pool._landed(rest.dst)
+                for rest in marks[k:]:
+                    rest()
                 raise
         return ts
 
@@ -415,14 +432,14 @@ class KVReceiver(ReceiverPipeline):
         if not self.servers:
             raise ConfigError("reserve() needs a receiver that listens: KVReceiver(pool, listen='tcp://...')")
         dst = self._check_dst(dst_block_ids, len(dst_block_ids))
-        pool = self.pool
-        pool._land(dst, "a reservation")       # until it ends, no fetch or other reservation lands there
+        mark = _Marked(self.pool, dst)
+        self.pool._land(dst, "a reservation")       # until it ends, no fetch or other reservation lands there
         try:
             t = self._desk.reserve(dst, request_id, num_tokens, self.reservation_ttl if ttl is None else ttl)
         except BaseException:
-            pool._landed(dst)
+            mark()
             raise
-        t.add_done_callback(partial(_unland, pool, dst))
+        t._at_end(mark)
         return t
 
     def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> WriteGrant:

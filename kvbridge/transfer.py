@@ -137,6 +137,8 @@ class Transfer:
         self._result: Optional[FetchResult] = None
         self._layers = 0
         self._callbacks: list[Callable[["Transfer"], None]] = []
+        # run once as it ends, before done() turns True (None once run): see _at_end
+        self._ends: Optional[list[Callable[[], None]]] = []
         self.cancel_event = Flag()
         # the job's last word, run by the same thread once the result is out (a failed push
         # telling its receiver, which may be silent for Timeout.transfer)
@@ -182,6 +184,7 @@ class Transfer:
                 log.exception("transfer %s: the work after its end failed", self.request_id)
 
     def _fail_crashed(self) -> None:
+        self._ending()
         with self._cv:
             self._state = TransferState.FAILED
             self._cv.notify_all()
@@ -199,6 +202,8 @@ class Transfer:
             if self._result is not None:
                 return
             self._result = res
+        self._ending()
+        with self._cv:
             if res.ok:
                 self._state = TransferState.DONE
                 self._layers = self.num_layers
@@ -208,6 +213,25 @@ class Transfer:
                 self._state = TransferState.FAILED
             self._cv.notify_all()
         self._fire()
+
+    def _at_end(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once as the transfer ends -- no byte of it lands any more -- before
+        ``done()`` turns True, so nothing that sees it ended (``wait``, ``result``, ``cancel``,
+        a done-callback) runs before ``fn``; at once if it is ending or has ended."""
+        with self._cv:
+            if self._ends is not None:
+                self._ends.append(fn)
+                return
+        fn()
+
+    def _ending(self) -> None:
+        with self._cv:
+            fns, self._ends = self._ends, None
+        for fn in fns or ():
+            try:
+                fn()
+            except Exception:
+                log.exception("transfer end hook failed")
 
     def _fire(self) -> None:
         with self._cv:

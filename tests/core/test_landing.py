@@ -6,6 +6,9 @@ blocks for the next one."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, PoolError
@@ -115,3 +118,29 @@ def test_threads_fetching_into_their_own_blocks_never_collide(pair):
             assert rcv.fetch(h, [10 + k]).ok
     errors = in_threads(run, 4)
     assert not errors and rcv.pool.landing() == []
+
+
+# -- review: ends that the marks did not follow ----------------------------------------------
+
+def test_a_transfer_seen_ended_has_unmarked_its_blocks(pair, monkeypatch):
+    """Whoever sees a transfer end (result, wait, done, cancel) may name its blocks at once: the
+    unmark comes before the end is visible, not in a done-callback after the waiters woke."""
+    snd, rcv = pair
+    pool = rcv.pool
+    real = pool._landed
+
+    def unhurried(ids):              # widens the window between the end and the unmark
+        time.sleep(0.3)
+        real(ids)
+    monkeypatch.setattr(pool, "_landed", unhurried)
+    slow = _publish(snd, 2, layers_ready=0)
+    t = rcv.start_fetch(slow, [3, 4])
+    snd.mark_ready(slow, L.num_layers)
+    assert t.result(10).ok
+    assert pool.landing() == []
+    assert rcv.fetch(_publish(snd, 2), [3, 4]).ok
+    rt = rcv.reserve([7, 8], "expires", ttl=0.2)           # ended by the sweeper thread
+    assert not rt.result(10).ok
+    assert pool.landing() == []
+    assert rcv.reserve([7, 8], "next").cancel(5.0)
+
