@@ -433,14 +433,14 @@ class KVReceiver(ReceiverPipeline):
             raise ConfigError("reserve() needs a receiver that listens: KVReceiver(pool, listen='tcp://...')")
         dst = self._check_dst(dst_block_ids, len(dst_block_ids))
         mark = _Marked(self.pool, dst)
-        self.pool._land(dst, "a reservation")       # until it ends, no fetch or other reservation lands there
+        # until it ends and no write of it is in flight, no fetch or other reservation lands there
+        self.pool._land(dst, "a reservation")
         try:
-            t = self._desk.reserve(dst, request_id, num_tokens, self.reservation_ttl if ttl is None else ttl)
+            return self._desk.reserve(dst, request_id, num_tokens, self.reservation_ttl if ttl is None else ttl,
+                                      mark)
         except BaseException:
             mark()
             raise
-        t._at_end(mark)
-        return t
 
     def open_write(self, ticket_bytes: bytes, layers: tuple[int, int], claim: Optional[Claim]) -> WriteGrant:
         return self._desk.open_write(ticket_bytes, layers, claim)

@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
                      LeaseExpired, PoolError, ProtocolError, RetryableError, StaleHandle, TransferCancelled)
@@ -52,6 +52,9 @@ class _Reservation:
     nbytes: int = 0
     live: bool = True
     writing: Optional["_WriteGrant"] = None   # the one write in flight
+    # unmarks the blocks in the pool (KVPool._land): once the reservation has ended and no write
+    # of it is in flight -- a silent writer's write may outlast the end (Timeout.transfer)
+    unmark: Optional[Callable[[], None]] = None
 
 
 @dataclass
@@ -82,7 +85,8 @@ class ReservationDesk:
         self._sweeper: Optional[threading.Thread] = None
         self._closed = False
 
-    def reserve(self, dst: list[int], request_id: str, num_tokens: Optional[int], ttl: float) -> Transfer:
+    def reserve(self, dst: list[int], request_id: str, num_tokens: Optional[int], ttl: float,
+                unmark: Optional[Callable[[], None]] = None) -> Transfer:
         L = self.r.pool.layout
         n = len(dst) * L.block_size if num_tokens is None else whole_number(num_tokens)
         if n is None or not 0 <= n <= len(dst) * L.block_size:     # 3.0 or '3' raised raw, True passed as 1
@@ -102,7 +106,7 @@ class ReservationDesk:
         ticket = replace(bare, expires_at_ms=int((time.time() + ttl) * 1000)).signed(self._key)
         t = Transfer(request_id, L.num_layers, None, on_cancel=self._cancel_reservation)
         t.reservation = ticket
-        rec = _Reservation(ticket, ticket.to_bytes(), dst, gens, time.monotonic() + ttl, t, store)
+        rec = _Reservation(ticket, ticket.to_bytes(), dst, gens, time.monotonic() + ttl, t, store, unmark=unmark)
         with self._lock:
             if self._closed:
                 raise ConfigError("receiver is closed")
@@ -186,10 +190,15 @@ class ReservationDesk:
 
     def _write_done(self, g: _WriteGrant) -> None:
         rec = g.rec
+        unmark = None
         with self._lock:
             if rec.writing is g:
                 rec.writing = None
+            if not rec.live and rec.writing is None:    # ended, and its last write is closed
+                unmark, rec.unmark = rec.unmark, None
             self._lock.notify_all()
+        if unmark is not None:
+            unmark()
 
     def abort_remote(self, ticket_bytes: bytes, claim: Optional[Claim]) -> None:
         rec = self._authorized(ticket_bytes, claim, "an abort")
@@ -204,7 +213,9 @@ class ReservationDesk:
 
     def _end_reservation(self, rec: _Reservation, error: Optional[KVBridgeError], wait: bool = True) -> None:
         """End a reservation once: on failure revoke its lease first (no writer's claim holds
-        after that), stop a landing write, and wait until no write is in flight."""
+        after that), stop a landing write, and wait until no write is in flight (at most
+        ``Timeout.transfer``: a write still open then keeps the blocks marked in the pool until
+        it closes); the blocks are unmarked before the transfer is seen to end."""
         with self._lock:
             if not rec.live:
                 return
@@ -220,8 +231,16 @@ class ReservationDesk:
         if wait:    # a landing write stops at its next bytes (the cancel flag); a silent writer is dropped
             with self._lock:
                 if not self._lock.wait_for(lambda: rec.writing is None, self.r.timeout.transfer):
-                    log.error("reservation %s: a write is still in flight after %s s", rec.ticket.id,
-                              self.r.timeout.transfer)
+                    log.error("reservation %s: a write is still in flight after %s s; its blocks stay "
+                              "marked until it closes", rec.ticket.id, self.r.timeout.transfer)
+        with self._lock:
+            # unmarked before anyone sees the end -- unless a write is still open (its bytes may
+            # still land: _write_done unmarks); wait=False: the last write's bytes have landed
+            unmark = None
+            if rec.writing is None or not wait:
+                unmark, rec.unmark = rec.unmark, None
+        if unmark is not None:
+            unmark()
         res = FetchResult(rec.ticket, list(rec.dst), nbytes=rec.nbytes, attempts=rec.writes, error=error)
         if error is None and self.r.pool.generations(rec.dst) != rec.gens:
             res.error = PoolError(f"reserved blocks of {rec.ticket.request_id!r} were freed or retired during "

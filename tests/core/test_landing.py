@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, PoolError
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, PoolError, Timeout
 
 from waiting import in_threads
 
@@ -143,4 +143,27 @@ def test_a_transfer_seen_ended_has_unmarked_its_blocks(pair, monkeypatch):
     assert not rt.result(10).ok
     assert pool.landing() == []
     assert rcv.reserve([7, 8], "next").cancel(5.0)
+
+
+def test_a_write_still_in_flight_when_its_reservation_ends_keeps_the_blocks_marked(pair):
+    """A reservation ends after Timeout.transfer even with a silent writer's write open (an shm
+    writer maps the blocks and copies one-sided): its blocks stay marked until that write
+    closes, so no fetch lands in them meanwhile."""
+    snd, rcv = pair
+    pool = rcv.pool
+    with KVReceiver(pool, listen="inproc://landing-silent", leases=False, timeout=Timeout(transfer=0.3)) as push:
+        rt = push.reserve([7, 8], "silent")
+        g = push.open_write(rt.reservation.to_bytes(), (0, L.num_layers), None)   # then silent
+        rt.cancel(5.0)                        # waits Timeout.transfer for the write, then ends
+        assert rt.done()
+        assert pool.landing() == [7, 8]
+        with pytest.raises(PoolError, match="another fetch or reservation"):
+            rcv.fetch(_publish(snd, 1), [8])
+        g.close()
+        assert pool.landing() == []
+        rt2 = push.reserve([7, 8], "closed")
+        g2 = push.open_write(rt2.reservation.to_bytes(), (0, L.num_layers), None)
+    assert rt2.done() and pool.landing() == [7, 8]            # close() ended it; the write is open
+    g2.close()
+    assert pool.landing() == [] and rcv.fetch(_publish(snd, 2), [7, 8]).ok
 
