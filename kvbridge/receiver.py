@@ -233,20 +233,25 @@ class KVReceiver(ReceiverPipeline):
     def _submit(self, jobs: list[_Job]) -> list[Transfer]:
         """Each job's transfer on the workers, its destination marked in the pool until it ends
         (however it ends: done, failed, cancelled before it started), unmarked before anyone
-        sees it ended."""
+        sees it ended. Where submitting raises, the transfers made so far end cancelled (one a
+        worker already took stops, and unmarks as it ends) and the rest unmark here: none is
+        left for a worker to run later into blocks no longer marked."""
         pool = self.pool
         marks = [_Marked(pool, j.dst) for j in jobs]
         pool._land([b for j in jobs for b in j.dst])   # distinct (_prepare_many)
-        ts = []
-        for k, (j, mark) in enumerate(zip(jobs, marks)):
-            t = self._transfer(j)
-            t._at_end(mark)
-            try:
-                ts.append(self._workers.submit(t))
-            except BaseException:
-                for rest in marks[k:]:
-                    rest()
-                raise
+        ts: list[Transfer] = []
+        try:
+            for j, mark in zip(jobs, marks):
+                t = self._transfer(j)
+                t._at_end(mark)
+                ts.append(t)
+                self._workers.submit(t)
+        except BaseException:
+            for t in ts:
+                t._stop()
+            for mark in marks[len(ts):]:
+                mark()
+            raise
         return ts
 
     def fetch(self, handle: HandleLike, dst_block_ids: Sequence[int], *,

@@ -384,7 +384,22 @@ class Workers:
                 start = self._threads < self._max
                 self._threads += start
         if start:
-            threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+            try:
+                threading.Thread(target=self._loop, name=self._name, daemon=True).start()
+            except Exception:
+                # no thread ("can't start new thread"): its slot is free again, and where no worker
+                # is left to run ``t`` it leaves the queue -- the caller sees this raise and must not
+                # find it run later; otherwise a running worker takes it in turn
+                with self._cv:
+                    self._threads -= 1
+                    orphan = self._threads == 0
+                    if orphan:
+                        try:
+                            self._queue.remove(t)
+                        except ValueError:
+                            pass
+                if orphan:
+                    raise
         return t
 
     def _loop(self) -> None:

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 
 import pytest
 
+import kvbridge.transfer as transfer_mod
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, PoolError, Timeout
+from kvbridge.integrity import block_checksums
 
 from waiting import in_threads
 
@@ -167,3 +170,29 @@ def test_a_write_still_in_flight_when_its_reservation_ends_keeps_the_blocks_mark
     g2.close()
     assert pool.landing() == [] and rcv.fetch(_publish(snd, 2), [7, 8]).ok
 
+
+def test_a_fetch_whose_worker_could_not_start_never_lands_later(pair, monkeypatch):
+    """start_fetch raising (the worker thread could not start) leaves no transfer behind that a
+    later worker would still run into blocks no longer marked."""
+    snd, rcv = pair
+    pool = rcv.pool
+    spool2 = KVPool.allocate(L, 8)
+    for b in spool2.buffers:
+        b.fill_(2.5)
+    with KVSender(spool2, "inproc://landing-src2", leases=False) as snd2:
+        first = _publish(snd, 1)                                         # 1.5s
+        other = _publish(snd2, 1)                                        # 2.5s
+
+        class NoThread(threading.Thread):
+            def start(self):
+                raise RuntimeError("can't start new thread")
+        monkeypatch.setattr(transfer_mod, "threading",
+                            types.SimpleNamespace(**{**vars(threading), "Thread": NoThread}))
+        with pytest.raises(RuntimeError, match="can't start"):
+            rcv.start_fetch(first, [3])
+        monkeypatch.undo()
+        assert pool.landing() == []
+        assert rcv.fetch(other, [3]).ok                                  # block 3: other's KV
+        assert rcv.start_fetch(_publish(snd, 1), [9]).result(10).ok      # a worker starts now
+        assert block_checksums(pool, [3]) == [other.checksums[0]]        # still other's KV
+        assert pool.landing() == []
