@@ -220,7 +220,9 @@ class FrameTooLarge(ProtocolError):
 
 
 class PoolError(FinalError):
-    """Invalid block ids, an exhausted pool or a double free."""
+    """Invalid block ids, an exhausted pool, a double free, or destination blocks that another
+    fetch or reservation in progress into the pool is writing (the caller's to fix: name other
+    blocks, or wait for that one to end)."""
 
     code = 29
 
