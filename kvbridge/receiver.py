@@ -378,7 +378,10 @@ class KVReceiver(ReceiverPipeline):
             for t in ts:
                 t._stop()
             for t in ts:
-                await t
+                try:
+                    await t
+                except asyncio.CancelledError:     # cancelled again: t has still ended (its __await__)
+                    pass
             raise
 
     def claim(self, handle: HandleLike) -> Optional[Claim]:

@@ -340,15 +340,22 @@ class Transfer:
             yield from fut.__await__()
         except asyncio.CancelledError:
             # the awaiting task went away: stop moving bytes, and end only once none will land
-            # (its caller may hand the destination blocks on as soon as the task has ended)
+            # (its caller may hand the destination blocks on as soon as the task has ended) --
+            # also when the task is cancelled again meanwhile
             if self._on_cancel is None:
                 self._stop()
             else:                          # a reservation's revokes and waits: off the loop
-                yield from loop.run_in_executor(None, self._stop).__await__()
-            if not self.done():
+                try:
+                    yield from loop.run_in_executor(None, self._stop).__await__()
+                except asyncio.CancelledError:
+                    pass
+            while not self.done():
                 fut = loop.create_future()
                 self.add_done_callback(wake)
-                yield from fut.__await__()
+                try:
+                    yield from fut.__await__()
+                except asyncio.CancelledError:
+                    continue
             raise
         return self.result()
 

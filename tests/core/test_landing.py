@@ -196,3 +196,35 @@ def test_a_fetch_whose_worker_could_not_start_never_lands_later(pair, monkeypatc
         assert rcv.start_fetch(_publish(snd, 1), [9]).result(10).ok      # a worker starts now
         assert block_checksums(pool, [3]) == [other.checksums[0]]        # still other's KV
         assert pool.landing() == []
+
+
+def test_a_task_cancelled_twice_ends_only_once_no_byte_will_land(pair, monkeypatch):
+    """afetch/afetch_many end only once none of their transfers will land a byte any more (their
+    caller may hand the blocks on then). A second cancel() of the awaiting task while the first
+    was winding the transfers down ended the task at once, the transfers still running."""
+    import asyncio
+
+    snd, rcv = pair
+    pool = rcv.pool
+    real = rcv._pull
+
+    def unhurried(*a, **kw):           # a transfer that takes a while to wind down
+        try:
+            return real(*a, **kw)
+        finally:
+            time.sleep(0.4)
+    monkeypatch.setattr(rcv, "_pull", unhurried)
+
+    async def twice(coro) -> None:
+        task = asyncio.ensure_future(coro)
+        await asyncio.sleep(0.2)
+        task.cancel()
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert pool.landing() == []
+
+    asyncio.run(twice(rcv.afetch_many([(_publish(snd, 1, layers_ready=0), [1]),
+                                       (_publish(snd, 1, layers_ready=0), [2])])))
+    asyncio.run(twice(rcv.afetch(_publish(snd, 1, layers_ready=0), [3])))
