@@ -241,6 +241,26 @@ def retired_during(request_id: str) -> TransferCancelled:
                      "contents are not this request's KV")
 
 
+class LandingMark:
+    """Destination blocks marked in ``pool`` (by :meth:`KVPool._land`); calling it unmarks them,
+    the first time only -- a later call (two ends racing, a cleanup after an end) never unmarks
+    blocks that another transfer has marked since. Transfers that end on another thread hold one
+    (synchronous fetches pair ``_land`` with ``_landed`` directly: cheaper on the fast path)."""
+
+    __slots__ = ("pool", "_ids")
+
+    def __init__(self, pool: "KVPool", ids: list[int]) -> None:
+        self.pool = pool
+        self._ids = [ids]
+
+    def __call__(self) -> None:
+        try:
+            ids = self._ids.pop()           # atomic: one caller gets them
+        except IndexError:
+            return
+        self.pool._landed(ids)
+
+
 class KVPool:
     """Blocks of KV cache for every layer, plus their allocator and generations.
 

@@ -48,7 +48,7 @@ from .handle import KVHandle, check_secret, check_ttl
 from .lease import Claim, LeaseStore
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout
-from .pool import KVPool, block_id_list
+from .pool import KVPool, LandingMark, block_id_list
 from .receiver_pipeline import ReceiverPipeline, _Job as _Job
 from .releases import AfterRead, Recent, Releaser, claim_batch, release_batch
 from .reservations import ReservationDesk
@@ -60,25 +60,6 @@ from .transports.registry import get_transport_class, scheme_of
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
 
 log = logging.getLogger("kvbridge.receiver")
-
-
-class _Marked:
-    """Destination blocks marked in ``pool`` (:meth:`KVPool._land`); calling it unmarks them, the
-    first time only -- a later call (two ends racing, a cleanup after an end) never unmarks
-    blocks that another transfer has marked since."""
-
-    __slots__ = ("pool", "_ids")
-
-    def __init__(self, pool: KVPool, ids: list[int]) -> None:
-        self.pool = pool
-        self._ids = [ids]
-
-    def __call__(self) -> None:
-        try:
-            ids = self._ids.pop()           # atomic: one caller gets them
-        except IndexError:
-            return
-        self.pool._landed(ids)
 
 
 HandleLike = Union[KVHandle, bytes, dict[str, Any]]
@@ -237,7 +218,7 @@ class KVReceiver(ReceiverPipeline):
         worker already took stops, and unmarks as it ends) and the rest unmark here: none is
         left for a worker to run later into blocks no longer marked."""
         pool = self.pool
-        marks = [_Marked(pool, j.dst) for j in jobs]
+        marks = [LandingMark(pool, j.dst) for j in jobs]
         pool._land([b for j in jobs for b in j.dst])   # distinct (_prepare_many)
         ts: list[Transfer] = []
         try:
@@ -440,7 +421,7 @@ class KVReceiver(ReceiverPipeline):
         if not self.servers:
             raise ConfigError("reserve() needs a receiver that listens: KVReceiver(pool, listen='tcp://...')")
         dst = self._check_dst(dst_block_ids, len(dst_block_ids))
-        mark = _Marked(self.pool, dst)
+        mark = LandingMark(self.pool, dst)
         # until it ends and no write of it is in flight, no fetch or other reservation lands there
         self.pool._land(dst, "a reservation")
         try:

@@ -273,12 +273,6 @@ done:
     return res;
 }
 
-/* The copy loop of copy_blocks and scatter_blocks: block sid[k] of each source plane j to
- * block did[k] of destination plane j; with `hash`, the xxh3-64 of each destination block as
- * it landed -- in one pass per block (kvb_copy_hash) where FUSED and no part of the block
- * partly overlaps its source, else in CHUNK pieces, each hashed after its copy. Addresses were
- * checked by the callers. Returns the digest list (None where they equal `expect`, see
- * digests_unless), None unhashed, or NULL with an exception set. */
 /* copy_core's work, shared with the helper thread (helper.h) when it is large: block k's parts
  * copied (and hashed into d[k]) by copy_one on whichever thread claimed it, with that thread's
  * own scratch (`who`: 0 the caller, 1 the helper). */
@@ -421,6 +415,13 @@ static int order_matters(const planes_t *dp, const int64_t *did, const planes_t 
     return meet;
 }
 
+/* The copy loop of copy_blocks and scatter_blocks: block sid[k] of each source plane j to
+ * block did[k] of destination plane j; with `hash`, the xxh3-64 of each destination block as
+ * it landed -- in one pass per block (kvb_copy_hash) where FUSED and no part of the block
+ * partly overlaps its source, else in CHUNK pieces, each hashed after its copy. Addresses were
+ * checked by the callers. Returns the digest list (None where they equal `expect`, see
+ * digests_unless), None unhashed, or NULL with an exception set. Copies of PAR_BYTES or more in PAR_MIN_BLOCKS blocks or more
+ * are shared with the helper thread (copy_unit) unless order_matters. */
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
                            Py_ssize_t n, int64_t part, int hash, PyObject *expect) {
     PyObject *res = NULL;
