@@ -4,7 +4,7 @@
  * word goes IDLE -> POSTED (the caller) -> RUNNING (the helper took it) -> FINISHED (the
  * helper let go of it) -> IDLE; a caller that finishes before the helper took the job takes
  * it back (POSTED -> IDLE) and returns at once. The units from `from` on are claimed with one
- * compare-and-swap each (FREE -> MINE by the caller, FREE -> TAKEN -> DONE by the helper,
+ * compare-and-swap each (FREE -> MINE by the caller, FREE -> TAKEN by the helper,
  * which stops at the first unit it cannot claim: the caller's, from the end). After a job the
  * helper polls for the next one for `spin_us` (with the CPU's pause instruction), then sleeps
  * on a futex; a caller wakes it only when it sleeps. The helper blocks every signal, and a
@@ -34,7 +34,7 @@ static long cfg_spin_us = 50;
 static unsigned long long n_jobs, n_helped, n_units, n_units_helper;
 
 #ifdef KVB_PAR
-enum { FREE = 0, MINE = 1, TAKEN = 2, DONE = 3 };            /* a unit */
+enum { FREE = 0, MINE = 1, TAKEN = 2 };                      /* a unit */
 enum { IDLE = 0, POSTED = 1, RUNNING = 2, FINISHED = 3 };    /* the job */
 #define MAX_UNITS 4096
 
@@ -97,7 +97,6 @@ static void *helper_main(void *arg) {
             if (!__atomic_compare_exchange_n(&H.state[u], &f, TAKEN, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
                 break;                                  /* the caller's, and all above it */
             H.run(H.ctx, u, 1);
-            ST(&H.state[u], DONE);
             did++;
         }
         H.did = did;
