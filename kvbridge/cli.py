@@ -16,7 +16,7 @@ import signal
 import sys
 import time
 from types import FrameType
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from . import __version__
 from .errors import ConfigError, KVBridgeError
@@ -216,7 +216,7 @@ def _run_proxy(a: argparse.Namespace) -> int:
 
 
 def _run_up(a: argparse.Namespace) -> int:
-    from .workers.launch import Cluster, UpConfig
+    from .workers.launch import Cluster, UpConfig, forking
 
     if a.log_dir is not None:   # a folder that cannot hold the logs is the user's to fix, not a traceback
         try:
@@ -239,7 +239,7 @@ def _run_up(a: argparse.Namespace) -> int:
     # does (their default ended this process mid-start: workers SIGKILLed by their parent-death
     # signal, the lease server's folder left behind). Once only: a second one must not cut the
     # stop short.
-    interrupt = _InterruptOnce()
+    interrupt = _InterruptOnce(defer=forking)
     prev = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         cluster.start(check=interrupt.check)
@@ -256,17 +256,21 @@ def _run_up(a: argparse.Namespace) -> int:
 
 class _InterruptOnce:
     """A signal handler that raises KeyboardInterrupt the first time, and ignores later signals.
-    Where that exception was swallowed -- raised inside an at-fork hook while a worker is being
-    forked, the interpreter only prints it -- :meth:`check` raises it again."""
+    While ``defer()`` is true (a child is being forked: raised inside the interpreter's at-fork
+    hooks, the exception would only be printed) it only notes the signal, and :meth:`check`
+    raises it once the fork is over; so it does where such an exception was swallowed anyway."""
 
-    def __init__(self) -> None:
+    def __init__(self, defer: Callable[[], bool] = lambda: False) -> None:
         self.armed = True
         self.fired: Optional[str] = None
+        self.defer = defer
 
     def __call__(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.armed:
             self.armed = False
             self.fired = signal.Signals(signum).name
+            if self.defer():
+                return
             raise KeyboardInterrupt(f"signal {self.fired}")
 
     def check(self) -> None:

@@ -145,6 +145,31 @@ class _Child:
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
+_forking = 0     # children being started by this process right now (see forking())
+
+
+def forking() -> bool:
+    """Whether this process is starting a child process right now. A stop signal's handler that
+    raises then would raise inside the interpreter's at-fork hooks, which print the exception
+    and drop it: it should only note the signal for ``Cluster.start``'s ``check`` to raise. (The
+    stop signals are blocked in the main thread meanwhile, but another thread may take one.)"""
+    return _forking > 0
+
+
+@contextlib.contextmanager
+def _starting_child() -> Any:
+    """Around a fork: the stop signals blocked in this thread (the old mask is yielded, for the
+    child to restore before exec) and :func:`forking` true."""
+    global _forking
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    _forking += 1
+    try:
+        yield old_mask
+    finally:    # a signal that came meanwhile lands here, and is noted only
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        _forking -= 1
+
+
 def _worker_setup(mask: "set[int | signal.Signals]") -> None:
     """In the forked worker, before exec: die with the parent, and the parent's signal mask."""
     die_with_parent()
@@ -189,11 +214,11 @@ class Cluster:
 
     def _spawn(self, role: str, args: list[str], n: int) -> _Child:
         log_path = os.path.join(self.log_dir, f"{role}-{n}.log")
-        # The stop signals wait while the worker is forked: a handler that raises KeyboardInterrupt
-        # inside the interpreter's at-fork hooks has it printed and dropped, and the start went on
-        # (Cluster.start's check() catches that too). The child gets the mask back before exec.
-        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-        try:
+        # A stop signal waits while the worker is forked (forking()): a handler that raises
+        # KeyboardInterrupt inside the interpreter's at-fork hooks has it printed and dropped, and
+        # the start went on; Cluster.start's check() raises it. The child gets the mask back before exec.
+        # Until the child is in self.children (stop() ends it), as well.
+        with _starting_child() as old_mask:
             with open(log_path, "w") as log:
                 # own session: a Ctrl-C in the terminal reaches only this process, which stops the
                 # workers after the proxy has answered the requests in flight
@@ -201,11 +226,9 @@ class Cluster:
                                         stdout=subprocess.PIPE, stderr=log, text=True,
                                         preexec_fn=partial(_worker_setup, old_mask), start_new_session=True,
                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)   # a signal that came meanwhile lands here
-        child = _Child(role, proc, log_path)
+            child = _Child(role, proc, log_path)
+            self.children.append(child)
         threading.Thread(target=self._read_ready, args=(child,), daemon=True).start()
-        self.children.append(child)
         return child
 
     @staticmethod
@@ -243,7 +266,8 @@ class Cluster:
             self._say(f"logs in {self.log_dir}" + ("" if self.keep_logs else " (removed on a clean exit; "
                                                                             "--keep-logs keeps them)"))
             if self.lease_url is None:
-                self.redis = EmbeddedRedis().start()
+                with _starting_child():
+                    self.redis = EmbeddedRedis().start()
                 self.lease_url = self.redis.url
                 self._say(f"lease server (embedded) at {self.lease_url}")
             if c.colocated:

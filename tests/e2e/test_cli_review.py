@@ -38,6 +38,34 @@ def test_unusable_log_dir_is_a_clear_error(tmp_path: Path, capsys: pytest.Captur
         assert f"--log-dir '{bad}'" in err and "Traceback" not in err
 
 
+def test_a_stop_signal_while_a_child_is_forked_is_noted_and_raised_after() -> None:
+    """Before: ``kvbridge up`` blocked the stop signals in its main thread while it forked a
+    worker, but another thread could take one, and the main thread then ran the handler inside
+    the interpreter's at-fork hooks: its KeyboardInterrupt was printed as a traceback ("Exception
+    ignored in: _releaseLock") and dropped. Now the handler only notes a signal while a child is
+    being started (launch.forking()), and the start's check() raises it after the fork."""
+    import threading
+
+    from kvbridge.cli import _InterruptOnce
+    from kvbridge.workers import launch
+
+    interrupt = _InterruptOnce(defer=launch.forking)
+    assert not launch.forking()
+    with launch._starting_child():
+        assert launch.forking()
+        t = threading.Thread(target=interrupt, args=(signal.SIGHUP, None))   # raises nothing: noted
+        t.start()
+        t.join()
+        interrupt(signal.SIGTERM, None)      # a second signal: ignored, as always
+    assert not launch.forking()
+    with pytest.raises(KeyboardInterrupt, match="SIGHUP"):
+        interrupt.check()
+    interrupt.check()                        # raised once
+    plain = _InterruptOnce(defer=launch.forking)
+    with pytest.raises(KeyboardInterrupt, match="SIGINT"):
+        plain(signal.SIGINT, None)           # no child starting: at once
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
 def test_signal_while_starting_stops_in_order(sig: signal.Signals) -> None:
