@@ -17,7 +17,9 @@
 #include "xxhash.h"
 #include "copyhash.h"
 
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVB_AVX2 1
@@ -45,9 +47,10 @@
 
 #ifdef KVB_AVX2
 /* `n` stripes from src to dst, accumulated as xxHash's AVX2 XXH3_accumulate_512 does, the
- * accumulators scrambled after every 16th stripe of the whole input (`k`: stripes before). */
+ * accumulators scrambled after every 16th stripe of the whole input (`k`: stripes before).
+ * `nt`: streaming stores past the caches (dst 32-byte aligned; the caller fences). */
 __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, char *dst, const char *src, size_t n,
-                                                         size_t k) {
+                                                         size_t k, int nt) {
     __m256i a0 = _mm256_loadu_si256((const __m256i *)acc);
     __m256i a1 = _mm256_loadu_si256((const __m256i *)(acc + 4));
     const unsigned char *secret = XXH3_kSecret;
@@ -56,8 +59,14 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, char *ds
         const unsigned char *key = secret + (k % STRIPES_PER_BLOCK) * 8;
         __m256i d0 = _mm256_loadu_si256((const __m256i *)src);
         __m256i d1 = _mm256_loadu_si256((const __m256i *)(src + 32));
-        _mm256_storeu_si256((__m256i *)dst, d0);
-        _mm256_storeu_si256((__m256i *)(dst + 32), d1);
+        if (nt) {
+            _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_NTA);
+            _mm256_stream_si256((__m256i *)dst, d0);
+            _mm256_stream_si256((__m256i *)(dst + 32), d1);
+        } else {
+            _mm256_storeu_si256((__m256i *)dst, d0);
+            _mm256_storeu_si256((__m256i *)(dst + 32), d1);
+        }
         __m256i dk0 = _mm256_xor_si256(d0, _mm256_loadu_si256((const __m256i *)key));
         __m256i dk1 = _mm256_xor_si256(d1, _mm256_loadu_si256((const __m256i *)(key + 32)));
         __m256i p0 = _mm256_mul_epu32(dk0, _mm256_srli_epi64(dk0, 32));
@@ -86,11 +95,18 @@ __attribute__((target("avx2"))) static void stripes_avx2(uint64_t *acc, char *ds
 /* One stripe: loaded, stored, and its product lo32(d ^ key) * hi32(d ^ key) added to `a`; the
  * stripe itself comes back in `*d` (its lanes go to the accumulator swapped, see below). */
 __attribute__((target("avx512f,prfchw"))) static inline __m512i stripe_avx512(__m512i a, char *dst, const char *src,
-                                                                             const unsigned char *key, __m512i *d) {
-    _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_T0);
-    __builtin_prefetch(dst + PREFETCH_AHEAD, 1, 3);
-    *d = _mm512_loadu_si512((const void *)src);
-    _mm512_storeu_si512((void *)dst, *d);
+                                                                             const unsigned char *key, __m512i *d,
+                                                                             int nt) {
+    if (nt) {                         /* dst 64-byte aligned; nothing of it is wanted in cache */
+        _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_NTA);
+        *d = _mm512_loadu_si512((const void *)src);
+        _mm512_stream_si512((void *)dst, *d);
+    } else {
+        _mm_prefetch(src + PREFETCH_AHEAD, _MM_HINT_T0);
+        __builtin_prefetch(dst + PREFETCH_AHEAD, 1, 3);
+        *d = _mm512_loadu_si512((const void *)src);
+        _mm512_storeu_si512((void *)dst, *d);
+    }
     __m512i dk = _mm512_xor_si512(*d, _mm512_loadu_si512((const void *)key));
     return _mm512_add_epi64(a, _mm512_mul_epu32(dk, _mm512_srli_epi64(dk, 32)));
 }
@@ -102,7 +118,7 @@ __attribute__((target("avx512f"))) static inline __m512i swapped(__m512i d) {
 }
 
 __attribute__((target("avx512f,prfchw"))) static void stripes_avx512(uint64_t *acc, char *dst, const char *src,
-                                                             size_t n, size_t k) {
+                                                             size_t n, size_t k, int nt) {
     __m512i a = _mm512_loadu_si512((const void *)acc);
     const unsigned char *secret = XXH3_kSecret;
     const __m512i prime32 = _mm512_set1_epi32((int)XXH_PRIME32_1);
@@ -115,12 +131,12 @@ __attribute__((target("avx512f,prfchw"))) static void stripes_avx512(uint64_t *a
             __m512i sum = _mm512_setzero_si512();
 #pragma GCC unroll 16
             for (int j = 0; j < STRIPES_PER_BLOCK; j++) {
-                a = stripe_avx512(a, dst + j * STRIPE, src + j * STRIPE, secret + j * 8, &d);
+                a = stripe_avx512(a, dst + j * STRIPE, src + j * STRIPE, secret + j * 8, &d, nt);
                 sum = _mm512_add_epi64(sum, d);
             }
             a = _mm512_add_epi64(a, swapped(sum));
         } else {
-            a = stripe_avx512(a, dst, src, secret + (k % STRIPES_PER_BLOCK) * 8, &d);
+            a = stripe_avx512(a, dst, src, secret + (k % STRIPES_PER_BLOCK) * 8, &d, nt);
             a = _mm512_add_epi64(a, swapped(d));
         }
         k += m, n -= m, src += m * STRIPE, dst += m * STRIPE;
@@ -133,6 +149,63 @@ __attribute__((target("avx512f,prfchw"))) static void stripes_avx512(uint64_t *a
     _mm512_storeu_si512((void *)acc, a);
 }
 #endif
+
+#ifdef KVB_AVX2
+__attribute__((target("avx2"))) static void stream_avx2(char *dst, const char *src, size_t n) {
+    size_t head = (size_t)(-(uintptr_t)dst & 31);      /* to dst's first 32-byte boundary */
+    if (head > n)
+        head = n;
+    memmove(dst, src, head);
+    dst += head, src += head, n -= head;
+    size_t body = n & ~(size_t)127;
+    for (size_t i = 0; i < body; i += 128) {
+        _mm_prefetch(src + i + PREFETCH_AHEAD, _MM_HINT_NTA);
+        _mm_prefetch(src + i + PREFETCH_AHEAD + 64, _MM_HINT_NTA);
+        __m256i a = _mm256_loadu_si256((const __m256i *)(src + i));
+        __m256i b = _mm256_loadu_si256((const __m256i *)(src + i + 32));
+        __m256i c = _mm256_loadu_si256((const __m256i *)(src + i + 64));
+        __m256i e = _mm256_loadu_si256((const __m256i *)(src + i + 96));
+        _mm256_stream_si256((__m256i *)(dst + i), a);
+        _mm256_stream_si256((__m256i *)(dst + i + 32), b);
+        _mm256_stream_si256((__m256i *)(dst + i + 64), c);
+        _mm256_stream_si256((__m256i *)(dst + i + 96), e);
+    }
+    _mm_sfence();
+    memmove(dst + body, src + body, n - body);
+}
+#endif
+
+void kvb_stream_copy(char *dst, const char *src, size_t n) {
+#ifdef KVB_AVX2
+    if (kvb_copy_hash_fused() >= 1 && n >= 256) {
+        stream_avx2(dst, src, n);
+        return;
+    }
+#endif
+    memmove(dst, src, n);
+}
+
+static size_t from = 0;
+
+void kvb_set_stream_from(size_t n) {
+    from = n;
+}
+
+size_t kvb_stream_from(void) {
+    if (from == 0) {
+        const char *env = getenv("KVBRIDGE_STREAM_FROM");
+        char *end = NULL;
+        int digits = env && *env >= '0' && *env <= '9';   /* strtoull would take "-5" as 2^64 - 5 */
+        unsigned long long v = digits ? strtoull(env, &end, 10) : 0;
+        if (digits && end && *end == 0 && v > 0) {
+            from = (size_t)v;
+        } else {
+            long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+            from = l2 > 0 ? 4 * (size_t)l2 : (size_t)4 << 20;
+        }
+    }
+    return from;
+}
 
 int kvb_copy_hash_fused(void) {
 #ifdef KVB_AVX2
@@ -154,7 +227,7 @@ static void stripe_scalar(uint64_t *acc, const unsigned char *p, size_t k) {
         XXH3_scrambleAcc_scalar(acc, XXH3_kSecret + SECRET_SCRAMBLE);
 }
 
-uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part, int level) {
+uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part, int level, int stream) {
     const size_t len = np * part;
     if (level > kvb_copy_hash_fused())
         level = kvb_copy_hash_fused();
@@ -172,6 +245,7 @@ uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size
     const size_t R = (len - 1) / STRIPE;               /* stripes accumulated in order */
     unsigned char tmp[STRIPE];
     size_t k = 0, pend = 0;                            /* stripes done; bytes of a split one in tmp */
+    int streamed = 0;
     for (size_t j = 0; j < np; j++) {
         const char *s = src[j];
         char *d = dst[j];
@@ -190,10 +264,13 @@ uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size
         if (whole > R - k)
             whole = R - k;
         if (whole) {
-            if (level >= 2 && len >= WIDE_FROM)
-                stripes_avx512(acc, d, s, whole, k);
+            int wide = level >= 2 && len >= WIDE_FROM;
+            int nt = stream && ((uintptr_t)d & (wide ? 63 : 31)) == 0;
+            streamed |= nt;
+            if (wide)
+                stripes_avx512(acc, d, s, whole, k, nt);
             else
-                stripes_avx2(acc, d, s, whole, k);
+                stripes_avx2(acc, d, s, whole, k, nt);
             k += whole, s += whole * STRIPE, d += whole * STRIPE, n -= whole * STRIPE;
         }
         if (n) {                                       /* under a stripe, or past the last one */
@@ -204,6 +281,8 @@ uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size
             }
         }
     }
+    if (streamed)
+        _mm_sfence();                                  /* the streamed stores before anything after */
     /* the last 64 bytes of the input, from where they landed */
     size_t need = STRIPE;
     for (size_t j = np; j-- > 0 && need;) {

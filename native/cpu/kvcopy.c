@@ -281,6 +281,7 @@ typedef struct {
     const int64_t *did, *sid;
     int64_t part;
     int hash;
+    int stream;                      /* stores past the caches (kvb_stream_from) */
     Py_ssize_t per;                  /* blocks per unit */
     Py_ssize_t n;
     XXH64_hash_t *d;
@@ -303,7 +304,7 @@ static void copy_one(copyjob_t *c, Py_ssize_t k, int who) {
                 fused = 0;
         }
         if (fused) {
-            c->d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, c->hash == 3 ? 1 : 2);
+            c->d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, c->hash == 3 ? 1 : 2, c->stream);
             return;
         }
     }
@@ -313,6 +314,10 @@ static void copy_one(copyjob_t *c, Py_ssize_t k, int who) {
     for (Py_ssize_t j = 0; j < dp->n; j++) {
         char *dst = (char *)(uintptr_t)(dp->p[j].base + c->did[k] * dp->p[j].stride);
         const char *src = (const char *)(uintptr_t)(sp->p[j].base + c->sid[k] * sp->p[j].stride);
+        if (!c->hash && c->stream && (dst == src || dst >= src + part || src >= dst + part)) {
+            kvb_stream_copy(dst, src, (size_t)part);
+            continue;
+        }
         for (int64_t off = 0; off < part; off += CHUNK) {
             size_t m = (size_t)(part - off < CHUNK ? part - off : CHUNK);
             memmove(dst + off, src + off, m);   /* a block read into itself overlaps */
@@ -419,14 +424,16 @@ static int order_matters(const planes_t *dp, const int64_t *did, const planes_t 
  * block did[k] of destination plane j; with `hash`, the xxh3-64 of each destination block as
  * it landed -- in one pass per block (kvb_copy_hash) where FUSED and no part of the block
  * partly overlaps its source, else in CHUNK pieces, each hashed after its copy. Addresses were
- * checked by the callers. Returns the digest list (None where they equal `expect`, see
+ * checked by the callers. A copy of kvb_stream_from() bytes or more stores past the caches
+ * (copyhash.h). Returns the digest list (None where they equal `expect`, see
  * digests_unless), None unhashed, or NULL with an exception set. Copies of PAR_BYTES or more in PAR_MIN_BLOCKS blocks or more
  * are shared with the helper thread (copy_unit) unless order_matters. */
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
                            Py_ssize_t n, int64_t part, int hash, PyObject *expect) {
     PyObject *res = NULL;
-    copyjob_t c = {dp, sp, did, sid, part, hash, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
+    copyjob_t c = {dp, sp, did, sid, part, hash, 0, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
     double total = (double)part * (double)n * (double)dp->n;
+    c.stream = total >= (double)kvb_stream_from();
     int shared = total >= PAR_BYTES && n >= PAR_MIN_BLOCKS && kvb_par_on() &&   /* whole blocks to the helper */
                  order_matters(dp, did, sp, sid, n, part) == 0;              /* unless it lands in block order */
     int nt = shared ? 2 : 1;
@@ -1320,12 +1327,27 @@ static PyObject *copy_threads(PyObject *self, PyObject *args, PyObject *kw) {
     return Py_BuildValue("(ilKKKK)", threads, spin, jobs, helped, units, uh);
 }
 
+/* stream_from([n]) -> int: the copy size from which copies stream past the caches (copyhash.h);
+ * with n (>= 0), set first -- 0 restores the default (twice the L2, or KVBRIDGE_STREAM_FROM) */
+static PyObject *stream_from(PyObject *self, PyObject *args) {
+    (void)self;
+    Py_ssize_t n = -1;
+    if (!PyArg_ParseTuple(args, "|n", &n))
+        return NULL;
+    if (n >= 0)
+        kvb_set_stream_from((size_t)n);
+    return PyLong_FromSize_t(kvb_stream_from());
+}
+
 static PyMethodDef methods[] = {
     {"copy_threads", (PyCFunction)(void (*)(void))copy_threads, METH_VARARGS | METH_KEYWORDS,
      "copy_threads(threads=None, spin_us=None) -> (threads, spin_us, jobs, helped, units, helper_units): the "
      "threads that share a copy of 8 MiB or more in four blocks or more (1, or 2: one helper), how long the "
      "helper polls for the next job before it sleeps; copies offered to the helper, those it took part in, "
      "their units, the helper's units"},
+    {"stream_from", stream_from, METH_VARARGS,
+     "stream_from([n]) -> int: the size of a copy (bytes) from which its stores go past the caches; n sets it "
+     "(0: the default, twice this core's L2 or KVBRIDGE_STREAM_FROM)"},
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
     {"copy_blocks", copy_blocks, METH_VARARGS,

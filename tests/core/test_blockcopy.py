@@ -156,6 +156,80 @@ def test_one_pass_copy_of_parts_that_partly_overlap_takes_the_chunked_path():
     assert got == [xxhash.xxh3_64_intdigest(want)]
 
 
+@pytest.fixture
+def streaming():
+    """Every copy streams past the caches (``_kvcopy.stream_from(1)``); the default after."""
+    if not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    from kvbridge import _kvcopy
+    _kvcopy.stream_from(1)
+    try:
+        yield _kvcopy
+    finally:
+        _kvcopy.stream_from(0)
+
+
+@pytest.mark.parametrize("part", [37, 64, 255, 256, 300, 4096, 4097, 65536 + 7])
+def test_streamed_copies_land_the_same_bytes_and_digests(streaming, part):
+    """Copies at or above ``stream_from`` store past the caches: every shape -- parts under and
+    over a stripe, destinations off a 32- and 64-byte boundary (their head and tail stored the
+    usual way), a block copied onto itself, parts that partly overlap their source -- lands the
+    same bytes and the same xxh3-64 as xxhash, hashed (one pass: hash=1 and 3) and not."""
+    g = torch.Generator().manual_seed(part)
+    rnd = random.Random(part)
+    for nplanes in (1, 3):
+        for skew in (0, 1, 33):
+            srcs = [torch.randint(0, 256, (3 * part + 64,), dtype=torch.uint8, generator=g) for _ in range(nplanes)]
+            dsts = [torch.zeros(3 * part + 64, dtype=torch.uint8) for _ in range(nplanes)]
+            sp = blockcopy.pack_planes([(t.data_ptr() + 5, part, t.data_ptr() + 5 + 3 * part) for t in srcs])
+            dp = blockcopy.pack_planes([(t.data_ptr() + skew, part, t.data_ptr() + skew + 3 * part) for t in dsts])
+            sid, did = rnd.sample(range(3), 3), rnd.sample(range(3), 3)
+            for mode in (0, 1, 3):
+                for t in dsts:
+                    t.zero_()
+                got = blockcopy.copy_blocks(dp, did, sp, sid, part, mode)
+                for k, (s_, d_) in enumerate(zip(sid, did)):
+                    sent = b"".join(bytes(t[5 + s_ * part:5 + (s_ + 1) * part].numpy()) for t in srcs)
+                    landed = b"".join(bytes(t[skew + d_ * part:skew + (d_ + 1) * part].numpy()) for t in dsts)
+                    assert landed == sent, (nplanes, skew, mode, k)
+                    if mode:
+                        assert got[k] == xxhash.xxh3_64_intdigest(sent), (nplanes, skew, mode, k)
+                for t in dsts:      # the bytes around the blocks were never written
+                    assert not t[:skew].any() and not t[skew + 3 * part:].any(), (nplanes, skew, mode)
+    buf = torch.randint(0, 256, (3 * part,), dtype=torch.uint8, generator=g)
+    before = bytes(buf.numpy())
+    one = blockcopy.pack_planes([(buf.data_ptr(), part, buf.data_ptr() + 3 * part)])
+    for mode in (0, 1):
+        blockcopy.copy_blocks(one, [2, 0], one, [2, 0], part, mode)     # onto itself
+        assert bytes(buf.numpy()) == before
+    if part >= 64:                  # a part that partly overlaps its source: as memmove lands it
+        src = blockcopy.pack_planes([(buf.data_ptr() + 40, part, buf.data_ptr() + 3 * part)])
+        want = bytes(buf[40:40 + part].numpy())
+        blockcopy.copy_blocks(one, [0], src, [0], part, 0)
+        assert bytes(buf[:part].numpy()) == want
+
+
+def test_copies_stream_from_four_times_the_l2_or_the_setting(tmp_path):
+    """The default threshold is four times this core's L2 (4 MiB where sysconf does not know
+    it); ``KVBRIDGE_STREAM_FROM`` sets it, and a value that is not a positive integer is ignored."""
+    if not blockcopy.NATIVE:
+        pytest.skip("the extension is not built")
+    try:    # Python's os.sysconf does not name it; glibc's getconf does
+        l2 = int(subprocess.run(["getconf", "LEVEL2_CACHE_SIZE"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or 0)
+    except (OSError, ValueError):
+        pytest.skip("getconf LEVEL2_CACHE_SIZE does not answer here")
+    want = 4 * l2 if l2 > 0 else 4 << 20
+    code = "from kvbridge import _kvcopy; print(_kvcopy.stream_from())"
+    for env, expect in ((None, want), ("12345", 12345), ("-5", want), ("lots", want), ("0", want)):
+        e = {k: v for k, v in os.environ.items() if k != "KVBRIDGE_STREAM_FROM"}
+        if env is not None:
+            e["KVBRIDGE_STREAM_FROM"] = env
+        out = subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert int(out.stdout) == expect, env
+
+
 @pytest.mark.parametrize("impl", ["native", "python"])
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_gather_and_scatter_are_the_wire_order_of_the_segments(name, impl):
