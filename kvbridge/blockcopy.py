@@ -54,18 +54,63 @@ if not os.environ.get("KVBRIDGE_NO_NATIVE"):
 NATIVE: bool = _native is not None
 
 
-def _default_copy_threads() -> int:
+def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[float]:
+    """The CPUs this process's cgroup may use, by its CPU quota: the least ``quota / period``
+    of its cgroup and their ancestors (cgroup v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us``); None where no quota is set or none can be read."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    found: list[float] = []
+    for line in lines:
+        hier, _, rest = line.partition(":")
+        ctrls, _, path = rest.partition(":")
+        if hier == "0" and ctrls == "":      # v2: at the root, or at unified/ beside v1's
+            v2 = True
+            base = root if os.path.exists(os.path.join(root, "cgroup.controllers")) else os.path.join(root, "unified")
+        elif "cpu" in ctrls.split(","):
+            base, v2 = os.path.join(root, ctrls), False
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):      # the cgroup, then each ancestor
+            d = os.path.join(base, *parts[:depth])
+            try:
+                if v2:
+                    with open(os.path.join(d, "cpu.max")) as f:
+                        q, per = (f.read().split() + ["", ""])[:2]
+                else:
+                    with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
+                        q = f.read().strip()
+                    with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+                        per = f.read().strip()
+            except (OSError, ValueError):
+                continue
+            if q not in ("max", "-1") and q.lstrip("-").isdigit() and per.isdigit() and int(per) > 0 and int(q) > 0:
+                found.append(int(q) / int(per))
+    return min(found) if found else None
+
+
+def _default_copy_threads() -> int:
+    """2 where this process may run on two CPUs or more -- by its affinity and by its cgroup's
+    CPU quota (a container allowed one CPU's time gains nothing from a second thread) -- else 1."""
+    try:
+        cpus: float = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        cpus = min(cpus, quota)
     return 2 if cpus >= 2 else 1
 
 
 def copy_threads(threads: Optional[int] = None, spin_us: Optional[int] = None) -> dict[str, int]:
     """How many threads share a large block copy of the extension (1 without it).
 
-    ``threads`` 2 (the default where this process may run on two CPUs or more, or
+    ``threads`` 2 (the default where this process may run on two CPUs or more, by its affinity
+    and its cgroup's CPU quota (:func:`cpu_quota`), or
     ``KVBRIDGE_COPY_THREADS``) lets one helper thread take whole blocks of every copy of 8 MiB
     or more in four blocks or more (shm's one-sided read, :func:`copy_blocks`): the calling
     thread copies the first half, the helper the second from its start and the caller the

@@ -436,3 +436,47 @@ def test_the_helper_runs_on_the_processs_cpus_not_its_starters() -> None:
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
+
+
+def _tree(tmp_path, files: dict[str, str], cgroup: str):
+    for rel, text in files.items():
+        f = tmp_path / "sys" / rel
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    (tmp_path / "cgroup").write_text(cgroup)
+    return str(tmp_path / "cgroup"), str(tmp_path / "sys")
+
+
+def test_the_cpu_quota_is_read_from_cgroup_v2_and_v1(tmp_path):
+    """The helper's default counts the cgroup's CPU quota beside the affinity: a container
+    allowed one CPU's time (cpu.max "100000 100000") gets no helper even on a many-core
+    affinity. v2 reads cpu.max of the cgroup and its ancestors (the least counts); v1 reads
+    cpu.cfs_quota_us / cpu.cfs_period_us; "max" and -1 are no quota."""
+    from kvbridge.blockcopy import cpu_quota
+    v2 = {"cgroup.controllers": "cpu", "cpu.max": "max 100000\n", "kube/cpu.max": "250000 100000\n",
+          "kube/pod/cpu.max": "max 100000\n"}
+    assert cpu_quota(*_tree(tmp_path / "a", v2, "0::/kube/pod\n")) == 2.5
+    v2["kube/pod/cpu.max"] = "50000 100000\n"
+    assert cpu_quota(*_tree(tmp_path / "b", v2, "0::/kube/pod\n")) == 0.5
+    assert cpu_quota(*_tree(tmp_path / "c", {"cgroup.controllers": "", "cpu.max": "max 100000\n"}, "0::/\n")) is None
+    v1 = {"cpu,cpuacct/docker/x/cpu.cfs_quota_us": "150000\n", "cpu,cpuacct/docker/x/cpu.cfs_period_us": "100000\n",
+          "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}
+    assert cpu_quota(*_tree(tmp_path / "d", v1, "4:memory:/docker/x\n3:cpu,cpuacct:/docker/x\n0::/\n")) == 1.5
+    hybrid = {"unified/cpu.max": "300000 100000\n", "cpu/cpu.cfs_quota_us": "-1\n",
+              "cpu/cpu.cfs_period_us": "100000\n"}
+    assert cpu_quota(*_tree(tmp_path / "e", hybrid, "1:cpu:/\n0::/\n")) == 3.0
+    assert cpu_quota(str(tmp_path / "nowhere"), str(tmp_path)) is None
+    assert cpu_quota(*_tree(tmp_path / "f", {"cgroup.controllers": "", "cpu.max": "garbage\n"}, "0::/\n")) is None
+
+
+def test_a_one_cpu_quota_starts_no_helper(tmp_path, monkeypatch):
+    from kvbridge import blockcopy
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(blockcopy, "cpu_quota", lambda: 1.0)
+    assert blockcopy._default_copy_threads() == 1
+    monkeypatch.setattr(blockcopy, "cpu_quota", lambda: 2.0)
+    assert blockcopy._default_copy_threads() == 2
+    monkeypatch.setattr(blockcopy, "cpu_quota", lambda: None)
+    assert blockcopy._default_copy_threads() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3})
+    assert blockcopy._default_copy_threads() == 1
