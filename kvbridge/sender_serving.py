@@ -140,32 +140,36 @@ class SenderServing(SenderLifecycle):
         return True
 
     def serve_next(self, fd: int, reader: FrameReader) -> bool:
-        """The frame loop's next step on socket ``fd`` when ``reader`` holds nothing: one receive
-        into its buffer, and a whole READ at the front answered in the same C call
-        (``blockcopy.serve_next``) exactly where :meth:`serve_small` would answer it. True when
-        it was (any bytes behind it stay in the reader); False when the bytes received are the
-        reader's to parse as usual. The socket's timeout raises BlockingIOError and a closed peer
-        ConnectionLost, as the reader's own receive does; a failed send, OSError."""
+        """The frame loop's next steps on socket ``fd`` when ``reader`` holds nothing, in one C
+        call (``blockcopy.serve_next``): receives into its buffer, answering each whole READ that
+        :meth:`serve_small` would answer and that came alone in its receive, until a receive
+        brings anything else. True when the last receive's READ was answered (any bytes behind
+        it stay in the reader), or reads were answered before the socket's timeout passed;
+        False when the bytes received are the reader's to parse as usual. The socket's timeout
+        with nothing answered raises BlockingIOError and a closed peer ConnectionLost, as the
+        reader's own receive does; a failed send, OSError."""
         if blockcopy.serve_next is None:                  # no extension: the reader receives
             return False
         pool = self.pool
-        pinned = pool.buffers                             # held across the C copy
+        pinned = pool.buffers                             # held across the C copies: checked after each receive
         try:
             packed = blockcopy.planes(pool)
         except PoolError:                                 # a closed pool: the reader receives
             return False
-        served, used, got = blockcopy.serve_next(fd, reader.buf, self._small, ID_OFFSET, pool.live_generations,
-                                                 packed, pool.layout.part_nbytes)
+        served, used, got, count = blockcopy.serve_next(fd, reader.buf, self._small, ID_OFFSET, pool.live_generations,
+                                                        packed, pool.layout.part_nbytes, pool, pinned,
+                                                        self.stats.served)
         del pinned
         if got < 0:
-            if got == -2:
-                raise BlockingIOError("no frame within the socket's timeout")
-            raise ConnectionLost("peer closed the connection")
+            if got == -3:
+                raise ConnectionLost("peer closed the connection")
+            if count:
+                return True
+            raise BlockingIOError("no frame within the socket's timeout")
         if served < 0:
             reader.start, reader.end = 0, got
             return False
         reader.start, reader.end = (0, 0) if used == got else (used, got)
-        self.stats.served(served)
         return True
 
     def _index_small(self, rec: Record) -> None:

@@ -48,11 +48,14 @@
  *       serves or refuses the read, saying why). The GIL is held from the lookup to the
  *       generation check, so no Python thread ends the handle or frees a block between them,
  *       and released for the send.
- *   serve_next(fd, buf, table, id_offset, gens, planes, part) -> (served, used, received)
- *       the sender's frame loop, one step: one receive into the frame reader's empty buffer,
- *       and a whole READ at its front that serve_small would answer, answered in the same call
- *       (served: bytes sent, or -1 with nothing sent; used: that frame's bytes; received: bytes
- *       now in `buf`, -2 on the socket's timeout, -3 when the peer closed).
+ *   serve_next(fd, buf, table, id_offset, gens, planes, part, pool, pinned, served)
+ *           -> (served, used, received, count)
+ *       the sender's frame loop for the usual reads: receives into the frame reader's empty
+ *       buffer, answering each receive that brings exactly one whole READ serve_small would
+ *       answer (and calling `served(nbytes)`) and receiving again, until one does not, or
+ *       `pool.buffers` is not `pinned` any more (served: bytes sent for that last receive's
+ *       frame, or -1 with nothing sent; used: that frame's bytes; received: bytes now in `buf`,
+ *       -2 on the socket's timeout, -3 when the peer closed; count: reads answered).
  *
  *   recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
  *       tcp:// reads too large for read_small: a DATA reply's block bytes (wire order) received
@@ -894,68 +897,89 @@ static PyObject *serve_small(PyObject *self, PyObject *args) {
 
 #define KIND_READ 1
 
-/* serve_next(fd, buf, table, id_offset, gens, planes, part) -> (served, used, received)
- * One receive on the sender's socket `fd` into `buf` (a bytearray, the frame reader's empty
- * buffer: nothing is allocated), the GIL released while it waits; when the bytes begin with a
- * whole READ frame that serve_small answers, it is answered in the same call. served: the block
- * bytes sent, or -1 (nothing sent: the frame reader takes the `received` bytes from the start of
- * `buf`); used: the bytes of the frame answered (the rest is the reader's); received: -2 when the
- * socket's timeout passed with nothing (EAGAIN), -3 when the peer closed it. */
+/* serve_next(fd, buf, table, id_offset, gens, planes, part, pool, pinned, served) -> (served, used, received, count)
+ * The sender's frame loop for the usual reads, in C: receives on socket `fd` into `buf` (a
+ * bytearray, the frame reader's empty buffer: nothing is allocated), the GIL released while it
+ * waits, and while each receive brings one whole READ frame that serve_small answers, and
+ * nothing behind it, answers it, calls `served(nbytes)` (the sender's stats) and receives
+ * again. It returns at the first receive that is not exactly that, or once `pool.buffers` is
+ * no longer `pinned` (the pool closed: its planes may be gone). served: the block bytes sent
+ * for that receive's frame, or -1 (nothing sent for it: the frame reader takes the `received`
+ * bytes from the start of `buf`); used: the bytes of the frame answered (the rest is the
+ * reader's); received: -2 when the socket's timeout passed with nothing (EAGAIN), -3 when the
+ * peer closed it; count: the reads answered in this call (`served` was called for each). */
 static PyObject *serve_next(PyObject *self, PyObject *args) {
     (void)self;
     int fd;
     Py_buffer b;
-    PyObject *table, *gens, *pobj;
+    PyObject *table, *gens, *pobj, *pool, *pinned, *cb;
     Py_ssize_t id_off;
     long long part;
-    if (!PyArg_ParseTuple(args, "iw*O!nO!OL", &fd, &b, &PyDict_Type, &table, &id_off, &PyList_Type, &gens, &pobj,
-                          &part))
+    if (!PyArg_ParseTuple(args, "iw*O!nO!OLOOO", &fd, &b, &PyDict_Type, &table, &id_off, &PyList_Type, &gens, &pobj,
+                          &part, &pool, &pinned, &cb))
         return NULL;
     PyObject *res = NULL;
     Py_ssize_t got;
-    int err = 0;
+    Py_ssize_t count = 0;
     for (;;) {
-        Py_BEGIN_ALLOW_THREADS
-        got = recv(fd, b.buf, (size_t)b.len, 0);
-        err = errno;
-        Py_END_ALLOW_THREADS
-        if (got >= 0 || err != EINTR)
-            break;
-        if (PyErr_CheckSignals() < 0)
-            goto done;
-    }
-    if (got < 0) {
-        if (err == EAGAIN || err == EWOULDBLOCK) {
-            res = Py_BuildValue("(iin)", -1, 0, (Py_ssize_t)-2);
-        } else {
-            errno = err;
-            PyErr_SetFromErrno(PyExc_OSError);
-        }
-        goto done;
-    }
-    if (got == 0) {
-        res = Py_BuildValue("(iin)", -1, 0, (Py_ssize_t)-3);
-        goto done;
-    }
-    const unsigned char *h = b.buf;
-    if (got >= HEAD_LEN && h[0] == 'K' && h[1] == 'B' && h[2] == WIRE_VERSION && h[3] == KIND_READ) {
-        uint64_t length = be64(h + 8);
-        if (length <= (uint64_t)(got - HEAD_LEN)) {
-            long served = serve_core(fd, h + HEAD_LEN, (Py_ssize_t)length, (unsigned long)be32(h + 4), table, id_off,
-                                     gens, pobj, part);
-            if (served == -2) {
-                if (!PyErr_ExceptionMatches(PyExc_ValueError))
-                    goto done;             /* the send failed (OSError) or no memory: the caller drops the peer */
-                PyErr_Clear();             /* blocks outside the pool's planes: the long way refuses precisely */
-                served = -1;
-            }
-            if (served >= 0) {
-                res = Py_BuildValue("(lnn)", served, (Py_ssize_t)(HEAD_LEN + length), got);
+        int err = 0;
+        for (;;) {
+            Py_BEGIN_ALLOW_THREADS
+            got = recv(fd, b.buf, (size_t)b.len, 0);
+            err = errno;
+            Py_END_ALLOW_THREADS
+            if (got >= 0 || err != EINTR)
+                break;
+            if (PyErr_CheckSignals() < 0)
                 goto done;
+        }
+        if (got < 0) {
+            if (err == EAGAIN || err == EWOULDBLOCK) {
+                res = Py_BuildValue("(iinn)", -1, 0, (Py_ssize_t)-2, count);
+            } else {
+                errno = err;
+                PyErr_SetFromErrno(PyExc_OSError);
             }
+            goto done;
+        }
+        if (got == 0) {
+            res = Py_BuildValue("(iinn)", -1, 0, (Py_ssize_t)-3, count);
+            goto done;
+        }
+        PyObject *now = PyObject_GetAttrString(pool, "buffers");   /* closed while we waited? */
+        if (now == NULL)
+            goto done;
+        Py_DECREF(now);
+        if (now != pinned)
+            break;
+        const unsigned char *h = b.buf;
+        if (!(got >= HEAD_LEN && h[0] == 'K' && h[1] == 'B' && h[2] == WIRE_VERSION && h[3] == KIND_READ))
+            break;
+        uint64_t length = be64(h + 8);
+        if (length > (uint64_t)(got - HEAD_LEN))
+            break;
+        long served = serve_core(fd, h + HEAD_LEN, (Py_ssize_t)length, (unsigned long)be32(h + 4), table, id_off, gens,
+                                 pobj, part);
+        if (served == -2) {
+            if (!PyErr_ExceptionMatches(PyExc_ValueError))
+                goto done;             /* the send failed (OSError) or no memory: the caller drops the peer */
+            PyErr_Clear();             /* blocks outside the pool's planes: the long way refuses precisely */
+            served = -1;
+        }
+        if (served < 0)
+            break;
+        PyObject *r = PyObject_CallFunction(cb, "l", served);
+        if (r == NULL)
+            goto done;
+        Py_DECREF(r);
+        count++;
+        Py_ssize_t used = HEAD_LEN + (Py_ssize_t)length;
+        if (used < got) {              /* frames behind it: the reader's */
+            res = Py_BuildValue("(lnnn)", served, used, got, count);
+            goto done;
         }
     }
-    res = Py_BuildValue("(inn)", -1, (Py_ssize_t)0, got);
+    res = Py_BuildValue("(innn)", -1, (Py_ssize_t)0, got, count);
 done:
     PyBuffer_Release(&b);
     return res;
@@ -1364,8 +1388,8 @@ static PyMethodDef methods[] = {
      "serve_small(fd, payload, rid, table, id_offset, gens, planes, part) -> int: a whole small read of an "
      "indexed handle answered in one call; -1 where nothing was served"},
     {"serve_next", serve_next, METH_VARARGS,
-     "serve_next(fd, buf, table, id_offset, gens, planes, part) -> (served, used, received): one receive into buf, "
-     "and a whole small READ at its front answered in the same call"},
+     "serve_next(fd, buf, table, id_offset, gens, planes, part, pool, pinned, served) -> (served, used, received, "
+     "count): receives into buf, answering whole small READs in the same call while each receive brings one"},
     {"recv_blocks", recv_blocks, METH_VARARGS,
      "recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests): a DATA reply's "
      "block bytes received straight into the blocks, each block hashed as its pieces land"},

@@ -81,9 +81,14 @@ def test_a_block_reused_before_the_read_is_refused_the_long_way(monkeypatch: pyt
     ids = [2, 3]
     real, answers = blockcopy.serve_next, []
 
-    def serve(fd: int, buf: bytearray, *rest: Any) -> tuple[int, int, int]:
-        out = real(fd, buf, *rest)                # type: ignore[misc]
-        if out[2] >= 16 and buf[3] == Kind.READ:  # what the one-piece path did with a READ
+    def serve(fd: int, buf: bytearray, *rest: Any) -> tuple[int, int, int, int]:
+        served = rest[-1]
+
+        def answered(n: int) -> None:             # each READ the one-piece path answered
+            answers.append(n)
+            served(n)
+        out = real(fd, buf, *rest[:-1], answered)  # type: ignore[misc]
+        if out[0] < 0 and out[2] >= 16 and buf[3] == Kind.READ:   # ... and one it left to the long way
             answers.append(out[0])
         return out                                # type: ignore[no-any-return]
 
@@ -133,6 +138,44 @@ def test_the_frame_loop_answers_a_read_in_its_receive_and_keeps_what_follows() -
             s.settimeout(5)
             assert s.recv(1 << 16)[3] == Kind.ERROR                        # refused as before: framing lost
         assert snd.stats.reads == 3 and snd.stats.bytes_served == 3 * 2 * L.block_nbytes
+
+
+def test_consecutive_reads_are_answered_in_one_call_each_counted_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender's frame loop stays in C while each receive brings one whole usual READ: two
+    reads, then the peer's close, are one ``serve_next`` call that answered 2; the stats count
+    each read as it is answered, not when the call returns. A pool closed while the loop waits
+    for the next request is seen after that receive: the READ goes the long way (the
+    connection closed, "the pool is closed"), never answered out of the closed pool's memory."""
+    src, _ = _pools()
+    real, calls = blockcopy.serve_next, []
+
+    def serve(*args: Any) -> Any:
+        out = real(*args)                         # type: ignore[misc]
+        calls.append(out)
+        return out
+    monkeypatch.setattr(blockcopy, "serve_next", serve)
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd:
+        h = snd.publish("r", [1, 4], 8)
+        n = len(pack(Kind.DATA, 1, FENCE.pack(0, 0) + _blocks(src, [1, 4]) + TRAILER.pack(0, 0, 0)))
+        host, port = tcp.parse_tcp_url(snd.url)
+        with socket.create_connection((host, port), timeout=5) as s:
+            for rid in (1, 2):
+                s.sendall(pack(Kind.READ, rid, _whole(h)))
+                assert _take(s, n)[3] == Kind.DATA
+                assert snd.stats.reads == rid           # counted before the next request came
+            assert calls == []                          # ... all in the one call, still waiting
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert calls and calls[0][2:] == (-3, 2), calls   # the peer closed; two answered
+        calls.clear()
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(pack(Kind.READ, 3, _whole(h)))
+            assert _take(s, n)[3] == Kind.DATA
+            src.close()                                 # while the loop waits in its receive
+            s.sendall(pack(Kind.READ, 4, _whole(h)))
+            got = s.recv(1 << 16)                       # the long way: "the pool is closed", no data
+            assert got == b"" or got[3] == Kind.ERROR, got[:16]
 
 
 def test_only_whole_plain_reads_of_live_indexed_handles_are_served_in_one_piece() -> None:
