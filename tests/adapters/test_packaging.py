@@ -34,8 +34,8 @@ def test_wheel_contains_the_adapters(tmp_path: pathlib.Path) -> None:
     except ImportError:
         pytest.skip("building the wheel offline needs setuptools >= 70.1 in this environment")
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "tests",
-                                                              "bench", "docs"))
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                              "tests", "bench", "docs"))
     p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", str(src),
                         "-w", str(tmp_path / "out")], capture_output=True, text=True, timeout=280)
     assert p.returncode == 0, p.stderr[-3000:]
