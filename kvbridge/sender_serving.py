@@ -1,8 +1,8 @@
 """How a sender serves its published blocks (a base of :class:`~kvbridge.sender.KVSender`,
 the :class:`~kvbridge.transports.base.BlockSource` that transport servers call): a read opened
 under its lease's claim and fence (:meth:`SenderServing.open_read`, waiting a while for layers
-not ready yet), the small whole reads and the frame loop's next step answered in one C call
-(:meth:`SenderServing.serve_small`, :meth:`SenderServing.serve_next`), and direct releases,
+not ready yet), the small whole reads answered in one C call, and the frame loop's run of
+them in one C call too (:meth:`SenderServing.serve_small`, :meth:`SenderServing.serve_next`), and direct releases,
 one at a time or in a batch."""
 
 from __future__ import annotations

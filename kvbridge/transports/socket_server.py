@@ -237,7 +237,7 @@ class SocketServer(Server):
             while not closed.is_set():
                 try:
                     if step is not None and reader.start == reader.end and step(fd, reader):
-                        idle = 0.0             # received and, the usual read, answered in one C call
+                        idle = 0.0             # received and, the usual reads, answered in one C call
                         continue
                     kind, req_id, payload = reader.read_frame(MAX_CONTROL)
                 except BlockingIOError:
