@@ -143,7 +143,7 @@ def test_the_frame_loop_answers_a_read_in_its_receive_and_keeps_what_follows() -
 def test_consecutive_reads_are_answered_in_one_call_each_counted_as_it_goes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sender's frame loop stays in C while each receive brings one whole usual READ: two
     reads, then the peer's close, are one ``serve_next`` call that answered 2; the stats count
-    each read as it is answered, not when the call returns. A pool closed while the loop waits
+    each read once its reply has left, not when the call returns. A pool closed while the loop waits
     for the next request is seen after that receive: the READ goes the long way (the
     connection closed, "the pool is closed"), never answered out of the closed pool's memory."""
     src, _ = _pools()
@@ -162,7 +162,10 @@ def test_consecutive_reads_are_answered_in_one_call_each_counted_as_it_goes(monk
             for rid in (1, 2):
                 s.sendall(pack(Kind.READ, rid, _whole(h)))
                 assert _take(s, n)[3] == Kind.DATA
-                assert snd.stats.reads == rid           # counted before the next request came
+                deadline = time.monotonic() + 5         # counted after its reply has left, before
+                while snd.stats.reads < rid and time.monotonic() < deadline:    # the next request came
+                    time.sleep(0.001)
+                assert snd.stats.reads == rid
             assert calls == []                          # ... all in the one call, still waiting
         deadline = time.monotonic() + 5
         while not calls and time.monotonic() < deadline:
