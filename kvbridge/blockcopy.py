@@ -88,7 +88,7 @@ def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgrou
                         per = f.read().strip()
             except (OSError, ValueError):
                 continue
-            if q not in ("max", "-1") and q.lstrip("-").isdigit() and per.isdigit() and int(per) > 0 and int(q) > 0:
+            if q.isdigit() and per.isdigit() and int(q) > 0 and int(per) > 0:     # not "max" nor -1
                 found.append(int(q) / int(per))
     return min(found) if found else None
 
