@@ -1,6 +1,6 @@
 """Types of the C extension built from native/cpu/kvcopy.c (see kvbridge.blockcopy)."""
 
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from typing_extensions import Buffer
 
@@ -12,5 +12,9 @@ def scatter_blocks(dst_planes: Buffer, dst_ids: Sequence[int], src: Buffer, offs
                    hash: bool) -> Optional[list[int]]: ...
 def read_small(fd: int, frame: Buffer, rid: int, nbytes: int, dst_planes: Buffer, dst_ids: Sequence[int], part: int,
                hash: bool, claimed: bool) -> Union[tuple[int, int, int, Optional[list[int]]], tuple[int, bytes]]: ...
+def fetch_small(fd: int, ticket: Buffer, rid: int, extra: Buffer, nbytes: int, dst_planes: Buffer, dst_ids: object,
+                part: int, sums: Optional[tuple[int, ...]], gens: list[int], marks: bytearray,
+                timeout: float) -> Union[None, bool, tuple[int, list[int], Any]]: ...
+def land(marks: bytearray, ids: Sequence[int], on: bool) -> bool: ...
 def serve_small(fd: int, payload: Buffer, rid: int, table: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]],
                 id_offset: int, gens: list[int], planes: Buffer, part: int) -> int: ...

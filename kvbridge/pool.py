@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
+from . import blockcopy
 from .errors import ConfigError, LayoutMismatch, PoolError, ProtocolError, TransferCancelled
 from .layout import KVLayout, KVOrder
 
@@ -289,8 +290,10 @@ class KVPool:
         self._refs = [0] * num_blocks
         self._gens = [0] * num_blocks
         # Destination blocks of the fetches and reservations in progress into this pool (any
-        # receiver's): a second one naming any of them is refused (_land).
-        self._landing: set[int] = set()
+        # receiver's), one byte per block: a second one naming any of them is refused (_land).
+        # The C extension marks and unmarks them, also inside the usual tcp fetch's one call
+        # (blockcopy.fetch_small), each call atomic for Python threads; without it, the lock.
+        self._landing = bytearray(num_blocks)
         self._landing_lock = threading.Lock()
         # Every block's generation: the pool's own list (never replaced), read by the C extension
         # on every small read and fetch -- a plain attribute, not a property, for that hot path.
@@ -552,24 +555,33 @@ class KVPool:
         marking nothing, where any of them already is one: two transfers landing in one block
         would leave it holding bytes of either, each verified against its own. Undone by
         :meth:`_landed` when the transfer ends, however it ends."""
-        with self._landing_lock:
-            busy = self._landing.intersection(block_ids)
-            if not busy:
-                self._landing.update(block_ids)
+        marks = self._landing
+        if blockcopy.land is not None:
+            if blockcopy.land(marks, block_ids, True):
                 return
-        shown = sorted(busy)
+        else:
+            with self._landing_lock:
+                if not any(marks[b] for b in block_ids):
+                    for b in block_ids:
+                        marks[b] = 1
+                    return
+        shown = sorted({b for b in block_ids if marks[b]})
         raise PoolError(f"{what} into destination block{'s' if len(shown) > 1 else ''} "
                         f"{shown[:8]}{' ...' if len(shown) > 8 else ''}, which another fetch or reservation "
                         "in progress is writing: wait for it to end, or name other blocks")
 
     def _landed(self, block_ids: Sequence[int]) -> None:
+        marks = self._landing
+        if blockcopy.land is not None:
+            blockcopy.land(marks, block_ids, False)
+            return
         with self._landing_lock:
-            self._landing.difference_update(block_ids)
+            for b in block_ids:
+                marks[b] = 0
 
     def landing(self) -> list[int]:
         """Destination blocks of the fetches and reservations in progress into this pool."""
-        with self._landing_lock:
-            return sorted(self._landing)
+        return [b for b, m in enumerate(self._landing) if m]
 
     def generation(self, block_id: int) -> int:
         return self._gens[self._one(block_id)]

@@ -249,6 +249,20 @@ class KVReceiver(ReceiverPipeline):
                 or h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
                 or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released or self._closed):
             return self._fetch_job(self._prepare(handle, dst_block_ids, indices, release))
+        url = h.urls[0]
+        t0 = time.perf_counter()
+        tr = self._by_url.get(url) or self.transport(url)
+        verify = self.verify and bool(h.checksums)
+        quick = tr.fetch_small(url, h, pool, dst_block_ids, verify)
+        if quick is True:
+            return self._fetched(tr, url, h, list(dst_block_ids), release, t0)
+        if quick is not None:                # marked, and it did not end verified: the pipeline, held to its gens
+            dst = list(dst_block_ids)
+            gens, failed, landed = quick
+            try:
+                return self._pull(None, self._job(h, dst, release, gens, t0), failed=failed, landed=landed)
+            finally:
+                pool._landed(dst)
         # the destination as the fetch begins: read_small and any fallback hold to these generations
         got_dst = dst_snapshot(dst_block_ids, pool.live_generations, len(h.block_ids))
         if got_dst is None:              # the pipeline's _check_dst says what is wrong with them
@@ -256,29 +270,32 @@ class KVReceiver(ReceiverPipeline):
         dst, gens = got_dst
         pool._land(dst)
         try:
-            url = h.urls[0]
-            t0 = time.perf_counter()
-            tr = self._by_url.get(url) or self.transport(url)
             try:
-                got = tr.read_small(url, h, pool, dst, self.verify and bool(h.checksums), gens)
+                got = tr.read_small(url, h, pool, dst, verify, gens)
             except KVBridgeError as exc:
                 return self._pull(None, self._job(h, dst, release, gens, t0), failed=exc)
             if got is None or got[1] is not None:
                 # no fast path, or it could not vouch: the pipeline, held to `gens`; or a checksum
                 # differs (`landed`): the pipeline refetches or refuses
                 return self._pull(None, self._job(h, dst, release, gens, t0), landed=got)
-            if release:
-                try:
-                    tr.release(url, h, False)              # without a reply: it rides on a later request
-                except KVBridgeError:
-                    self.release(h, wait=False)            # the other URLs, and the log line
-                else:
-                    self._released.add(h.handle_id)
-            seconds = time.perf_counter() - t0
-            self.stats.fetched(True, got[0], seconds)
-            return FetchResult(h, dst, True, got[0], seconds, 1)
+            return self._fetched(tr, url, h, dst, release, t0)
         finally:
             pool._landed(dst)
+
+    def _fetched(self, tr: Transport, url: str, h: KVHandle, dst: list[int], release: bool,
+                 t0: float) -> FetchResult:
+        """The usual fetch's end: its bytes landed verified; released (without a reply)."""
+        if release:
+            try:
+                tr.release(url, h, False)              # without a reply: it rides on a later request
+            except KVBridgeError:
+                self.release(h, wait=False)            # the other URLs, and the log line
+            else:
+                self._released.add(h.handle_id)
+        nbytes = len(dst) * self.pool.layout.block_nbytes
+        seconds = time.perf_counter() - t0
+        self.stats.fetched(True, nbytes, seconds)
+        return FetchResult(h, dst, True, nbytes, seconds, 1)
 
     def _fetch_job(self, j: _Job) -> FetchResult:
         """A fetch through the pipeline on this thread, its destination marked meanwhile."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import ctypes
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Optional, Protocol, Sequence, TypeVar, Union
+from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Protocol, Sequence, TYPE_CHECKING, TypeVar, Union
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, TransferCancelled
 from ..handle import KVHandle
@@ -351,6 +351,12 @@ def unverified(digests: Optional[list[int]], handle: KVHandle, verify: bool) -> 
     return None if tuple(digests) == handle.checksums else digests
 
 
+# What a fetch_small that did not end verified hands to the pipeline: the destination's
+# generations as it began, then the error it failed with, or (bytes, checksums as landed)
+# where a checksum differs (one of the two is None).
+Fallback = tuple[list[int], Optional[KVBridgeError], Optional[tuple[int, Optional[list[int]]]]]
+
+
 class Transport(abc.ABC):
     """A client for one URL scheme. Instances keep connections and are thread-safe."""
 
@@ -385,6 +391,18 @@ class Transport(abc.ABC):
         as :meth:`read` does, and TransferCancelled (:func:`~kvbridge.pool.retired_during`) where a
         destination block's generation is no longer the one in ``gens`` (the caller's snapshot,
         taken before) when it ends (:func:`generations_held`)."""
+        return None
+
+    def fetch_small(self, url: str, handle: KVHandle, pool: "KVPool", dst: Any,
+                    verify: bool) -> Optional[Union[Literal[True], Fallback]]:
+        """Optional fastest path for the usual fetch -- all of an unleased raw handle into whole
+        blocks ``dst`` of a host pool, as the caller gave them (tcp: up to 64 KiB) -- doing what
+        :meth:`KVReceiver.fetch` would around :meth:`read_small` too: the ids checked, their
+        generations taken, the blocks marked as landing (``pool._landing``), read, checksums
+        compared with the handle's (``verify``), generations compared again. None where nothing
+        was done (no such path, or ids, marks or sizes it does not take: the long way says
+        why); True where it all held (the marks undone); else a :data:`Fallback`, the marks
+        left for the caller to undo. Raises only what no retry can help (a signal's error)."""
         return None
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,

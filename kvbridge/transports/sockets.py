@@ -164,12 +164,33 @@ class SocketClient:
     def frames(self, frame: bytes) -> bytes:
         """``frame`` followed by the deferred releases once ``RELEASE_BATCH`` of them wait (served
         after it: they never delay it)."""
+        return frame + self.riders() if len(self._pending) >= RELEASE_BATCH else frame
+
+    def riders(self) -> bytes:
+        """The deferred releases to send behind the next request: all of them once
+        ``RELEASE_BATCH`` wait, else none."""
         if len(self._pending) < RELEASE_BATCH:
-            return frame
+            return b""
         with self._lock:
             pending, self._pending = self._pending, []
             self._waited = False   # carried; a visit already scheduled stays (it finds nothing, or the next ones)
-        return frame + encode_releases(pending)
+        return encode_releases(pending) if pending else b""
+
+    def take(self) -> tuple[socket.socket, int]:
+        """A connection and a request id for an exchange the caller bounds itself (no
+        :meth:`arm`): it ends with :meth:`give_back` or :meth:`fail`."""
+        with self._lock:
+            sock = self._idle.pop() if self._idle else None
+            self._req = rid = (self._req + 1) & 0xFFFFFFFF
+        return sock or self.acquire(), rid
+
+    def give_back(self, sock: socket.socket) -> None:
+        """A connection from :meth:`take` whose exchange ended well: pooled again."""
+        with self._lock:
+            if len(self._idle) < 8 and not self._retired:
+                self._idle.append(sock)
+                return
+        sock.close()
 
     def flush(self, idle_only: bool = False) -> bool:
         """Send the deferred releases now; False when ``idle_only``, no pooled connection is

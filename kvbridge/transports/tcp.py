@@ -29,7 +29,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import Any, Literal, NoReturn, Optional, TYPE_CHECKING, Union
 from urllib.parse import urlsplit
 
 from .. import blockcopy
@@ -38,7 +38,8 @@ from ..errors import (ConfigError, ConnectionLost, KVBridgeError, PoolError, Pro
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..policy import Timeout
-from .base import Chunk, ReadOp, Server, Spans, SpansFor, Transport, generations_held, unverified
+from ..pool import retired_during
+from .base import Chunk, Fallback, ReadOp, Server, Spans, SpansFor, Transport, unverified
 from .sockets import SocketClient, SocketServer, client_for, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
@@ -194,7 +195,14 @@ def _read_small_native(sock: socket.socket, rid: int, frame: bytes, pool: KVPool
         _, epoch, counter, sums = got
         return (Claim(claim.claimer, epoch, counter) if claim is not None and (epoch or counter) else None,
                 sums if want_digests else None)
-    code, raw = got[0], bytearray(got[1])
+    _small_refused(sock, got[0], got[1], rid, nbytes, what, claim)
+
+
+def _small_refused(sock: socket.socket, code: int, reply: bytes, rid: int, nbytes: int, what: str,
+                   claim: Optional[Claim]) -> NoReturn:
+    """Raise for a small read whose reply the C call refused (``code`` 1: its header, 2: its
+    fence or trailer, 3: the peer closed; ``reply``: the bytes it took)."""
+    raw = bytearray(reply)
     if code == 3:
         raise ConnectionLost("peer closed the connection" if len(raw) < HEADER.size
                              else "peer closed the connection mid-transfer")
@@ -287,15 +295,56 @@ class TCPTransport(Transport):
         client.put_back(sock)
         return n
 
-    def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int], verify: bool,
-                   gens: list[int]) -> Optional[tuple[int, Optional[list[int]]]]:
-        nbytes = len(block_ids) * pool.layout.block_nbytes
-        if nbytes > SMALL_READ or blockcopy.read_small is None or not pool.is_host:
+    def fetch_small(self, url: str, handle: KVHandle, pool: KVPool, dst: Any,
+                    verify: bool) -> Optional[Union[Literal[True], Fallback]]:
+        nbytes = handle.num_blocks * pool.layout.block_nbytes   # the C call refuses dst of another count
+        if nbytes > SMALL_READ or blockcopy.fetch_small is None or not pool.is_host:
             return None
-        payload = encode_request(handle.to_bytes(), None, None)
-        _, sums = generations_held(pool, block_ids, gens, handle.request_id, lambda: self._small(
-            self._client(url), url, payload, pool, block_ids, nbytes, verify, None))
-        return nbytes, unverified(sums, handle, verify)
+        client = self._by_url.get(url) or self._client(url)
+        try:
+            sock, rid = client.take()
+        except KVBridgeError:                              # no connection: the pipeline's retries
+            return None
+        pinned = pool.buffers                              # held across the C copy
+        start = time.monotonic()
+        limit = client.deadline(nbytes + 4096, start) - start     # the whole exchange's, kept in C
+        try:
+            out = blockcopy.fetch_small(sock.fileno(), handle.to_bytes(), rid, client.riders(), nbytes,
+                                        blockcopy.planes(pool), dst, pool.layout.part_nbytes,
+                                        handle.checksums if verify else None, pool.live_generations,
+                                        pool._landing, limit)
+        except PoolError:                                  # a closed pool: nothing sent
+            client.give_back(sock)
+            return None
+        except BaseException:                              # a signal: the connection may hold half a reply
+            client.drop(sock)
+            raise
+        del pinned
+        if out is None or out is True:
+            client.give_back(sock)
+            return out
+        code, gens, detail = out
+        what = "read " + url
+        if code == 0:                                      # a checksum differs: the pipeline refetches
+            client.give_back(sock)
+            return gens, None, (nbytes, unverified(detail, handle, True))
+        if code == 4:                                      # a destination block was retired meanwhile
+            client.give_back(sock)
+            return gens, retired_during(handle.request_id), None
+        if code == 5:
+            sock.close()
+            failed = client.cut_error(what)
+        else:
+            try:
+                if code == 6:
+                    raise detail
+                client.arm(sock, nbytes + 4096, start)  # an ERROR body read here: held to the same deadline
+                _small_refused(sock, code, detail, rid, nbytes, what, None)
+            except Exception as exc:
+                failed = client.fail(sock, exc, f"read from {url}")
+        if not pool.same_generations(dst, gens):           # a retry would land in blocks no longer the fetch's
+            failed = retired_during(handle.request_id)
+        return gens, failed, None
 
     @staticmethod
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,

@@ -47,6 +47,85 @@ static int has_duplicates(const long long *v, Py_ssize_t n) {
     return dup;
 }
 
+int kvb_ids_take(PyObject *ids, PyObject *gens, Py_ssize_t n, int64_t *v, uint64_t *g) {
+    if (!(PyList_CheckExact(ids) || PyTuple_CheckExact(ids)) || PySequence_Fast_GET_SIZE(ids) != n || n < 0
+            || !PyList_CheckExact(gens))
+        return 0;
+    PyObject **items = PySequence_Fast_ITEMS(ids);
+    Py_ssize_t nblocks = PyList_GET_SIZE(gens);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (!PyLong_CheckExact(items[k]))
+            return 0;
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(items[k], &overflow);
+        if (overflow || x < 0 || x >= nblocks)
+            return 0;
+        v[k] = (int64_t)x;
+    }
+    int dup = has_duplicates((const long long *)v, n);
+    if (dup)
+        return dup < 0 ? -1 : 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        g[k] = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(gens, (Py_ssize_t)v[k]));
+        if (g[k] == (uint64_t)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+    }
+    return 1;
+}
+
+int kvb_marks(PyObject *marks, const int64_t *v, Py_ssize_t n, int on) {
+    if (!PyByteArray_CheckExact(marks))
+        return -1;
+    Py_ssize_t size = PyByteArray_GET_SIZE(marks);
+    unsigned char *m = (unsigned char *)PyByteArray_AS_STRING(marks);
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (v[k] < 0 || v[k] >= size)
+            return -1;
+    if (on)
+        for (Py_ssize_t k = 0; k < n; k++)
+            if (m[v[k]])
+                return 0;
+    for (Py_ssize_t k = 0; k < n; k++)
+        m[v[k]] = (unsigned char)on;
+    return 1;
+}
+
+PyObject *kvb_land(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *marks, *ids;
+    int on;
+    if (!PyArg_ParseTuple(args, "O!Op", &PyByteArray_Type, &marks, &ids, &on))
+        return NULL;
+    PyObject *fast = PySequence_Fast(ids, "land: block ids");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    int64_t one, *v = n <= 1 ? &one : PyMem_Malloc((size_t)n * sizeof(int64_t));
+    PyObject *res = NULL;
+    if (v == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        long long x = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(fast, k));
+        if (x == -1 && PyErr_Occurred())
+            goto done;
+        v[k] = (int64_t)x;
+    }
+    int ok = kvb_marks(marks, v, n, on);
+    if (ok < 0)
+        PyErr_SetString(PyExc_ValueError, "land: a block id outside the pool");
+    else
+        res = PyBool_FromLong(ok);
+done:
+    if (v != &one)
+        PyMem_Free(v);
+    Py_DECREF(fast);
+    return res;
+}
+
 PyObject *kvb_dst_snapshot(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *ids, *gens;

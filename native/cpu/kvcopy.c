@@ -88,7 +88,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <limits.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <sys/uio.h>
 
 #define XXH_STATIC_LINKING_ONLY
@@ -1363,6 +1366,277 @@ static PyObject *stream_from(PyObject *self, PyObject *args) {
     return PyLong_FromSize_t(kvb_stream_from());
 }
 
+/* ------------------------------------------------------------------ the usual tcp fetch */
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* io_loop's receive held to `deadline` (CLOCK_MONOTONIC ns) without a watchdog: the first
+ * receive is bounded by the socket's own SO_RCVTIMEO (Timeout.transfer, which the deadline
+ * exceeds); once part of the reply is in, each wait is a poll for what is left of the deadline,
+ * so a peer trickling bytes cannot hold it longer. Returns as io_loop; *late set (and the
+ * bytes so far, as at EOF) where the deadline passed first. */
+static Py_ssize_t recv_by(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least, int64_t deadline, int *late) {
+    Py_ssize_t got = 0;
+    *late = 0;
+    while (got < at_least) {
+        if (got) {
+            int64_t left = deadline - mono_ns();
+            if (left <= 0) {
+                *late = 1;
+                return -2 - got;
+            }
+            struct pollfd pfd = {fd, POLLIN, 0};
+            int ready;
+            int ms = left / 1000000 >= INT_MAX ? INT_MAX : (int)(left / 1000000) + 1;
+            Py_BEGIN_ALLOW_THREADS
+            ready = poll(&pfd, 1, ms);
+            Py_END_ALLOW_THREADS
+            if (ready < 0 && errno != EINTR) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                return -1;
+            }
+            if (ready < 0 && PyErr_CheckSignals() < 0)
+                return -1;
+            if (ready <= 0)
+                continue;                     /* the deadline is looked at again */
+        }
+        ssize_t k;
+        Py_BEGIN_ALLOW_THREADS
+        k = recv(fd, buf + got, (size_t)(len - got), got ? MSG_DONTWAIT : 0);
+        Py_END_ALLOW_THREADS
+        if (k < 0) {
+            if (errno == EINTR) {
+                if (PyErr_CheckSignals() < 0)
+                    return -1;
+                continue;
+            }
+            if (got && (errno == EAGAIN || errno == EWOULDBLOCK))
+                continue;                     /* poll said readable; look again */
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (k == 0)
+            return got ? -2 - got : 0;
+        got += k;
+    }
+    return got;
+}
+
+#define FETCH_STACK 256   /* request frames up to this many bytes are built on the stack */
+
+/* fetch_small(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout)
+ *
+ * The receiver's usual fetch -- all of an unleased raw handle into whole host blocks -- in one
+ * call: the destination ids checked and their generations taken, the blocks marked as landing
+ * (`marks`, the pool's bytearray), the READ frame for handle bytes `ticket` (request id `rid`,
+ * `extra` bytes behind it: deferred releases) sent, the reply received by now + `timeout`
+ * seconds, landed and hashed, the checksums compared with `sums` (a tuple, or None: no
+ * verification), the generations compared again.
+ *
+ *   None:  nothing sent, nothing marked: the ids are not `n` distinct ints of the pool, the
+ *          blocks do not hold `nbytes`, or one is landing already -- the long way says which.
+ *   True:  landed, its checksums equal to `sums`, the generations unchanged; marks undone.
+ *   (code, gens, detail): it did not end so; the marks are the caller's to undo. code 0: a
+ *          checksum differs (detail: each block's as it landed); 1, 2, 3: as read_small (detail:
+ *          the reply's bytes); 4: a destination block's generation changed (detail: None);
+ *          5: the deadline passed (detail: the bytes so far); 6: a send or receive failed
+ *          (detail: the OSError). `gens`: the snapshot taken.
+ * Any other exception (a signal's) undoes the marks first. */
+static PyObject *fetch_small(PyObject *self, PyObject *args) {
+    (void)self;
+    int fd;
+    Py_buffer ticket, extra;
+    unsigned long rid;
+    long long nbytes, part;
+    double timeout;
+    PyObject *dpobj, *idobj, *sums, *gens, *marks;
+    if (!PyArg_ParseTuple(args, "iy*ky*LOOLOOO!d", &fd, &ticket, &rid, &extra, &nbytes, &dpobj, &idobj, &part,
+                          &sums, &gens, &PyByteArray_Type, &marks, &timeout))
+        return NULL;
+    PyObject *res = NULL;
+    char *buf = NULL, *frame = NULL, stack[FETCH_STACK];
+    int64_t *ids = NULL;
+    uint64_t *snap = NULL;
+    planes_t dp = {NULL, 0};
+    int marked = 0;
+    Py_ssize_t n = PyList_CheckExact(idobj) || PyTuple_CheckExact(idobj) ? PySequence_Fast_GET_SIZE(idobj) : -1;
+    if (n < 0 || nbytes < 0 || nbytes > READ_SMALL_MAX || !PyList_CheckExact(gens)
+            || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n)))
+        goto refuse;
+    if (get_planes(dpobj, &dp) < 0)
+        goto done;
+    if ((double)part * (double)n * (double)dp.n != (double)nbytes)
+        goto refuse;
+    ids = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    snap = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    if (ids == NULL || snap == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int took = kvb_ids_take(idobj, gens, n, ids, snap);
+    if (took < 0)
+        goto done;
+    if (!took)
+        goto refuse;
+    for (Py_ssize_t j = 0; j < dp.n; j++) {      /* every block within every plane (get_ids' check) */
+        const plane_t *p = &dp.p[j];
+        for (Py_ssize_t k = 0; k < n; k++)
+            if (p->stride < 0 || p->base < 0 || part < 0 || p->end - p->base - part < 0
+                    || (p->stride && ids[k] > (p->end - p->base - part) / p->stride))
+                goto refuse;
+    }
+    int m = kvb_marks(marks, ids, n, 1);
+    if (m <= 0)
+        goto refuse;
+    marked = 1;
+    /* the frame: header, u32 ticket length, ticket, flags 0 (a whole unleased read), extra */
+    Py_ssize_t plen = 4 + ticket.len + 1, flen = HEAD_LEN + plen + extra.len;
+    frame = flen <= FETCH_STACK ? stack : PyMem_Malloc((size_t)flen);
+    Py_ssize_t want = HEAD_LEN + FENCE_LEN + (Py_ssize_t)nbytes + TRAILER_LEN;
+    buf = PyMem_Malloc((size_t)want);
+    if (frame == NULL || buf == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *f = (unsigned char *)frame;
+    f[0] = 'K';
+    f[1] = 'B';
+    f[2] = WIRE_VERSION;
+    f[3] = KIND_READ;
+    put_be(f + 4, (uint64_t)(rid & 0xFFFFFFFFUL), 4);
+    put_be(f + 8, (uint64_t)plen, 8);
+    put_be(f + HEAD_LEN, (uint64_t)ticket.len, 4);
+    memcpy(f + HEAD_LEN + 4, ticket.buf, (size_t)ticket.len);
+    f[HEAD_LEN + 4 + ticket.len] = 0;
+    memcpy(f + HEAD_LEN + plen, extra.buf, (size_t)extra.len);
+    int64_t deadline = mono_ns() + (int64_t)(timeout * 1e9);
+    int code = 0, late;
+    Py_ssize_t had = 0, got;
+    if (io_loop(fd, frame, flen, flen, 1) < 0)
+        goto failed;
+    got = recv_by(fd, buf, want, HEAD_LEN, deadline, &late);
+    if (got == -1)
+        goto failed;
+    had = got;
+    if (got <= 0) {
+        code = late ? 5 : 3;
+        had = got == 0 ? 0 : -2 - got;
+        goto fallback;
+    }
+    const unsigned char *h = (const unsigned char *)buf;
+    uint32_t got_id = ((uint32_t)h[4] << 24) | ((uint32_t)h[5] << 16) | ((uint32_t)h[6] << 8) | h[7];
+    if (h[0] != 'K' || h[1] != 'B' || h[2] != WIRE_VERSION || h[3] != KIND_DATA || got_id != (uint32_t)rid
+            || be64(h + 8) != (uint64_t)(want - HEAD_LEN)) {
+        code = 1;
+        goto fallback;
+    }
+    if (got < want) {
+        Py_ssize_t more = recv_by(fd, buf + got, want - got, want - got, deadline, &late);
+        if (more == -1)
+            goto failed;
+        if (more <= 0) {
+            code = late ? 5 : 3;
+            had = got + (more == 0 ? 0 : -2 - more);
+            goto fallback;
+        }
+    }
+    had = want;
+    const unsigned char *t = h + want - TRAILER_LEN;
+    if (t[0] || t[1] || t[2] || t[3] || be64(h + HEAD_LEN) || be64(h + HEAD_LEN + 8)) {
+        code = 2;
+        goto fallback;
+    }
+    PyObject *digests = scatter_wire(&dp, ids, n, buf + HEAD_LEN + FENCE_LEN, part, sums != Py_None);
+    if (digests == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++) {        /* the blocks' generations as the fetch began? */
+        PyObject *g = PyList_GET_SIZE(gens) > ids[k] ? PyList_GET_ITEM(gens, ids[k]) : NULL;
+        unsigned long long now = g ? PyLong_AsUnsignedLongLong(g) : 0;
+        if (g == NULL || now != snap[k]) {
+            PyErr_Clear();
+            Py_DECREF(digests);
+            code = 4;
+            goto fallback;
+        }
+    }
+    if (sums != Py_None) {
+        int same = 1;
+        for (Py_ssize_t k = 0; k < n && same; k++) {
+            unsigned long long want_sum = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(sums, k));
+            if (want_sum == (unsigned long long)-1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                same = 0;
+            } else
+                same = want_sum == PyLong_AsUnsignedLongLong(PyList_GET_ITEM(digests, k));
+        }
+        if (!same) {
+            PyObject *snaplist = PyList_New(n);
+            if (snaplist == NULL) {
+                Py_DECREF(digests);
+                goto done;
+            }
+            for (Py_ssize_t k = 0; k < n; k++)
+                PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(snap[k]));
+            res = Py_BuildValue("(iNN)", 0, snaplist, digests);
+            marked = 0;                              /* the caller's now */
+            goto done;
+        }
+    }
+    Py_DECREF(digests);
+    kvb_marks(marks, ids, n, 0);
+    marked = 0;
+    res = Py_NewRef(Py_True);
+    goto done;
+failed:                                          /* an OSError is the caller's to map; a signal raises */
+    if (!PyErr_ExceptionMatches(PyExc_OSError))
+        goto done;
+    code = 6;
+fallback: {
+        PyObject *err = NULL, *tb = NULL, *type = NULL;
+        if (code == 6) {
+            PyErr_Fetch(&type, &err, &tb);
+            PyErr_NormalizeException(&type, &err, &tb);
+            Py_XDECREF(type);
+            Py_XDECREF(tb);
+            if (err == NULL)
+                goto done;
+        }
+        PyObject *snaplist = PyList_New(n);
+        if (snaplist == NULL) {
+            Py_XDECREF(err);
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < n; k++)
+            PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(snap[k]));
+        if (code == 6)
+            res = Py_BuildValue("(iNN)", code, snaplist, err);
+        else if (code == 4)
+            res = Py_BuildValue("(iNO)", code, snaplist, Py_None);
+        else
+            res = Py_BuildValue("(iNy#)", code, snaplist, buf, had);
+        if (res != NULL)
+            marked = 0;                              /* the caller's now */
+        goto done;
+    }
+refuse:
+    res = Py_NewRef(Py_None);
+done:
+    if (marked)                                      /* an exception: nothing is the caller's */
+        kvb_marks(marks, ids, n, 0);
+    PyBuffer_Release(&ticket);
+    PyBuffer_Release(&extra);
+    if (frame != stack)
+        PyMem_Free(frame);
+    PyMem_Free(buf);
+    PyMem_Free(ids);
+    PyMem_Free(snap);
+    PyMem_Free(dp.p);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"copy_threads", (PyCFunction)(void (*)(void))copy_threads, METH_VARARGS | METH_KEYWORDS,
      "copy_threads(threads=None, spin_us=None) -> (threads, spin_us, jobs, helped, units, helper_units): the "
@@ -1384,6 +1658,11 @@ static PyMethodDef methods[] = {
     {"read_small", read_small, METH_VARARGS,
      "read_small(fd, frame, rid, nbytes, dst_planes, dst_ids, part, hash, claimed) -> (code, ...): a tcp small "
      "read's request sent and its reply taken and landed in one call"},
+    {"fetch_small", fetch_small, METH_VARARGS,
+     "fetch_small(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout) -> None | "
+     "True | (code, gens, detail): the receiver's usual tcp fetch in one call (see native/cpu/kvcopy.c)"},
+    {"land", kvb_land, METH_VARARGS,
+     "land(marks, ids, on) -> bool: landing marks set (True where none was set; nothing set otherwise) or unset"},
     {"serve_small", serve_small, METH_VARARGS,
      "serve_small(fd, payload, rid, table, id_offset, gens, planes, part) -> int: a whole small read of an "
      "indexed handle answered in one call; -1 where nothing was served"},

@@ -344,19 +344,26 @@ def test_a_claimed_read_learns_its_fence(read: Any) -> None:
     assert spans.claimed == Claim("me", 3, 4) and _blocks(dst, [4, 9]) == BODY
 
 
-# -- the receiver's usual fetch (KVReceiver.fetch's one-frame path) goes on in the pipeline when it must --
-def _after_read_small(monkeypatch: pytest.MonkeyPatch, rcv: KVReceiver, url: str, then: Any) -> list[int]:
-    """Make the receiver's ``read_small`` to ``url`` return ``then(what it read, call number)``;
-    the call numbers so far."""
-    tr = rcv.transport(url)
-    real, calls = tr.read_small, []
+# -- the receiver's usual fetch (KVReceiver.fetch's one C call) goes on in the pipeline when it must --
+def _after_fetch_small(monkeypatch: pytest.MonkeyPatch, then: Any) -> list[int]:
+    """Make ``blockcopy.fetch_small`` (the usual tcp fetch's one C call) return ``then(what it
+    returned, its arguments, call number)``; the call numbers so far."""
+    real, calls = blockcopy.fetch_small, []
+    assert real is not None
 
-    def read_small(*args: Any) -> Any:
+    def fetch_small(*args: Any) -> Any:
         calls.append(len(calls) + 1)
-        return then(real(*args), calls[-1])
+        return then(real(*args), args, calls[-1])
 
-    monkeypatch.setattr(tr, "read_small", read_small)
+    monkeypatch.setattr(blockcopy, "fetch_small", fetch_small)
     return calls
+
+
+def _as_fallback(pool: KVPool, ids: list[int], gens: list[int], detail: Any, code: int) -> Any:
+    """A fetch_small that landed verified turned into one that did not (``code``, ``detail``):
+    its marks held again, as the C call leaves them for the caller."""
+    pool._land(ids)
+    return code, gens, detail
 
 
 def test_the_usual_fetch_retries_a_sender_that_is_gone_then_fails_retryable() -> None:
@@ -372,77 +379,93 @@ def test_the_usual_fetch_retries_a_sender_that_is_gone_then_fails_retryable() ->
         res = rcv.fetch(h, [5, 6])
         assert not res.ok and isinstance(res.error, PeerUnavailable) and res.error.action is Action.RETRY
         assert res.attempts == 3 and res.failed_block_ids == [5, 6] and _blocks(dst, [5, 6]) == before
-        assert rcv.stats.retries == 2 and rcv.stats.failed == 1
+        assert rcv.stats.retries == 2 and rcv.stats.failed == 1 and dst.landing() == []
 
 
+@pytest.mark.skipif(blockcopy.fetch_small is None, reason="the native extension (kvbridge._kvcopy) is not built")
 def test_the_usual_fetch_refetches_a_block_whose_digest_is_wrong_once(monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = _pools()
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("flip", [2, 3], 8)
-        calls = _after_read_small(monkeypatch, rcv, snd.url,      # as if block 1's bytes had changed in transit
-                                  lambda got, n: got if n > 1 else (got[0], [h.checksums[0], h.checksums[1] ^ 1]))
+        gens = dst.generations([5, 6])
+        calls = _after_fetch_small(monkeypatch, lambda got, args, n: got if n > 1 else _as_fallback(  # as if block 1's
+            dst, [5, 6], gens, [h.checksums[0], h.checksums[1] ^ 1], 0))                # bytes changed in transit
         res = rcv.fetch(h, [5, 6])
         assert calls == [1]
         assert res.ok and res.attempts == 1 and rcv.stats.refetches == 1 and rcv.stats.integrity_failures == 0
-        assert _blocks(dst, [5, 6]) == _blocks(src, [2, 3])
+        assert _blocks(dst, [5, 6]) == _blocks(src, [2, 3]) and dst.landing() == []
         bad = snd.publish("bad", [2, 3], 8)
         first = Spans.of_blocks(src, [2]).views()[0]
         first[0] = (first[0] + 1) % 256                    # the sender's block itself differs now
         res = rcv.fetch(bad, [7, 8])
         assert not res.ok and type(res.error).__name__ == "IntegrityError" and res.failed_block_ids == [7]
-        assert rcv.stats.integrity_failures == 1
+        assert rcv.stats.integrity_failures == 1 and dst.landing() == []
+
+
+def _tcp_once(then: Any) -> tuple[str, threading.Thread]:
+    """A tcp:// peer on loopback that takes one connection and one request, calls ``then(rid)``
+    and sends what it returns (None: closes the connection instead)."""
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = lst.accept()
+        with conn, lst:
+            head = _take(conn, 16)
+            _take(conn, int.from_bytes(head[8:16], "big"))
+            out = then(int.from_bytes(head[4:8], "big"))
+            if out is not None:
+                conn.sendall(out)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return f"tcp://127.0.0.1:{lst.getsockname()[1]}", t
 
 
 @pytest.mark.parametrize("outcome", ["landed", "peer gone"])
-def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(monkeypatch: pytest.MonkeyPatch,
-                                                                     outcome: str) -> None:
-    """A destination block freed while the small read runs: PoolError naming it, whether the
-    bytes landed or the read failed (retrying would write into a block that is not the
-    fetch's any more), and nothing tried again."""
-    from kvbridge.errors import PeerUnavailable
-    from kvbridge.transports.tcp import TCPTransport
+def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(outcome: str) -> None:
+    """A destination block freed while the usual fetch waits for its reply (the peer frees it
+    before it answers): PoolError naming it, whether the bytes landed or the read failed
+    (retrying would write into a block that is not the fetch's any more), nothing tried again,
+    nothing left marked."""
+    import dataclasses
     src, dst = _pools()
-    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+    with KVSender(src, "inproc://", leases=False) as snd:
         h = snd.publish("moved", [2, 3], 8)
-        real, calls = TCPTransport._small, []
 
-        def freed_meanwhile(*args: Any) -> Any:
-            calls.append(1)
-            dst._gens[6] += 1                              # the engine reused a destination block
-            got = real(*args)
-            if outcome == "peer gone":
-                raise PeerUnavailable("the sender went away mid-read")
-            return got
+    def freed_meanwhile(rid: int) -> Optional[bytes]:
+        dst._gens[6] += 1                                  # the engine reused a destination block
+        return _reply(rid, _blocks(src, [2, 3])) if outcome == "landed" else None
 
-        monkeypatch.setattr(TCPTransport, "_small", staticmethod(freed_meanwhile))
-        res = rcv.fetch(h, [5, 6])
-        assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
-        assert res.failed_block_ids == [5, 6] and calls == [1] and res.attempts == 1
+    url, t = _tcp_once(freed_meanwhile)
+    with KVReceiver(dst, leases=False) as rcv:
+        res = rcv.fetch(dataclasses.replace(h, urls=(url,)), [5, 6], release=False)
+    t.join(5)
+    assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
+    assert res.failed_block_ids == [5, 6] and res.attempts == 1 and dst.landing() == []
 
 
-@pytest.mark.parametrize("then", ["retry", "refetch", "no fast path"])
+@pytest.mark.skipif(blockcopy.fetch_small is None, reason="the native extension (kvbridge._kvcopy) is not built")
+@pytest.mark.parametrize("then", ["retry", "refetch"])
 def test_a_fallback_holds_to_the_generations_of_the_fetch_start(monkeypatch: pytest.MonkeyPatch, then: str) -> None:
-    """A destination block freed just after read_small checked it, before the pipeline takes
-    over (a retry after a failed read, a refetch after a bad digest, the long way after a read
-    it could not vouch for): the pipeline compares with the generations of the fetch's start,
-    so the fetch fails with PoolError, not ok."""
-    from kvbridge.errors import PeerUnavailable
+    """A destination block freed just after the usual fetch's C call checked it, before the
+    pipeline takes over (a retry after a failed read, a refetch after a bad digest): the
+    pipeline compares with the generations of the fetch's start, so the fetch fails with
+    PoolError, not ok."""
     src, dst = _pools()
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("moved", [2, 3], 8)
+        gens = dst.generations([5, 6])
 
-        def freed_after(got: Any, n: int) -> Any:
+        def freed_after(got: Any, args: Any, n: int) -> Any:
+            assert got is True
             dst._gens[6] += 1                              # another thread frees block 6 right then
             if then == "retry":
-                raise PeerUnavailable("the sender went away")
-            if then == "no fast path":
-                return None
-            return got[0], [h.checksums[0], h.checksums[1] ^ 1]
+                return _as_fallback(dst, [5, 6], gens, ConnectionResetError(104, "Connection reset by peer"), 6)
+            return _as_fallback(dst, [5, 6], gens, [h.checksums[0], h.checksums[1] ^ 1], 0)
 
-        _after_read_small(monkeypatch, rcv, snd.url, freed_after)
+        _after_fetch_small(monkeypatch, freed_after)
         res = rcv.fetch(h, [5, 6])
         assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
-        assert res.failed_block_ids == [5, 6]
+        assert res.failed_block_ids == [5, 6] and dst.landing() == []
 
 
 def test_generations_held_and_unverified() -> None:
@@ -482,3 +505,108 @@ def test_generations_held_and_unverified() -> None:
     landed = block_checksums(dst, [5, 6])
     assert unverified(landed, h, True) == landed != list(h.checksums)   # differs: handed back
     assert unverified(list(h.checksums), h, True) is None
+
+
+# -- the usual fetch's one C call, outcome by outcome (a socketpair as the peer) --
+def _fetch_small(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: Any = None, before: Any = None,
+                 trickle: bool = False, timeout: float = 5.0) -> Any:
+    """``blockcopy.fetch_small`` into blocks ``ids`` of ``dst`` against a peer that answers
+    ``reply`` (None: closes at once; ``before(rid)`` runs as the request arrives)."""
+    mine, theirs = socket.socketpair()
+    if reply is None:
+        theirs.close()
+
+    def run() -> None:
+        head = _take(theirs, 16)
+        _take(theirs, int.from_bytes(head[8:16], "big"))
+        if before is not None:
+            before()
+        step = 1 if trickle else len(reply or b"")
+        try:
+            for i in range(0, len(reply or b""), step):
+                theirs.sendall((reply or b"")[i:i + step])
+                if trickle:
+                    time.sleep(0.05)
+        except OSError:                                 # the deadline passed: the reader gave up
+            pass
+        theirs.close()
+    t = threading.Thread(target=run, daemon=True)
+    if reply is not None:
+        t.start()
+    with mine:
+        from kvbridge.transports.wire import set_os_timeouts
+        set_os_timeouts(mine, 2.0)
+        out = blockcopy.fetch_small(mine.fileno(), b"ticket", 7, b"", len(BODY), planes(dst),
+                                    ids if isinstance(ids, (list, tuple)) else ids, L.part_nbytes, sums,
+                                    dst.live_generations, dst._landing, timeout)
+    if reply is not None:
+        t.join(5)
+    return out
+
+
+def test_fetch_small_lands_verifies_and_unmarks() -> None:
+    from kvbridge.integrity import block_checksums
+    src, dst = _pools()
+    assert _fetch_small(dst, _reply(7), [4, 9]) is True                  # no verification asked
+    assert _blocks(dst, [4, 9]) == BODY and dst.landing() == []
+    sums = tuple(block_checksums(dst, [4, 9]))                          # the handle's, as a sender computes them
+    _, dst = _pools()
+    assert _fetch_small(dst, _reply(7), [4, 9], sums) is True
+    assert _blocks(dst, [4, 9]) == BODY and dst.landing() == []
+
+
+@pytest.mark.parametrize("case", ["digest", "header", "trailer", "closed", "generation", "deadline", "send"])
+def test_fetch_small_hands_every_other_outcome_back_marked(case: str) -> None:
+    """Each outcome but a verified landing: its code, the generations as it began, the marks
+    left for the caller; a checksum that differs is reported with every block's."""
+    _, dst = _pools()
+    gens = dst.generations([4, 9])
+    reply, sums, before, trickle, timeout = _reply(7), None, None, False, 5.0
+    if case == "digest":
+        sums = (1, 2)
+    elif case == "header":
+        reply = _reply(8)                                   # another request's
+    elif case == "trailer":
+        reply = _reply(7, status=2)
+    elif case == "closed":
+        reply = _reply(7)[:40]
+    elif case == "generation":
+        def before() -> None:
+            dst._gens[9] += 1
+    elif case == "deadline":
+        trickle, timeout = True, 0.3
+    elif case == "send":
+        reply = None
+    code, got_gens, detail = _fetch_small(dst, reply, [4, 9], sums, before, trickle, timeout)
+    want = {"digest": 0, "header": 1, "trailer": 2, "closed": 3, "generation": 4, "deadline": 5, "send": 6}[case]
+    assert code == want and got_gens == gens and dst.landing() == [4, 9]
+    if case == "digest":
+        assert len(detail) == 2 and tuple(detail) != sums
+    elif case == "send":
+        assert isinstance(detail, OSError)
+    elif case == "generation":
+        assert detail is None
+    else:
+        assert isinstance(detail, bytes)
+    dst._landed([4, 9])
+
+
+def test_fetch_small_refuses_what_it_does_not_take_before_sending() -> None:
+    """Ids it does not take (repeated, outside the pool, not ints, another count) and a block
+    already landing: None, nothing sent, nothing marked."""
+    _, dst = _pools()
+    for ids in ([4, 4], [4, 99], [4, -1], [4.0, 9], [4], [4, 9, 10], (x for x in [4, 9])):
+        mine, theirs = socket.socketpair()
+        with mine, theirs:
+            assert blockcopy.fetch_small(mine.fileno(), b"t", 7, b"", len(BODY), planes(dst), ids, L.part_nbytes,
+                                         None, dst.live_generations, dst._landing, 1.0) is None
+            theirs.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                theirs.recv(1)
+        assert dst.landing() == []
+    dst._land([9])
+    mine, theirs = socket.socketpair()
+    with mine, theirs:
+        assert blockcopy.fetch_small(mine.fileno(), b"t", 7, b"", len(BODY), planes(dst), [4, 9], L.part_nbytes,
+                                     None, dst.live_generations, dst._landing, 1.0) is None
+    assert dst.landing() == [9]
