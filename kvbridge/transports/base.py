@@ -19,7 +19,8 @@ from __future__ import annotations
 import abc
 import ctypes
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterator, Literal, Optional, Protocol, Sequence, TYPE_CHECKING, TypeVar, Union
+from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Literal, Optional, Protocol, Sequence, TypeVar,
+                    Union)
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, TransferCancelled
 from ..handle import KVHandle

@@ -29,7 +29,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import Any, Literal, NoReturn, Optional, TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, Optional, Union
 from urllib.parse import urlsplit
 
 from .. import blockcopy
