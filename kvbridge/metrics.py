@@ -4,6 +4,7 @@ threads, transfer workers), so every update goes through :meth:`add`, under a lo
 from __future__ import annotations
 
 import threading
+from array import array
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -24,7 +25,7 @@ class _Counters:
 
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_lock"}
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 @dataclass
@@ -48,10 +49,27 @@ class SenderStats(_Counters):
     blocks_retired: int = 0
     blocks_pushed: int = 0
     blocks_closed: int = 0
-    reads: int = 0
-    bytes_served: int = 0
     bytes_pushed: int = 0
     refused: int = 0
+    # reads granted (``reads``, ``bytes_served``): those the frame loop answered in C count in
+    # ``_native`` (reads, bytes), which the C call adds to under the GIL (no lock, no call
+    # back into Python per read); the others in ``_reads``, ``_bytes`` under the lock
+    _native: array = field(default_factory=lambda: array("q", [0, 0]), init=False, repr=False, compare=False)
+    _reads: int = field(default=0, init=False, repr=False, compare=False)
+    _bytes: int = field(default=0, init=False, repr=False, compare=False)
+
+    @property
+    def reads(self) -> int:
+        return self._reads + self._native[0]
+
+    @property
+    def bytes_served(self) -> int:
+        return self._bytes + self._native[1]
+
+    def as_dict(self) -> dict[str, Any]:
+        out = super().as_dict()
+        out.update(reads=self.reads, bytes_served=self.bytes_served)
+        return out
 
     def ended(self, reason: str, nblocks: int, count: int = 1) -> None:
         """``count`` handles ended for ``reason`` (a counter's name) and their ``nblocks`` blocks
@@ -65,8 +83,8 @@ class SenderStats(_Counters):
     def served(self, nbytes: int) -> None:
         """One read granted (the hot path's single update)."""
         with self._lock:
-            self.reads += 1
-            self.bytes_served += nbytes
+            self._reads += 1
+            self._bytes += nbytes
 
 
 @dataclass

@@ -158,7 +158,7 @@ class SenderServing(SenderLifecycle):
             return False
         served, used, got, count = blockcopy.serve_next(fd, reader.buf, self._small, ID_OFFSET, pool.live_generations,
                                                         packed, pool.layout.part_nbytes, pool, pinned,
-                                                        self.stats.served)
+                                                        self.stats._native)
         del pinned
         if got < 0:
             if got == -3:

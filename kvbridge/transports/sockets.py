@@ -7,6 +7,7 @@ rate floor); frames are defined in :mod:`.wire`."""
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import socket
@@ -66,7 +67,7 @@ class SocketClient:
         self.timeout = timeout
         self._idle: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._req = 0
+        self._rids = itertools.count(1)   # request ids (next() is atomic under the GIL)
         self.opened = 0
         self._pending: list[bytes] = []   # handles released without a reply: a RELEASES frame to send
         self._scheduled = False           # the flusher will visit this client
@@ -128,9 +129,7 @@ class SocketClient:
                                "the peer trickles it")
 
     def next_id(self) -> int:
-        with self._lock:
-            self._req = (self._req + 1) & 0xFFFFFFFF
-            return self._req
+        return next(self._rids) & 0xFFFFFFFF
 
     def close(self) -> None:
         self.flush()
@@ -179,10 +178,11 @@ class SocketClient:
     def take(self) -> tuple[socket.socket, int]:
         """A connection and a request id for an exchange the caller bounds itself (no
         :meth:`arm`): it ends with :meth:`give_back` or :meth:`fail`."""
-        with self._lock:
-            sock = self._idle.pop() if self._idle else None
-            self._req = rid = (self._req + 1) & 0xFFFFFFFF
-        return sock or self.acquire(), rid
+        try:
+            sock = self._idle.pop()      # atomic under the GIL; retire() swaps the list, never shrinks it
+        except IndexError:
+            sock = self.acquire()
+        return sock, next(self._rids) & 0xFFFFFFFF
 
     def give_back(self, sock: socket.socket) -> None:
         """A connection from :meth:`take` whose exchange ended well: pooled again."""
@@ -241,7 +241,7 @@ class SocketClient:
         ``expect`` (the reply's bytes) the exchange is armed, from now."""
         with self._lock:
             sock = self._idle.pop() if self._idle else None
-            self._req = rid = (self._req + 1) & 0xFFFFFFFF
+        rid = next(self._rids) & 0xFFFFFFFF
         if sock is None:
             sock = self.acquire()
         frame = self.frames(pack(kind, rid, payload))

@@ -52,6 +52,7 @@ __all__ = ["TCPTransport", "parse_tcp_url"]
 
 PIPELINE_WINDOW = 16
 SMALL_READ = 64 << 10   # host reads up to this take their whole reply in one receive
+MAX_FAST = 4096         # URLs whose client fetch_small remembers
 _NO_FENCE = (0, 0)      # a reply's fence when the read was not leased
 _VOUCHED = (Vouch.OK, 0, 0)   # the trailer of a reply the owner vouched for
 _REPLY = HEADER.size + FENCE.size + TRAILER.size   # a DATA reply's bytes besides the blocks'
@@ -243,6 +244,7 @@ class TCPTransport(Transport):
         super().__init__(timeout, secret)
         self._clients: dict[tuple[str, int], SocketClient] = {}
         self._by_url: dict[str, SocketClient] = {}
+        self._fast: dict[str, tuple[SocketClient, float]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -297,25 +299,23 @@ class TCPTransport(Transport):
 
     def fetch_small(self, url: str, handle: KVHandle, pool: KVPool, dst: Any,
                     verify: bool) -> Optional[Union[Literal[True], Fallback]]:
-        nbytes = handle.num_blocks * pool.layout.block_nbytes   # the C call refuses dst of another count
+        layout = pool.layout
+        nbytes = handle.num_blocks * layout.block_nbytes   # the C call refuses dst of another count
         if nbytes > SMALL_READ or blockcopy.fetch_small is None or not pool.is_host:
             return None
-        client = self._by_url.get(url) or self._client(url)
-        try:
-            sock, rid = client.take()
-        except KVBridgeError:                              # no connection: the pipeline's retries
-            return None
         pinned = pool.buffers                              # held across the C copy
-        start = time.monotonic()
-        limit = client.deadline(nbytes + 4096, start) - start     # the whole exchange's, kept in C
         try:
-            out = blockcopy.fetch_small(sock.fileno(), handle.to_bytes(), rid, client.riders(), nbytes,
-                                        blockcopy.planes(pool), dst, pool.layout.part_nbytes,
-                                        handle.checksums if verify else None, pool.live_generations,
-                                        pool._landing, limit)
-        except PoolError:                                  # a closed pool: nothing sent
-            client.give_back(sock)
+            packed = blockcopy.planes(pool)
+            client, limit = self._fast.get(url) or self._fast_for(url)
+            sock, rid = client.take()
+        except KVBridgeError:                              # a closed pool, no connection: the long way says so
             return None
+        start = time.monotonic()
+        try:
+            out = blockcopy.fetch_small(sock.fileno(), handle.to_bytes(), rid,
+                                        client.riders() if client._pending else b"", nbytes, packed, dst,
+                                        layout.part_nbytes, handle.checksums if verify else None,
+                                        pool.live_generations, pool._landing, limit)
         except BaseException:                              # a signal: the connection may hold half a reply
             client.drop(sock)
             raise
@@ -338,13 +338,23 @@ class TCPTransport(Transport):
             try:
                 if code == 6:
                     raise detail
-                client.arm(sock, nbytes + 4096, start)  # an ERROR body read here: held to the same deadline
+                client.arm(sock, SMALL_READ, start)    # an ERROR body read here: held to the same deadline
                 _small_refused(sock, code, detail, rid, nbytes, what, None)
             except Exception as exc:
                 failed = client.fail(sock, exc, f"read from {url}")
         if not pool.same_generations(dst, gens):           # a retry would land in blocks no longer the fetch's
             failed = retired_during(handle.request_id)
         return gens, failed, None
+
+    def _fast_for(self, url: str) -> tuple[SocketClient, float]:
+        """:meth:`fetch_small`'s client for ``url`` and the limit of a whole small exchange on it."""
+        client = self._client(url)
+        fast = client, client.deadline(SMALL_READ, 0.0)
+        with self._lock:
+            if len(self._fast) >= MAX_FAST:                # a cache: ever new URLs do not grow it
+                self._fast.clear()
+            self._fast[url] = fast
+        return fast
 
     @staticmethod
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,

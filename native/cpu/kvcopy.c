@@ -52,7 +52,7 @@
  *           -> (served, used, received, count)
  *       the sender's frame loop for the usual reads: receives into the frame reader's empty
  *       buffer, answering each receive that brings exactly one whole READ serve_small would
- *       answer (and calling `served(nbytes)`) and receiving again, until one does not, or
+ *       answer (and counting it in `served`: reads, bytes) and receiving again, until one does not, or
  *       `pool.buffers` is not `pinned` any more (served: bytes sent for that last receive's
  *       frame, or -1 with nothing sent; used: that frame's bytes; received: bytes now in `buf`,
  *       -2 on the socket's timeout, -3 when the peer closed; count: reads answered).
@@ -904,24 +904,32 @@ static PyObject *serve_small(PyObject *self, PyObject *args) {
  * The sender's frame loop for the usual reads, in C: receives on socket `fd` into `buf` (a
  * bytearray, the frame reader's empty buffer: nothing is allocated), the GIL released while it
  * waits, and while each receive brings one whole READ frame that serve_small answers, and
- * nothing behind it, answers it, calls `served(nbytes)` (the sender's stats) and receives
+ * nothing behind it, answers it, counts it in `served` (two int64: reads, bytes; the sender's
+ * stats, added to under the GIL) and receives
  * again. It returns at the first receive that is not exactly that, or once `pool.buffers` is
  * no longer `pinned` (the pool closed: its planes may be gone). served: the block bytes sent
  * for that receive's frame, or -1 (nothing sent for it: the frame reader takes the `received`
  * bytes from the start of `buf`); used: the bytes of the frame answered (the rest is the
  * reader's); received: -2 when the socket's timeout passed with nothing (EAGAIN), -3 when the
- * peer closed it; count: the reads answered in this call (`served` was called for each). */
+ * peer closed it; count: the reads answered in this call (each counted in `served`). */
 static PyObject *serve_next(PyObject *self, PyObject *args) {
     (void)self;
     int fd;
-    Py_buffer b;
-    PyObject *table, *gens, *pobj, *pool, *pinned, *cb;
+    Py_buffer b, cb;
+    PyObject *table, *gens, *pobj, *pool, *pinned;
     Py_ssize_t id_off;
     long long part;
-    if (!PyArg_ParseTuple(args, "iw*O!nO!OLOOO", &fd, &b, &PyDict_Type, &table, &id_off, &PyList_Type, &gens, &pobj,
+    if (!PyArg_ParseTuple(args, "iw*O!nO!OLOOw*", &fd, &b, &PyDict_Type, &table, &id_off, &PyList_Type, &gens, &pobj,
                           &part, &pool, &pinned, &cb))
         return NULL;
     PyObject *res = NULL;
+    long long *counts = cb.buf;
+    if (cb.len != 2 * (Py_ssize_t)sizeof(long long) || ((uintptr_t)cb.buf & 7)) {
+        PyErr_SetString(PyExc_ValueError, "serve_next: served must be two aligned 64-bit counters");
+        PyBuffer_Release(&cb);
+        PyBuffer_Release(&b);
+        return NULL;
+    }
     Py_ssize_t got;
     Py_ssize_t count = 0;
     for (;;) {
@@ -971,10 +979,8 @@ static PyObject *serve_next(PyObject *self, PyObject *args) {
         }
         if (served < 0)
             break;
-        PyObject *r = PyObject_CallFunction(cb, "l", served);
-        if (r == NULL)
-            goto done;
-        Py_DECREF(r);
+        counts[0] += 1;                /* the GIL held: atomic for Python readers */
+        counts[1] += served;
         count++;
         Py_ssize_t used = HEAD_LEN + (Py_ssize_t)length;
         if (used < got) {              /* frames behind it: the reader's */
@@ -984,6 +990,7 @@ static PyObject *serve_next(PyObject *self, PyObject *args) {
     }
     res = Py_BuildValue("(innn)", -1, (Py_ssize_t)0, got, count);
 done:
+    PyBuffer_Release(&cb);
     PyBuffer_Release(&b);
     return res;
 }
