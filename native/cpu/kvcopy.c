@@ -1000,6 +1000,99 @@ done:
 #define RECV_IOV 1024               /* iovecs per recvmsg (IOV_MAX) ... */
 #define RECV_WINDOW (4 << 20)       /* ... and about this many bytes */
 
+/* The parts of blocks `ids` (n of them) in wire order -- plane by plane, the blocks in order --
+ * received from `fd` straight into them (recvmsg over RECV_IOV iovecs, about RECV_WINDOW bytes
+ * at a time), each block's state in `st` (NULL: no hashing) fed with every piece right after
+ * it landed, the GIL released meanwhile. Between receives: `cancel.is_set()` (cancel not
+ * Py_None), and `deadline` (CLOCK_MONOTONIC ns; 0: none): past it, the receive ends -- each
+ * receive is bounded by the socket's SO_RCVTIMEO, so a peer trickling bytes overruns it by
+ * one such timeout at most. 0 all received, 1 the peer closed, 2 cancelled, 3 the deadline
+ * passed; -1 with an exception set. `*received`: the bytes received. */
+static int64_t mono_ns(void);
+static int recv_parts(int fd, const planes_t *dpp, const int64_t *ids, Py_ssize_t n, int64_t part,
+                      XXH3_state_t *st, struct iovec *iov, PyObject *cancel, int64_t deadline, long long *out) {
+    const planes_t dp = *dpp;
+    Py_ssize_t nparts = n * dp.n;           /* stream part i: plane i / n, block ids[i % n] */
+    Py_ssize_t i = 0;                       /* first part not wholly received */
+    int64_t off = 0;                        /* bytes of part i received */
+    long long received = 0;
+    *out = 0;
+    int code = 0;
+    while (i < nparts) {
+        int cnt = 0;
+        int64_t have = 0;
+        for (Py_ssize_t q = i; q < nparts && cnt < RECV_IOV && have < RECV_WINDOW; q++, cnt++) {
+            const plane_t *p = &dp.p[q / n];
+            int64_t o = q == i ? off : 0;
+            iov[cnt].iov_base = (char *)(uintptr_t)(p->base + ids[q % n] * p->stride) + o;
+            iov[cnt].iov_len = (size_t)(part - o);
+            have += part - o;
+        }
+        struct msghdr msg;
+        memset(&msg, 0, sizeof msg);
+        msg.msg_iov = iov;
+        msg.msg_iovlen = (size_t)cnt;
+        ssize_t k;
+        int err = 0;
+        Py_BEGIN_ALLOW_THREADS
+        k = recvmsg(fd, &msg, 0);
+        err = errno;
+        if (k > 0) {                        /* advance over what landed, hashing each piece of it */
+            int64_t left = k;
+            while (left > 0) {
+                int64_t c = part - off < left ? part - off : left;
+                if (st != NULL) {
+                    const plane_t *p = &dp.p[i / n];
+                    XXH3_64bits_update(&st[i % n], (const char *)(uintptr_t)(p->base + ids[i % n] * p->stride) + off,
+                                       (size_t)c);
+                }
+                off += c;
+                left -= c;
+                if (off == part) {
+                    i++;
+                    off = 0;
+                }
+            }
+        }
+        Py_END_ALLOW_THREADS
+        if (k < 0) {
+            if (err == EINTR) {
+                if (PyErr_CheckSignals() < 0)
+                    return -1;
+                continue;
+            }
+            errno = err;
+            PyErr_SetFromErrno(PyExc_OSError);
+            *out = received;
+            return -1;
+        }
+        if (k == 0) {
+            code = 1;
+            break;
+        }
+        received += k;
+        if (deadline && i < nparts && mono_ns() > deadline) {
+            code = 3;
+            break;
+        }
+        if (cancel != Py_None && i < nparts) {
+            PyObject *r = PyObject_CallMethod(cancel, "is_set", NULL);
+            if (r == NULL)
+                return -1;
+            int set = PyObject_IsTrue(r);
+            Py_DECREF(r);
+            if (set < 0)
+                return -1;
+            if (set) {
+                code = 2;
+                break;
+            }
+        }
+    }
+    *out = received;
+    return code;
+}
+
 /* recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
  * The block bytes of a DATA reply -- wire order: plane by plane, the blocks in the order of
  * `dst_ids` -- received from socket `fd` straight into the blocks, recvmsg over a window of
@@ -1048,77 +1141,10 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
             XXH3_64bits_reset(&st[k]);
         }
     }
-    Py_ssize_t nparts = n * dp.n;           /* stream part i: plane i / n, block ids[i % n] */
-    Py_ssize_t i = 0;                       /* first part not wholly received */
-    int64_t off = 0;                        /* bytes of part i received */
     long long received = 0;
-    int code = 0;
-    while (i < nparts) {
-        int cnt = 0;
-        int64_t have = 0;
-        for (Py_ssize_t q = i; q < nparts && cnt < RECV_IOV && have < RECV_WINDOW; q++, cnt++) {
-            const plane_t *p = &dp.p[q / n];
-            int64_t o = q == i ? off : 0;
-            iov[cnt].iov_base = (char *)(uintptr_t)(p->base + ids[q % n] * p->stride) + o;
-            iov[cnt].iov_len = (size_t)(part - o);
-            have += part - o;
-        }
-        struct msghdr msg;
-        memset(&msg, 0, sizeof msg);
-        msg.msg_iov = iov;
-        msg.msg_iovlen = (size_t)cnt;
-        ssize_t k;
-        int err = 0;
-        Py_BEGIN_ALLOW_THREADS
-        k = recvmsg(fd, &msg, 0);
-        err = errno;
-        if (k > 0) {                        /* advance over what landed, hashing each piece of it */
-            int64_t left = k;
-            while (left > 0) {
-                int64_t c = part - off < left ? part - off : left;
-                if (st != NULL) {
-                    const plane_t *p = &dp.p[i / n];
-                    XXH3_64bits_update(&st[i % n], (const char *)(uintptr_t)(p->base + ids[i % n] * p->stride) + off,
-                                       (size_t)c);
-                }
-                off += c;
-                left -= c;
-                if (off == part) {
-                    i++;
-                    off = 0;
-                }
-            }
-        }
-        Py_END_ALLOW_THREADS
-        if (k < 0) {
-            if (err == EINTR) {
-                if (PyErr_CheckSignals() < 0)
-                    goto done;
-                continue;
-            }
-            errno = err;
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
-        }
-        if (k == 0) {
-            code = 1;
-            break;
-        }
-        received += k;
-        if (cancel != Py_None && i < nparts) {
-            PyObject *r = PyObject_CallMethod(cancel, "is_set", NULL);
-            if (r == NULL)
-                goto done;
-            int set = PyObject_IsTrue(r);
-            Py_DECREF(r);
-            if (set < 0)
-                goto done;
-            if (set) {
-                code = 2;
-                break;
-            }
-        }
-    }
+    int code = recv_parts(fd, &dp, ids, n, part, st, iov, cancel, 0, &received);
+    if (code < 0)
+        goto done;
     if (code == 0 && st != NULL) {
         XXH64_hash_t *d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
         if (d == NULL) {

@@ -192,7 +192,9 @@ def test_a_well_behaved_sender_is_never_cut_and_the_watchdog_goes_idle() -> None
             for n in (1, 4, 1, 4):                  # small and large reads
                 h = snd.publish(f"r{n}-{time.monotonic()}", snd.pool.alloc(n), 16 * n)
                 rcv.fetch(h, rcv.pool.alloc(n)).raise_for_error()
-            assert rcv.transport(snd.url).extra("connections_opened") == 1
+            # reused: the fetches share one connection (the deferred releases' flusher may open a
+            # second where it found that one busy twice in a row)
+            assert rcv.transport(snd.url).extra("connections_opened") <= 2
         finally:
             rcv.close()
     assert WATCHDOG.cuts == cuts
