@@ -311,7 +311,7 @@ scatter_blocks = _native.scatter_blocks if NATIVE else py_scatter_blocks
 read_small = _native.read_small if NATIVE else None
 # the receiver's usual tcp fetch in one call (ids, landing marks, request, reply, checksums,
 # generations); without the extension the receiver's pipeline takes the same steps
-fetch_small = _native.fetch_small if NATIVE else None
+fetch_whole = _native.fetch_whole if NATIVE else None
 # a pool's landing marks (a bytearray) set or unset atomically for Python threads (GIL held)
 land = _native.land if NATIVE else None
 serve_small = _native.serve_small if NATIVE else None

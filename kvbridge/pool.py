@@ -292,7 +292,7 @@ class KVPool:
         # Destination blocks of the fetches and reservations in progress into this pool (any
         # receiver's), one byte per block: a second one naming any of them is refused (_land).
         # The C extension marks and unmarks them, also inside the usual tcp fetch's one call
-        # (blockcopy.fetch_small), each call atomic for Python threads; without it, the lock.
+        # (blockcopy.fetch_whole), each call atomic for Python threads; without it, the lock.
         self._landing = bytearray(num_blocks)
         self._landing_lock = threading.Lock()
         # Every block's generation: the pool's own list (never replaced), read by the C extension

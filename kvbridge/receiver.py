@@ -253,7 +253,7 @@ class KVReceiver(ReceiverPipeline):
         t0 = time.perf_counter()
         tr = self._by_url.get(url) or self.transport(url)
         verify = self.verify and bool(h.checksums)
-        quick = tr.fetch_small(url, h, pool, dst_block_ids, verify)
+        quick = tr.fetch_whole(url, h, pool, dst_block_ids, verify)
         if quick is True:
             return self._fetched(tr, url, h, list(dst_block_ids), release, t0)
         if quick is not None:                # marked, and it did not end verified: the pipeline, held to its gens

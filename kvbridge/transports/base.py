@@ -352,7 +352,7 @@ def unverified(digests: Optional[list[int]], handle: KVHandle, verify: bool) -> 
     return None if tuple(digests) == handle.checksums else digests
 
 
-# What a fetch_small that did not end verified hands to the pipeline: the destination's
+# What a fetch_whole that did not end verified hands to the pipeline: the destination's
 # generations as it began, then the error it failed with, or (bytes, checksums as landed)
 # where a checksum differs (one of the two is None).
 Fallback = tuple[list[int], Optional[KVBridgeError], Optional[tuple[int, Optional[list[int]]]]]
@@ -394,7 +394,7 @@ class Transport(abc.ABC):
         taken before) when it ends (:func:`generations_held`)."""
         return None
 
-    def fetch_small(self, url: str, handle: KVHandle, pool: "KVPool", dst: Any,
+    def fetch_whole(self, url: str, handle: KVHandle, pool: "KVPool", dst: Any,
                     verify: bool) -> Optional[Union[Literal[True], Fallback]]:
         """Optional fastest path for the usual fetch -- all of an unleased raw handle into whole
         blocks ``dst`` of a host pool, as the caller gave them (tcp: up to 64 KiB) -- doing what

@@ -30,10 +30,13 @@ __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 log = logging.getLogger("kvbridge.sockets")
 MAX_PEERS = 1024           # clients a transport keeps (one per sender address); the oldest beyond it retired
 RELEASE_LINGER = 0.002  # seconds a deferred release waits for a request to ride on
-# Deferred releases ride behind a request once this many wait (or go alone after the linger):
-# the sender then ends them together (KVSender.release_many), its release path hot in cache,
-# instead of one between every two reads.
+# Deferred releases ride behind a request once this many wait, or once the oldest has waited
+# RELEASE_RIDE seconds (else they go alone after the linger): the sender then ends them together
+# (KVSender.release_many), its release path hot in cache, instead of one between every two
+# reads -- and requests that come slower than RELEASE_BATCH per linger (large reads) still
+# carry them, before the flusher would send them on a connection of its own.
 RELEASE_BATCH = 16
+RELEASE_RIDE = RELEASE_LINGER / 2
 
 _arm, _disarm = WATCHDOG.arm, WATCHDOG.disarm   # bound once: every pooled exchange calls both
 
@@ -70,6 +73,7 @@ class SocketClient:
         self._rids = itertools.count(1)   # request ids (next() is atomic under the GIL)
         self.opened = 0
         self._pending: list[bytes] = []   # handles released without a reply: a RELEASES frame to send
+        self._since = 0.0                 # when the oldest of them was released
         self._scheduled = False           # the flusher will visit this client
         self._waited = False              # ... and has already put its sending off once
         self._retired = False             # dropped from its transport's table: pools nothing more
@@ -152,6 +156,8 @@ class SocketClient:
         if not wait:
             raw = handle.to_bytes()
             with self._lock:
+                if not self._pending:
+                    self._since = time.monotonic()
                 self._pending.append(raw)
                 first = not self._scheduled      # one flusher visit per linger, not one per release
                 self._scheduled = True
@@ -163,12 +169,13 @@ class SocketClient:
     def frames(self, frame: bytes) -> bytes:
         """``frame`` followed by the deferred releases once ``RELEASE_BATCH`` of them wait (served
         after it: they never delay it)."""
-        return frame + self.riders() if len(self._pending) >= RELEASE_BATCH else frame
+        return frame + self.riders() if self._pending else frame
 
-    def riders(self) -> bytes:
+    def riders(self, now: bool = False) -> bytes:
         """The deferred releases to send behind the next request: all of them once
-        ``RELEASE_BATCH`` wait, else none."""
-        if len(self._pending) < RELEASE_BATCH:
+        ``RELEASE_BATCH`` wait or the oldest has waited ``RELEASE_RIDE`` (or ``now``: behind a
+        large read, whose own cost dwarfs theirs), else none."""
+        if not now and len(self._pending) < RELEASE_BATCH and time.monotonic() - self._since < RELEASE_RIDE:
             return b""
         with self._lock:
             pending, self._pending = self._pending, []

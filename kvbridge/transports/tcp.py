@@ -40,7 +40,7 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from ..pool import retired_during
 from .base import Chunk, Fallback, ReadOp, Server, Spans, SpansFor, Transport, unverified
-from .sockets import SocketClient, SocketServer, client_for, connector
+from .sockets import MIN_RATE, SocketClient, SocketServer, client_for, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
                    decode_layers, encode_request, pack, recv_exact, recv_iter, send_iter, unpack_header)
@@ -52,7 +52,7 @@ __all__ = ["TCPTransport", "parse_tcp_url"]
 
 PIPELINE_WINDOW = 16
 SMALL_READ = 64 << 10   # host reads up to this take their whole reply in one receive
-MAX_FAST = 4096         # URLs whose client fetch_small remembers
+MAX_FAST = 4096         # URLs whose client fetch_whole remembers
 _NO_FENCE = (0, 0)      # a reply's fence when the read was not leased
 _VOUCHED = (Vouch.OK, 0, 0)   # the trailer of a reply the owner vouched for
 _REPLY = HEADER.size + FENCE.size + TRAILER.size   # a DATA reply's bytes besides the blocks'
@@ -211,7 +211,7 @@ def _small_refused(sock: socket.socket, code: int, reply: bytes, rid: int, nbyte
     if code == 1:
         _refuse_small(sock, raw, len(raw), rid, want, what)
     claimed = _claim_of(bytes(raw[HEADER.size:HEADER.size + FENCE.size]), claim)
-    check_trailer(bytes(raw[want - TRAILER.size:]), claimed or claim, what)
+    check_trailer(bytes(raw[-TRAILER.size:]), claimed or claim, what)     # the reply's last bytes taken
     raise ProtocolError(f"{what}: the reply was refused but its fence and trailer pass")   # not reached
 
 
@@ -297,25 +297,25 @@ class TCPTransport(Transport):
         client.put_back(sock)
         return n
 
-    def fetch_small(self, url: str, handle: KVHandle, pool: KVPool, dst: Any,
+    def fetch_whole(self, url: str, handle: KVHandle, pool: KVPool, dst: Any,
                     verify: bool) -> Optional[Union[Literal[True], Fallback]]:
         layout = pool.layout
         nbytes = handle.num_blocks * layout.block_nbytes   # the C call refuses dst of another count
-        if nbytes > SMALL_READ or blockcopy.fetch_small is None or not pool.is_host:
+        if blockcopy.fetch_whole is None or not pool.is_host:
             return None
         pinned = pool.buffers                              # held across the C copy
         try:
             packed = blockcopy.planes(pool)
-            client, limit = self._fast.get(url) or self._fast_for(url)
+            client, base = self._fast.get(url) or self._fast_for(url)
             sock, rid = client.take()
         except KVBridgeError:                              # a closed pool, no connection: the long way says so
             return None
         start = time.monotonic()
         try:
-            out = blockcopy.fetch_small(sock.fileno(), handle.to_bytes(), rid,
-                                        client.riders() if client._pending else b"", nbytes, packed, dst,
+            out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid,
+                                        client.riders(nbytes > SMALL_READ) if client._pending else b"", nbytes, packed, dst,
                                         layout.part_nbytes, handle.checksums if verify else None,
-                                        pool.live_generations, pool._landing, limit)
+                                        pool.live_generations, pool._landing, base + nbytes / MIN_RATE)
         except BaseException:                              # a signal: the connection may hold half a reply
             client.drop(sock)
             raise
@@ -338,7 +338,7 @@ class TCPTransport(Transport):
             try:
                 if code == 6:
                     raise detail
-                client.arm(sock, SMALL_READ, start)    # an ERROR body read here: held to the same deadline
+                client.arm(sock, nbytes, start)        # an ERROR body read here: held to the same deadline
                 _small_refused(sock, code, detail, rid, nbytes, what, None)
             except Exception as exc:
                 failed = client.fail(sock, exc, f"read from {url}")
@@ -347,9 +347,10 @@ class TCPTransport(Transport):
         return gens, failed, None
 
     def _fast_for(self, url: str) -> tuple[SocketClient, float]:
-        """:meth:`fetch_small`'s client for ``url`` and the limit of a whole small exchange on it."""
+        """:meth:`fetch_whole`'s client for ``url`` and the limit of an exchange on it less its
+        block bytes at the minimum rate (:meth:`SocketClient.deadline`)."""
         client = self._client(url)
-        fast = client, client.deadline(SMALL_READ, 0.0)
+        fast = client, client.deadline(4096, 0.0)
         with self._lock:
             if len(self._fast) >= MAX_FAST:                # a cache: ever new URLs do not grow it
                 self._fast.clear()

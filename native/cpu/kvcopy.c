@@ -1460,7 +1460,7 @@ static Py_ssize_t recv_by(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least
 
 #define FETCH_STACK 256   /* request frames up to this many bytes are built on the stack */
 
-/* fetch_small(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout)
+/* fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout)
  *
  * The receiver's usual fetch -- all of an unleased raw handle into whole host blocks -- in one
  * call: the destination ids checked and their generations taken, the blocks marked as landing
@@ -1478,7 +1478,60 @@ static Py_ssize_t recv_by(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least
  *          5: the deadline passed (detail: the bytes so far); 6: a send or receive failed
  *          (detail: the OSError). `gens`: the snapshot taken.
  * Any other exception (a signal's) undoes the marks first. */
-static PyObject *fetch_small(PyObject *self, PyObject *args) {
+#define FETCH_BUFFERED (64 * 1024)   /* replies with up to this many block bytes: one receive, then a copy */
+
+/* A large reply's block bytes straight into blocks `ids` (recv_parts), each block hashed as
+ * it lands where `hash`: 0 and *digests (a list, or None without hash) when all came; 1 the
+ * peer closed, 3 the deadline passed (*digests NULL); -1 with an exception set. */
+static int recv_large(int fd, const planes_t *dp, const int64_t *ids, Py_ssize_t n, int64_t part, int hash,
+                      int64_t deadline, PyObject **digests) {
+    *digests = NULL;
+    XXH3_state_t *st = NULL;
+    struct iovec *iov = PyMem_Malloc(RECV_IOV * sizeof(struct iovec));
+    int code = -1;
+    if (iov == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (hash) {
+        size_t bytes = ((size_t)(n ? n : 1) * sizeof(XXH3_state_t) + 63) & ~(size_t)63;
+        st = aligned_alloc(64, bytes);
+        if (st == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (Py_ssize_t k = 0; k < n; k++) {
+            XXH3_INITSTATE(&st[k]);
+            XXH3_64bits_reset(&st[k]);
+        }
+    }
+    long long received;
+    code = recv_parts(fd, dp, ids, n, part, st, iov, Py_None, deadline, &received);
+    if (code != 0)
+        goto out;
+    if (!hash) {
+        *digests = Py_NewRef(Py_None);
+        goto out;
+    }
+    XXH64_hash_t *d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
+    if (d == NULL) {
+        PyErr_NoMemory();
+        code = -1;
+        goto out;
+    }
+    for (Py_ssize_t b = 0; b < n; b++)
+        d[b] = XXH3_64bits_digest(&st[b]);
+    *digests = digest_list(d, n);
+    PyMem_Free(d);
+    if (*digests == NULL)
+        code = -1;
+out:
+    free(st);
+    PyMem_Free(iov);
+    return code;
+}
+
+static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     (void)self;
     int fd;
     Py_buffer ticket, extra;
@@ -1496,7 +1549,7 @@ static PyObject *fetch_small(PyObject *self, PyObject *args) {
     planes_t dp = {NULL, 0};
     int marked = 0;
     Py_ssize_t n = PyList_CheckExact(idobj) || PyTuple_CheckExact(idobj) ? PySequence_Fast_GET_SIZE(idobj) : -1;
-    if (n < 0 || nbytes < 0 || nbytes > READ_SMALL_MAX || !PyList_CheckExact(gens)
+    if (n < 0 || nbytes < 0 || nbytes > ((int64_t)1 << 50) || !PyList_CheckExact(gens)
             || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n)))
         goto refuse;
     if (get_planes(dpobj, &dp) < 0)
@@ -1528,8 +1581,10 @@ static PyObject *fetch_small(PyObject *self, PyObject *args) {
     /* the frame: header, u32 ticket length, ticket, flags 0 (a whole unleased read), extra */
     Py_ssize_t plen = 4 + ticket.len + 1, flen = HEAD_LEN + plen + extra.len;
     frame = flen <= FETCH_STACK ? stack : PyMem_Malloc((size_t)flen);
-    Py_ssize_t want = HEAD_LEN + FENCE_LEN + (Py_ssize_t)nbytes + TRAILER_LEN;
-    buf = PyMem_Malloc((size_t)want);
+    int large = nbytes > FETCH_BUFFERED;        /* its blocks received straight into place */
+    Py_ssize_t total = HEAD_LEN + FENCE_LEN + (Py_ssize_t)nbytes + TRAILER_LEN;
+    Py_ssize_t want = large ? HEAD_LEN + FENCE_LEN : total;
+    buf = PyMem_Malloc((size_t)(want + TRAILER_LEN));
     if (frame == NULL || buf == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -1550,7 +1605,7 @@ static PyObject *fetch_small(PyObject *self, PyObject *args) {
     Py_ssize_t had = 0, got;
     if (io_loop(fd, frame, flen, flen, 1) < 0)
         goto failed;
-    got = recv_by(fd, buf, want, HEAD_LEN, deadline, &late);
+    got = recv_by(fd, buf, large ? HEAD_LEN : want, HEAD_LEN, deadline, &late);   /* large: the header alone */
     if (got == -1)
         goto failed;
     had = got;
@@ -1562,11 +1617,11 @@ static PyObject *fetch_small(PyObject *self, PyObject *args) {
     const unsigned char *h = (const unsigned char *)buf;
     uint32_t got_id = ((uint32_t)h[4] << 24) | ((uint32_t)h[5] << 16) | ((uint32_t)h[6] << 8) | h[7];
     if (h[0] != 'K' || h[1] != 'B' || h[2] != WIRE_VERSION || h[3] != KIND_DATA || got_id != (uint32_t)rid
-            || be64(h + 8) != (uint64_t)(want - HEAD_LEN)) {
+            || be64(h + 8) != (uint64_t)(total - HEAD_LEN)) {
         code = 1;
         goto fallback;
     }
-    if (got < want) {
+    if (got < want) {                          /* the rest of a small reply, or a large one's fence */
         Py_ssize_t more = recv_by(fd, buf + got, want - got, want - got, deadline, &late);
         if (more == -1)
             goto failed;
@@ -1577,20 +1632,45 @@ static PyObject *fetch_small(PyObject *self, PyObject *args) {
         }
     }
     had = want;
-    const unsigned char *t = h + want - TRAILER_LEN;
-    if (t[0] || t[1] || t[2] || t[3] || be64(h + HEAD_LEN) || be64(h + HEAD_LEN + 8)) {
+    if (be64(h + HEAD_LEN) || be64(h + HEAD_LEN + 8)) {   /* a fence on an unleased read */
         code = 2;
         goto fallback;
     }
-    PyObject *digests = scatter_wire(&dp, ids, n, buf + HEAD_LEN + FENCE_LEN, part, sums != Py_None);
-    if (digests == NULL)
-        goto done;
+    PyObject *digests;
+    if (large) {
+        int lcode = recv_large(fd, &dp, ids, n, part, sums != Py_None, deadline, &digests);
+        if (lcode < 0)
+            goto failed;
+        if (lcode > 0) {
+            code = lcode == 1 ? 3 : 5;
+            goto fallback;
+        }
+        got = recv_by(fd, buf + want, TRAILER_LEN, TRAILER_LEN, deadline, &late);
+        if (got <= 0) {
+            Py_XDECREF(digests);
+            if (got == -1)
+                goto failed;
+            code = late ? 5 : 3;
+            goto fallback;
+        }
+        had = want + TRAILER_LEN;
+    } else {
+        digests = scatter_wire(&dp, ids, n, buf + HEAD_LEN + FENCE_LEN, part, sums != Py_None);
+        if (digests == NULL)
+            goto done;
+    }
+    const unsigned char *t = h + had - TRAILER_LEN;
+    if (t[0] || t[1] || t[2] || t[3]) {
+        Py_XDECREF(digests);
+        code = 2;
+        goto fallback;
+    }
     for (Py_ssize_t k = 0; k < n; k++) {        /* the blocks' generations as the fetch began? */
         PyObject *g = PyList_GET_SIZE(gens) > ids[k] ? PyList_GET_ITEM(gens, ids[k]) : NULL;
         unsigned long long now = g ? PyLong_AsUnsignedLongLong(g) : 0;
         if (g == NULL || now != snap[k]) {
             PyErr_Clear();
-            Py_DECREF(digests);
+            Py_XDECREF(digests);
             code = 4;
             goto fallback;
         }
@@ -1618,7 +1698,7 @@ static PyObject *fetch_small(PyObject *self, PyObject *args) {
             goto done;
         }
     }
-    Py_DECREF(digests);
+    Py_XDECREF(digests);
     kvb_marks(marks, ids, n, 0);
     marked = 0;
     res = Py_NewRef(Py_True);
@@ -1691,8 +1771,8 @@ static PyMethodDef methods[] = {
     {"read_small", read_small, METH_VARARGS,
      "read_small(fd, frame, rid, nbytes, dst_planes, dst_ids, part, hash, claimed) -> (code, ...): a tcp small "
      "read's request sent and its reply taken and landed in one call"},
-    {"fetch_small", fetch_small, METH_VARARGS,
-     "fetch_small(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout) -> None | "
+    {"fetch_whole", fetch_whole, METH_VARARGS,
+     "fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout) -> None | "
      "True | (code, gens, detail): the receiver's usual tcp fetch in one call (see native/cpu/kvcopy.c)"},
     {"land", kvb_land, METH_VARARGS,
      "land(marks, ids, on) -> bool: landing marks set (True where none was set; nothing set otherwise) or unset"},

@@ -42,6 +42,7 @@ def test_releases_ride_on_a_request_once_a_batch_waits(pair, monkeypatch):
     snd, rcv, freed, ev = pair
     monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # only a request can carry them
     monkeypatch.setattr(sockets, "RELEASE_BATCH", 2)
+    monkeypatch.setattr(sockets, "RELEASE_RIDE", 30.0)
     a, b, c = (snd.publish(n, snd.pool.alloc(2), 8) for n in "abc")
     assert rcv.fetch(a, [0, 1]).ok
     assert rcv.fetch(b, [2, 3], release=False).ok
@@ -55,6 +56,23 @@ def test_releases_ride_on_a_request_once_a_batch_waits(pair, monkeypatch):
     while len(freed) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert sorted(freed) == ["a:released", "b:released", "c:released"]
+
+
+def test_a_release_that_waited_rides_on_the_next_request(pair, monkeypatch):
+    """Fewer than a batch, but the oldest has waited RELEASE_RIDE: the next request carries
+    them (requests that come slowly -- large reads -- still carry the releases, before the
+    flusher would send them on their own)."""
+    snd, rcv, freed, ev = pair
+    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # only a request can carry them
+    a, b = (snd.publish(n, snd.pool.alloc(2), 8) for n in "ab")
+    assert rcv.fetch(a, [0, 1]).ok
+    time.sleep(sockets.RELEASE_RIDE + 0.05)
+    assert freed == []
+    assert rcv.fetch(b, [2, 3], release=False).ok      # (a one-sided shm read sends no request at all)
+    deadline = time.monotonic() + 5
+    while not freed and time.monotonic() < deadline and not snd.url.startswith("shm"):
+        time.sleep(0.01)
+    assert freed == ([] if snd.url.startswith("shm") else ["a:released"])
 
 
 def test_release_goes_alone_after_the_linger(pair):

@@ -155,14 +155,17 @@ BIG = KVLayout.vllm_flash(2, 4, 64, block_size=16, dtype="float16")    # 32 KiB 
 
 
 def _count_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The blocks of each one-call receive: the pipeline's (recv_blocks) and the usual fetch's
+    (fetch_whole, which receives a large reply's blocks straight into place too)."""
     calls: list[int] = []
-    real = blockcopy.recv_blocks
-    assert real is not None
+    for name, ids_at in (("recv_blocks", 2), ("fetch_whole", 6)):
+        real = getattr(blockcopy, name)
+        assert real is not None
 
-    def counted(*a: Any) -> Any:
-        calls.append(len(a[2]))
-        return real(*a)
-    monkeypatch.setattr(blockcopy, "recv_blocks", counted)
+        def counted(*a: Any, real: Any = real, ids_at: int = ids_at) -> Any:
+            calls.append(len(a[ids_at]))
+            return real(*a)
+        monkeypatch.setattr(blockcopy, name, counted)
     return calls
 
 

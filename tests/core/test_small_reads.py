@@ -344,22 +344,22 @@ def test_a_claimed_read_learns_its_fence(read: Any) -> None:
 
 
 # -- the receiver's usual fetch (KVReceiver.fetch's one C call) goes on in the pipeline when it must --
-def _after_fetch_small(monkeypatch: pytest.MonkeyPatch, then: Any) -> list[int]:
-    """Make ``blockcopy.fetch_small`` (the usual tcp fetch's one C call) return ``then(what it
+def _after_fetch_whole(monkeypatch: pytest.MonkeyPatch, then: Any) -> list[int]:
+    """Make ``blockcopy.fetch_whole`` (the usual tcp fetch's one C call) return ``then(what it
     returned, its arguments, call number)``; the call numbers so far."""
-    real, calls = blockcopy.fetch_small, []
+    real, calls = blockcopy.fetch_whole, []
     assert real is not None
 
-    def fetch_small(*args: Any) -> Any:
+    def fetch_whole(*args: Any) -> Any:
         calls.append(len(calls) + 1)
         return then(real(*args), args, calls[-1])
 
-    monkeypatch.setattr(blockcopy, "fetch_small", fetch_small)
+    monkeypatch.setattr(blockcopy, "fetch_whole", fetch_whole)
     return calls
 
 
 def _as_fallback(pool: KVPool, ids: list[int], gens: list[int], detail: Any, code: int) -> Any:
-    """A fetch_small that landed verified turned into one that did not (``code``, ``detail``):
+    """A fetch_whole that landed verified turned into one that did not (``code``, ``detail``):
     its marks held again, as the C call leaves them for the caller."""
     pool._land(ids)
     return code, gens, detail
@@ -381,13 +381,13 @@ def test_the_usual_fetch_retries_a_sender_that_is_gone_then_fails_retryable() ->
         assert rcv.stats.retries == 2 and rcv.stats.failed == 1 and dst.landing() == []
 
 
-@pytest.mark.skipif(blockcopy.fetch_small is None, reason="the native extension (kvbridge._kvcopy) is not built")
+@pytest.mark.skipif(blockcopy.fetch_whole is None, reason="the native extension (kvbridge._kvcopy) is not built")
 def test_the_usual_fetch_refetches_a_block_whose_digest_is_wrong_once(monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = _pools()
     with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
         h = snd.publish("flip", [2, 3], 8)
         gens = dst.generations([5, 6])
-        calls = _after_fetch_small(monkeypatch, lambda got, args, n: got if n > 1 else _as_fallback(  # as if block 1's
+        calls = _after_fetch_whole(monkeypatch, lambda got, args, n: got if n > 1 else _as_fallback(  # as if block 1's
             dst, [5, 6], gens, [h.checksums[0], h.checksums[1] ^ 1], 0))                # bytes changed in transit
         res = rcv.fetch(h, [5, 6])
         assert calls == [1]
@@ -442,7 +442,7 @@ def test_the_usual_fetch_refuses_a_destination_freed_during_the_read(outcome: st
     assert res.failed_block_ids == [5, 6] and res.attempts == 1 and dst.landing() == []
 
 
-@pytest.mark.skipif(blockcopy.fetch_small is None, reason="the native extension (kvbridge._kvcopy) is not built")
+@pytest.mark.skipif(blockcopy.fetch_whole is None, reason="the native extension (kvbridge._kvcopy) is not built")
 @pytest.mark.parametrize("then", ["retry", "refetch"])
 def test_a_fallback_holds_to_the_generations_of_the_fetch_start(monkeypatch: pytest.MonkeyPatch, then: str) -> None:
     """A destination block freed just after the usual fetch's C call checked it, before the
@@ -461,7 +461,7 @@ def test_a_fallback_holds_to_the_generations_of_the_fetch_start(monkeypatch: pyt
                 return _as_fallback(dst, [5, 6], gens, ConnectionResetError(104, "Connection reset by peer"), 6)
             return _as_fallback(dst, [5, 6], gens, [h.checksums[0], h.checksums[1] ^ 1], 0)
 
-        _after_fetch_small(monkeypatch, freed_after)
+        _after_fetch_whole(monkeypatch, freed_after)
         res = rcv.fetch(h, [5, 6])
         assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
         assert res.failed_block_ids == [5, 6] and dst.landing() == []
@@ -507,9 +507,9 @@ def test_generations_held_and_unverified() -> None:
 
 
 # -- the usual fetch's one C call, outcome by outcome (a socketpair as the peer) --
-def _fetch_small(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: Any = None, before: Any = None,
+def _fetch_whole(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: Any = None, before: Any = None,
                  trickle: bool = False, timeout: float = 5.0) -> Any:
-    """``blockcopy.fetch_small`` into blocks ``ids`` of ``dst`` against a peer that answers
+    """``blockcopy.fetch_whole`` into blocks ``ids`` of ``dst`` against a peer that answers
     ``reply`` (None: closes at once; ``before(rid)`` runs as the request arrives)."""
     mine, theirs = socket.socketpair()
     if reply is None:
@@ -535,7 +535,7 @@ def _fetch_small(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: A
     with mine:
         from kvbridge.transports.wire import set_os_timeouts
         set_os_timeouts(mine, 2.0)
-        out = blockcopy.fetch_small(mine.fileno(), b"ticket", 7, b"", len(BODY), planes(dst),
+        out = blockcopy.fetch_whole(mine.fileno(), b"ticket", 7, b"", len(BODY), planes(dst),
                                     ids if isinstance(ids, (list, tuple)) else ids, L.part_nbytes, sums,
                                     dst.live_generations, dst._landing, timeout)
     if reply is not None:
@@ -543,19 +543,19 @@ def _fetch_small(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: A
     return out
 
 
-def test_fetch_small_lands_verifies_and_unmarks() -> None:
+def test_fetch_whole_lands_verifies_and_unmarks() -> None:
     from kvbridge.integrity import block_checksums
     src, dst = _pools()
-    assert _fetch_small(dst, _reply(7), [4, 9]) is True                  # no verification asked
+    assert _fetch_whole(dst, _reply(7), [4, 9]) is True                  # no verification asked
     assert _blocks(dst, [4, 9]) == BODY and dst.landing() == []
     sums = tuple(block_checksums(dst, [4, 9]))                          # the handle's, as a sender computes them
     _, dst = _pools()
-    assert _fetch_small(dst, _reply(7), [4, 9], sums) is True
+    assert _fetch_whole(dst, _reply(7), [4, 9], sums) is True
     assert _blocks(dst, [4, 9]) == BODY and dst.landing() == []
 
 
 @pytest.mark.parametrize("case", ["digest", "header", "trailer", "closed", "generation", "deadline", "send"])
-def test_fetch_small_hands_every_other_outcome_back_marked(case: str) -> None:
+def test_fetch_whole_hands_every_other_outcome_back_marked(case: str) -> None:
     """Each outcome but a verified landing: its code, the generations as it began, the marks
     left for the caller; a checksum that differs is reported with every block's."""
     _, dst = _pools()
@@ -576,7 +576,7 @@ def test_fetch_small_hands_every_other_outcome_back_marked(case: str) -> None:
         trickle, timeout = True, 0.3
     elif case == "send":
         reply = None
-    code, got_gens, detail = _fetch_small(dst, reply, [4, 9], sums, before, trickle, timeout)
+    code, got_gens, detail = _fetch_whole(dst, reply, [4, 9], sums, before, trickle, timeout)
     want = {"digest": 0, "header": 1, "trailer": 2, "closed": 3, "generation": 4, "deadline": 5, "send": 6}[case]
     assert code == want and got_gens == gens and dst.landing() == [4, 9]
     if case == "digest":
@@ -590,14 +590,14 @@ def test_fetch_small_hands_every_other_outcome_back_marked(case: str) -> None:
     dst._landed([4, 9])
 
 
-def test_fetch_small_refuses_what_it_does_not_take_before_sending() -> None:
+def test_fetch_whole_refuses_what_it_does_not_take_before_sending() -> None:
     """Ids it does not take (repeated, outside the pool, not ints, another count) and a block
     already landing: None, nothing sent, nothing marked."""
     _, dst = _pools()
     for ids in ([4, 4], [4, 99], [4, -1], [4.0, 9], [4], [4, 9, 10], (x for x in [4, 9])):
         mine, theirs = socket.socketpair()
         with mine, theirs:
-            assert blockcopy.fetch_small(mine.fileno(), b"t", 7, b"", len(BODY), planes(dst), ids, L.part_nbytes,
+            assert blockcopy.fetch_whole(mine.fileno(), b"t", 7, b"", len(BODY), planes(dst), ids, L.part_nbytes,
                                          None, dst.live_generations, dst._landing, 1.0) is None
             theirs.setblocking(False)
             with pytest.raises(BlockingIOError):
@@ -606,6 +606,6 @@ def test_fetch_small_refuses_what_it_does_not_take_before_sending() -> None:
     dst._land([9])
     mine, theirs = socket.socketpair()
     with mine, theirs:
-        assert blockcopy.fetch_small(mine.fileno(), b"t", 7, b"", len(BODY), planes(dst), [4, 9], L.part_nbytes,
+        assert blockcopy.fetch_whole(mine.fileno(), b"t", 7, b"", len(BODY), planes(dst), [4, 9], L.part_nbytes,
                                      None, dst.live_generations, dst._landing, 1.0) is None
     assert dst.landing() == [9]

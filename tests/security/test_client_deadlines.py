@@ -72,16 +72,16 @@ def _assert_timed_out(out: list, took: float, srv: Trickler) -> None:
     assert srv.trickled, "the reply was not trickled: the test tests nothing"
 
 
-@pytest.mark.parametrize("path", ["fetch_small", "read_small", "python"])
+@pytest.mark.parametrize("path", ["fetch_whole", "read_small", "python"])
 def test_a_trickled_small_read_ends_in_time(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """One block (64 KiB, a small read): its whole reply, header first, a byte at a time. In C
-    -- the usual fetch's one call (fetch_small, which keeps the deadline itself) and the
+    -- the usual fetch's one call (fetch_whole, which keeps the deadline itself) and the
     pipeline's small read (read_small, held by the watchdog), whose receive loops go on as long
     as each receive brings a byte -- and in its Python twin."""
     if path != "python" and blockcopy.read_small is None:
         pytest.skip("the native extension (kvbridge._kvcopy) is not built")
-    if path != "fetch_small":
-        monkeypatch.setattr(blockcopy, "fetch_small", None)
+    if path != "fetch_whole":
+        monkeypatch.setattr(blockcopy, "fetch_whole", None)
     if path == "python":
         monkeypatch.setattr(blockcopy, "read_small", None)
     srv = Trickler(lambda kind, rid: (_data(rid, 1), 0))
