@@ -54,17 +54,17 @@ class SenderStats(_Counters):
     # reads granted (``reads``, ``bytes_served``): those the frame loop answered in C count in
     # ``_native`` (reads, bytes), which the C call adds to under the GIL (no lock, no call
     # back into Python per read); the others in ``_reads``, ``_bytes`` under the lock
-    _native: array = field(default_factory=lambda: array("q", [0, 0]), init=False, repr=False, compare=False)
+    _native: "array[int]" = field(default_factory=lambda: array("q", [0, 0]), init=False, repr=False, compare=False)
     _reads: int = field(default=0, init=False, repr=False, compare=False)
     _bytes: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def reads(self) -> int:
-        return self._reads + self._native[0]
+        return int(self._reads + self._native[0])
 
     @property
     def bytes_served(self) -> int:
-        return self._bytes + self._native[1]
+        return int(self._bytes + self._native[1])
 
     def as_dict(self) -> dict[str, Any]:
         out = super().as_dict()

@@ -312,14 +312,20 @@ class TCPTransport(Transport):
             return None
         start = time.monotonic()
         try:
-            out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid,
-                                        client.riders(nbytes > SMALL_READ) if client._pending else b"", nbytes, packed, dst,
+            riders = client.riders(nbytes > SMALL_READ) if client._pending else b""
+            out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
                                         layout.part_nbytes, handle.checksums if verify else None,
                                         pool.live_generations, pool._landing, base + nbytes / MIN_RATE)
         except BaseException:                              # a signal: the connection may hold half a reply
             client.drop(sock)
             raise
         del pinned
+        if out is None and riders:                         # nothing sent: the releases it was to carry go alone
+            try:
+                sock.sendall(riders)
+            except OSError:
+                client.drop(sock)
+                return None
         if out is None or out is True:
             client.give_back(sock)
             return out

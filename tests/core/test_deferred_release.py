@@ -260,3 +260,22 @@ def test_the_released_set_keeps_the_latest_and_turns_over_whole():
         assert RELEASED_KEPT == 4096 and rcv._released._half == RELEASED_KEPT
     finally:
         rcv.close()
+
+
+def test_releases_taken_for_a_request_never_sent_still_go(pair, monkeypatch):
+    """The usual fetch takes the waiting releases to carry, then finds nothing to send (its
+    destination ids are for the long way to refuse): the releases go alone, not lost."""
+    snd, rcv, freed, ev = pair
+    if snd.url.startswith("shm"):
+        pytest.skip("a one-sided shm read sends no request")
+    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # only a request can carry them
+    monkeypatch.setattr(sockets, "RELEASE_BATCH", 1)
+    a, b = (snd.publish(n, snd.pool.alloc(2), 8) for n in "ab")
+    assert rcv.fetch(a, [0, 1]).ok
+    assert freed == []
+    with pytest.raises(Exception):
+        rcv.fetch(b, [2, 2])                  # repeated destination ids: refused before any request
+    deadline = time.monotonic() + 5
+    while not freed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert freed == ["a:released"]
