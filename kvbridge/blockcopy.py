@@ -15,7 +15,10 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
   sender's reply is built in one buffer, the receiver's lands (and is hashed) in one pass.
 - :func:`dst_snapshot`: a fetch's destination ids checked (distinct ints in the pool) and their
   generations taken, in one call.
-- ``read_small`` (extension only): a tcp:// small read's request sent, its reply received,
+- ``fetch_whole`` (extension only): the receiver's usual tcp:// fetch of any size -- ids
+  checked and marked as landing, request, reply by its deadline, landing, checksums and
+  generations compared -- in one call; ``land``: a pool's landing marks set or unset;
+  ``read_small`` (extension only): a tcp:// small read's request sent, its reply received,
   checked and landed in one call; ``serve_small`` (extension only): the sender's side, a whole
   small read of an indexed handle checked, copied out, validated and answered in one call;
   ``shm_read`` (extension only): an shm:// one-sided read -- table and generations checked,

@@ -1,5 +1,7 @@
 """Counters kept by senders and receivers. Updated from several threads (transport server
-threads, transfer workers), so every update goes through :meth:`add`, under a lock."""
+threads, transfer workers), so every update goes through :meth:`add` or a method like it,
+under a lock -- except the reads the sender's C frame loop answers, which it counts itself
+under the GIL (``SenderStats._native``)."""
 
 from __future__ import annotations
 

@@ -240,9 +240,10 @@ class KVReceiver(ReceiverPipeline):
         """Move the handle's blocks into ``dst_block_ids`` on this thread; the result.
 
         The usual fetch -- a whole unleased raw handle whose transport moves (and hashes) its
-        host blocks in one piece (:meth:`Transport.read_small`) -- runs here, without the
-        pipeline's job, spans and stages; any other outcome than verified bytes on
-        unchanged blocks goes on in :meth:`_pull` from where it stands."""
+        host blocks in one piece (:meth:`Transport.fetch_whole`: tcp, the checks, marks and
+        comparisons too, in one C call; :meth:`Transport.read_small`: shm's one-sided read) --
+        runs here, without the pipeline's job, spans and stages; any other outcome than
+        verified bytes on unchanged blocks goes on in :meth:`_pull` from where it stands."""
         h = handle
         pool = self.pool
         if (indices is not None or type(h) is not KVHandle or self.secret is not None

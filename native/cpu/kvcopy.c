@@ -52,11 +52,25 @@
  *           -> (served, used, received, count)
  *       the sender's frame loop for the usual reads: receives into the frame reader's empty
  *       buffer, answering each receive that brings exactly one whole READ serve_small would
- *       answer (and counting it in `served`: reads, bytes) and receiving again, until one does not, or
+ *       answer (and counting it in `served`: reads, bytes) and receiving again, until one
+ *       does not, or
  *       `pool.buffers` is not `pinned` any more (served: bytes sent for that last receive's
  *       frame, or -1 with nothing sent; used: that frame's bytes; received: bytes now in `buf`,
  *       -2 on the socket's timeout, -3 when the peer closed; count: reads answered).
  *
+ *   fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout)
+ *            -> None | True | (code, gens, detail)
+ *       the receiver's usual tcp:// fetch (a whole unleased raw handle into whole host blocks)
+ *       in one call: the destination ids checked (dstids.c) and their generations taken, the
+ *       blocks marked as landing in the pool's `marks`, the READ for handle bytes `ticket`
+ *       built and sent (deferred releases `extra` behind it), the reply taken by its deadline
+ *       (`timeout` seconds: no watchdog) -- up to 64 KiB of blocks into a private buffer and
+ *       then landed, more straight into the blocks (recv_blocks' loop) -- each block hashed
+ *       as it lands, the checksums compared with `sums`, the generations compared again.
+ *       None: nothing sent or marked; True: all held, marks undone; else the outcome for the
+ *       caller's pipeline, the marks left to it (see the function).
+ *   land(marks, ids, on) -> bool   (dstids.c)
+ *       a pool's landing marks set (where none was) or unset, atomically for Python threads.
  *   recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
  *       tcp:// reads too large for read_small: a DATA reply's block bytes (wire order) received
  *       straight into the blocks, recvmsg over a window of up to 1,024 parts / 4 MiB, each
@@ -1466,15 +1480,20 @@ static Py_ssize_t recv_by(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least
  * call: the destination ids checked and their generations taken, the blocks marked as landing
  * (`marks`, the pool's bytearray), the READ frame for handle bytes `ticket` (request id `rid`,
  * `extra` bytes behind it: deferred releases) sent, the reply received by now + `timeout`
- * seconds, landed and hashed, the checksums compared with `sums` (a tuple, or None: no
- * verification), the generations compared again.
+ * seconds -- up to FETCH_BUFFERED block bytes in one receive into a private buffer, landed only
+ * once its trailer vouched for it; more, header and fence first, then the block bytes straight
+ * into the blocks (recv_parts: the deadline is looked at after each receive, which the socket's
+ * SO_RCVTIMEO bounds), then the trailer -- each block hashed as it lands, the checksums
+ * compared with `sums` (a tuple, or None: no verification), the generations compared again.
+ * A large reply's trailer that does not vouch leaves bytes in the blocks: they are the
+ * caller's, marked, and its pipeline fails or refetches them, as for any read.
  *
  *   None:  nothing sent, nothing marked: the ids are not `n` distinct ints of the pool, the
  *          blocks do not hold `nbytes`, or one is landing already -- the long way says which.
  *   True:  landed, its checksums equal to `sums`, the generations unchanged; marks undone.
  *   (code, gens, detail): it did not end so; the marks are the caller's to undo. code 0: a
  *          checksum differs (detail: each block's as it landed); 1, 2, 3: as read_small (detail:
- *          the reply's bytes); 4: a destination block's generation changed (detail: None);
+ *          the reply's bytes; of a large reply, those besides its blocks); 4: a destination block's generation changed (detail: None);
  *          5: the deadline passed (detail: the bytes so far); 6: a send or receive failed
  *          (detail: the OSError). `gens`: the snapshot taken.
  * Any other exception (a signal's) undoes the marks first. */
