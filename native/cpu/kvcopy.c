@@ -1673,16 +1673,18 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
             goto fallback;
         }
         had = want + TRAILER_LEN;
-    } else {
+    }
+    const unsigned char *t = h + had - TRAILER_LEN;   /* a small reply: checked before it lands */
+    if (t[0] || t[1] || t[2] || t[3]) {
+        if (large)
+            Py_XDECREF(digests);
+        code = 2;
+        goto fallback;
+    }
+    if (!large) {
         digests = scatter_wire(&dp, ids, n, buf + HEAD_LEN + FENCE_LEN, part, sums != Py_None);
         if (digests == NULL)
             goto done;
-    }
-    const unsigned char *t = h + had - TRAILER_LEN;
-    if (t[0] || t[1] || t[2] || t[3]) {
-        Py_XDECREF(digests);
-        code = 2;
-        goto fallback;
     }
     for (Py_ssize_t k = 0; k < n; k++) {        /* the blocks' generations as the fetch began? */
         PyObject *g = PyList_GET_SIZE(gens) > ids[k] ? PyList_GET_ITEM(gens, ids[k]) : NULL;

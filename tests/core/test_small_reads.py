@@ -576,9 +576,12 @@ def test_fetch_whole_hands_every_other_outcome_back_marked(case: str) -> None:
         trickle, timeout = True, 0.3
     elif case == "send":
         reply = None
+    untouched = _blocks(dst, [4, 9])
     code, got_gens, detail = _fetch_whole(dst, reply, [4, 9], sums, before, trickle, timeout)
     want = {"digest": 0, "header": 1, "trailer": 2, "closed": 3, "generation": 4, "deadline": 5, "send": 6}[case]
     assert code == want and got_gens == gens and dst.landing() == [4, 9]
+    # a small reply lands only once whole and vouched for by its trailer
+    assert _blocks(dst, [4, 9]) == (BODY if case in ("digest", "generation") else untouched)
     if case == "digest":
         assert len(detail) == 2 and tuple(detail) != sums
     elif case == "send":
