@@ -1107,6 +1107,57 @@ static int recv_parts(int fd, const planes_t *dpp, const int64_t *ids, Py_ssize_
     return code;
 }
 
+/* Blocks `ids` received straight into place (recv_parts: `cancel`, `deadline`), each block
+ * hashed as it lands where `hash`: 0 and *digests (a list, or None without hash) when all came;
+ * else recv_parts' code (*digests NULL); -1 with an exception set. *received: the bytes taken. */
+static int recv_hashed(int fd, const planes_t *dp, const int64_t *ids, Py_ssize_t n, int64_t part, int hash,
+                       PyObject *cancel, int64_t deadline, long long *received, PyObject **digests) {
+    *digests = NULL;
+    *received = 0;
+    XXH3_state_t *st = NULL;
+    struct iovec *iov = PyMem_Malloc(RECV_IOV * sizeof(struct iovec));
+    int code = -1;
+    if (iov == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (hash) {                             /* one state per block, in one aligned allocation */
+        size_t bytes = ((size_t)(n ? n : 1) * sizeof(XXH3_state_t) + 63) & ~(size_t)63;
+        st = aligned_alloc(64, bytes);
+        if (st == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (Py_ssize_t k = 0; k < n; k++) {
+            XXH3_INITSTATE(&st[k]);
+            XXH3_64bits_reset(&st[k]);
+        }
+    }
+    code = recv_parts(fd, dp, ids, n, part, st, iov, cancel, deadline, received);
+    if (code != 0)
+        goto out;
+    if (!hash) {
+        *digests = Py_NewRef(Py_None);
+        goto out;
+    }
+    XXH64_hash_t *d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
+    if (d == NULL) {
+        PyErr_NoMemory();
+        code = -1;
+        goto out;
+    }
+    for (Py_ssize_t b = 0; b < n; b++)
+        d[b] = XXH3_64bits_digest(&st[b]);
+    *digests = digest_list(d, n);
+    PyMem_Free(d);
+    if (*digests == NULL)
+        code = -1;
+out:
+    free(st);
+    PyMem_Free(iov);
+    return code;
+}
+
 /* recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
  * The block bytes of a DATA reply -- wire order: plane by plane, the blocks in the order of
  * `dst_ids` -- received from socket `fd` straight into the blocks, recvmsg over a window of
@@ -1125,9 +1176,7 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
         return NULL;
     planes_t dp = {NULL, 0};
     int64_t *ids = NULL;
-    XXH3_state_t *st = NULL;
-    struct iovec *iov = NULL;
-    PyObject *res = NULL;
+    PyObject *res = NULL, *digests = NULL;
     Py_ssize_t n = 0;
     if (get_planes(dpobj, &dp) < 0)
         return NULL;
@@ -1137,47 +1186,11 @@ static PyObject *recv_blocks(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "recv_blocks: part must be positive");
         goto done;
     }
-    iov = PyMem_Malloc(RECV_IOV * sizeof(struct iovec));
-    if (iov == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    if (hash) {                             /* one state per block, in one aligned allocation */
-        size_t bytes = (size_t)(n ? n : 1) * sizeof(XXH3_state_t);
-        bytes = (bytes + 63) & ~(size_t)63;
-        st = aligned_alloc(64, bytes);
-        if (st == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (Py_ssize_t k = 0; k < n; k++) {
-            XXH3_INITSTATE(&st[k]);
-            XXH3_64bits_reset(&st[k]);
-        }
-    }
-    long long received = 0;
-    int code = recv_parts(fd, &dp, ids, n, part, st, iov, cancel, 0, &received);
-    if (code < 0)
-        goto done;
-    if (code == 0 && st != NULL) {
-        XXH64_hash_t *d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
-        if (d == NULL) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (Py_ssize_t b = 0; b < n; b++)
-            d[b] = XXH3_64bits_digest(&st[b]);
-        PyObject *digests = digest_list(d, n);
-        PyMem_Free(d);
-        if (digests == NULL)
-            goto done;
-        res = Py_BuildValue("(iLN)", 0, received, digests);
-    } else {
-        res = Py_BuildValue("(iLO)", code, received, Py_None);
-    }
+    long long received;
+    int code = recv_hashed(fd, &dp, ids, n, part, hash, cancel, 0, &received, &digests);
+    if (code >= 0)
+        res = Py_BuildValue("(iLN)", code, received, code == 0 ? digests : Py_NewRef(Py_None));
 done:
-    free(st);
-    PyMem_Free(iov);
     PyMem_Free(ids);
     PyMem_Free(dp.p);
     return res;
@@ -1499,57 +1512,6 @@ static Py_ssize_t recv_by(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least
  * Any other exception (a signal's) undoes the marks first. */
 #define FETCH_BUFFERED (64 * 1024)   /* replies with up to this many block bytes: one receive, then a copy */
 
-/* A large reply's block bytes straight into blocks `ids` (recv_parts), each block hashed as
- * it lands where `hash`: 0 and *digests (a list, or None without hash) when all came; 1 the
- * peer closed, 3 the deadline passed (*digests NULL); -1 with an exception set. */
-static int recv_large(int fd, const planes_t *dp, const int64_t *ids, Py_ssize_t n, int64_t part, int hash,
-                      int64_t deadline, PyObject **digests) {
-    *digests = NULL;
-    XXH3_state_t *st = NULL;
-    struct iovec *iov = PyMem_Malloc(RECV_IOV * sizeof(struct iovec));
-    int code = -1;
-    if (iov == NULL) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    if (hash) {
-        size_t bytes = ((size_t)(n ? n : 1) * sizeof(XXH3_state_t) + 63) & ~(size_t)63;
-        st = aligned_alloc(64, bytes);
-        if (st == NULL) {
-            PyErr_NoMemory();
-            goto out;
-        }
-        for (Py_ssize_t k = 0; k < n; k++) {
-            XXH3_INITSTATE(&st[k]);
-            XXH3_64bits_reset(&st[k]);
-        }
-    }
-    long long received;
-    code = recv_parts(fd, dp, ids, n, part, st, iov, Py_None, deadline, &received);
-    if (code != 0)
-        goto out;
-    if (!hash) {
-        *digests = Py_NewRef(Py_None);
-        goto out;
-    }
-    XXH64_hash_t *d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
-    if (d == NULL) {
-        PyErr_NoMemory();
-        code = -1;
-        goto out;
-    }
-    for (Py_ssize_t b = 0; b < n; b++)
-        d[b] = XXH3_64bits_digest(&st[b]);
-    *digests = digest_list(d, n);
-    PyMem_Free(d);
-    if (*digests == NULL)
-        code = -1;
-out:
-    free(st);
-    PyMem_Free(iov);
-    return code;
-}
-
 static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     (void)self;
     int fd;
@@ -1657,7 +1619,8 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     }
     PyObject *digests;
     if (large) {
-        int lcode = recv_large(fd, &dp, ids, n, part, sums != Py_None, deadline, &digests);
+        long long received;
+        int lcode = recv_hashed(fd, &dp, ids, n, part, sums != Py_None, Py_None, deadline, &received, &digests);
         if (lcode < 0)
             goto failed;
         if (lcode > 0) {
