@@ -675,13 +675,62 @@ static uint64_t be64(const unsigned char *p) {
 }
 
 /* send or receive with the GIL released; -1 with a Python exception set on an error, 0 on EOF */
-static Py_ssize_t io_loop(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least, int sending) {
+static int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* A receive held to `deadline` (CLOCK_MONOTONIC ns; 0: none) without a watchdog: the first
+ * receive is bounded by the socket's own SO_RCVTIMEO (Timeout.transfer, which the deadline
+ * exceeds); once part of the reply is in, each wait is a poll for what is left of the deadline,
+ * so a peer trickling bytes cannot hold it longer: past it, *late is set and the bytes so far
+ * come back as at EOF. 1 to receive now, 0 to look at the deadline again, -1 (exception set). */
+static int wait_for(int fd, Py_ssize_t got, int64_t deadline, int *late) {
+    if (!deadline || !got)
+        return 1;
+    int64_t left = deadline - mono_ns();
+    if (left <= 0) {
+        *late = 1;
+        return 1;
+    }
+    struct pollfd pfd = {fd, POLLIN, 0};
+    int ready;
+    int ms = left / 1000000 >= INT_MAX ? INT_MAX : (int)(left / 1000000) + 1;
+    Py_BEGIN_ALLOW_THREADS
+    ready = poll(&pfd, 1, ms);
+    Py_END_ALLOW_THREADS
+    if (ready < 0 && errno != EINTR) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    if (ready < 0 && PyErr_CheckSignals() < 0)
+        return -1;
+    return ready > 0;
+}
+
+/* send or receive with the GIL released (a receive held to `deadline` where it is not 0, see
+ * wait_for); -1 with a Python exception set on an error, 0 on EOF (or the deadline passed)
+ * with nothing, -2 - got with `got` bytes */
+static Py_ssize_t io_loop(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least, int sending, int64_t deadline,
+                          int *late) {
     Py_ssize_t got = 0;
+    *late = 0;
     while (got < at_least) {
+        if (!sending) {
+            int go = wait_for(fd, got, deadline, late);
+            if (go < 0)
+                return -1;
+            if (*late)
+                return got ? -2 - got : 0;
+            if (!go)
+                continue;
+        }
         ssize_t k;
+        int later = !sending && deadline && got;      /* poll said readable */
         Py_BEGIN_ALLOW_THREADS
         k = sending ? send(fd, buf + got, (size_t)(len - got), MSG_NOSIGNAL)
-                    : recv(fd, buf + got, (size_t)(len - got), 0);
+                    : recv(fd, buf + got, (size_t)(len - got), later ? MSG_DONTWAIT : 0);
         Py_END_ALLOW_THREADS
         if (k < 0) {
             if (errno == EINTR) {
@@ -689,6 +738,8 @@ static Py_ssize_t io_loop(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least
                     return -1;
                 continue;
             }
+            if (later && (errno == EAGAIN || errno == EWOULDBLOCK))
+                continue;                     /* look again */
             /* SO_SNDTIMEO passed with the reply part-sent: a stalled peer, never "no frame yet"
              * (callers take BlockingIOError for an idle receive and would keep the connection,
              * a cut-off DATA frame in it) */
@@ -737,9 +788,10 @@ static PyObject *read_small(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    if (io_loop(fd, frame.buf, frame.len, frame.len, 1) < 0)
+    int late;
+    if (io_loop(fd, frame.buf, frame.len, frame.len, 1, 0, &late) < 0)
         goto done;
-    Py_ssize_t got = io_loop(fd, buf, want, HEAD_LEN, 0);
+    Py_ssize_t got = io_loop(fd, buf, want, HEAD_LEN, 0, 0, &late);
     if (got == -1)
         goto done;
     if (got <= 0) {                            /* EOF before a whole header */
@@ -755,7 +807,7 @@ static PyObject *read_small(PyObject *self, PyObject *args) {
         goto done;
     }
     if (got < want) {
-        Py_ssize_t more = io_loop(fd, buf + got, want - got, want - got, 0);
+        Py_ssize_t more = io_loop(fd, buf + got, want - got, want - got, 0, 0, &late);
         if (more == -1)
             goto done;
         if (more <= 0) {
@@ -882,7 +934,8 @@ static long serve_core(int fd, const unsigned char *p, Py_ssize_t len, unsigned 
         goto fail;
     if (!same)
         goto done;
-    if (io_loop(fd, (char *)buf, total, total, 1) < 0)
+    int late;
+    if (io_loop(fd, (char *)buf, total, total, 1, 0, &late) < 0)
         goto fail;
     served = (long)nbytes;
     goto done;
@@ -1022,7 +1075,6 @@ done:
  * receive is bounded by the socket's SO_RCVTIMEO, so a peer trickling bytes overruns it by
  * one such timeout at most. 0 all received, 1 the peer closed, 2 cancelled, 3 the deadline
  * passed; -1 with an exception set. `*received`: the bytes received. */
-static int64_t mono_ns(void);
 static int recv_parts(int fd, const planes_t *dpp, const int64_t *ids, Py_ssize_t n, int64_t part,
                       XXH3_state_t *st, struct iovec *iov, PyObject *cancel, int64_t deadline, long long *out) {
     const planes_t dp = *dpp;
@@ -1427,64 +1479,6 @@ static PyObject *stream_from(PyObject *self, PyObject *args) {
 }
 
 /* ------------------------------------------------------------------ the usual tcp fetch */
-static int64_t mono_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* io_loop's receive held to `deadline` (CLOCK_MONOTONIC ns) without a watchdog: the first
- * receive is bounded by the socket's own SO_RCVTIMEO (Timeout.transfer, which the deadline
- * exceeds); once part of the reply is in, each wait is a poll for what is left of the deadline,
- * so a peer trickling bytes cannot hold it longer. Returns as io_loop; *late set (and the
- * bytes so far, as at EOF) where the deadline passed first. */
-static Py_ssize_t recv_by(int fd, char *buf, Py_ssize_t len, Py_ssize_t at_least, int64_t deadline, int *late) {
-    Py_ssize_t got = 0;
-    *late = 0;
-    while (got < at_least) {
-        if (got) {
-            int64_t left = deadline - mono_ns();
-            if (left <= 0) {
-                *late = 1;
-                return -2 - got;
-            }
-            struct pollfd pfd = {fd, POLLIN, 0};
-            int ready;
-            int ms = left / 1000000 >= INT_MAX ? INT_MAX : (int)(left / 1000000) + 1;
-            Py_BEGIN_ALLOW_THREADS
-            ready = poll(&pfd, 1, ms);
-            Py_END_ALLOW_THREADS
-            if (ready < 0 && errno != EINTR) {
-                PyErr_SetFromErrno(PyExc_OSError);
-                return -1;
-            }
-            if (ready < 0 && PyErr_CheckSignals() < 0)
-                return -1;
-            if (ready <= 0)
-                continue;                     /* the deadline is looked at again */
-        }
-        ssize_t k;
-        Py_BEGIN_ALLOW_THREADS
-        k = recv(fd, buf + got, (size_t)(len - got), got ? MSG_DONTWAIT : 0);
-        Py_END_ALLOW_THREADS
-        if (k < 0) {
-            if (errno == EINTR) {
-                if (PyErr_CheckSignals() < 0)
-                    return -1;
-                continue;
-            }
-            if (got && (errno == EAGAIN || errno == EWOULDBLOCK))
-                continue;                     /* poll said readable; look again */
-            PyErr_SetFromErrno(PyExc_OSError);
-            return -1;
-        }
-        if (k == 0)
-            return got ? -2 - got : 0;
-        got += k;
-    }
-    return got;
-}
-
 #define FETCH_STACK 256   /* request frames up to this many bytes are built on the stack */
 
 /* fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout)
@@ -1519,7 +1513,7 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     unsigned long rid;
     long long nbytes, part;
     double timeout;
-    PyObject *dpobj, *idobj, *sums, *gens, *marks;
+    PyObject *dpobj, *idobj, *sums, *gens, *marks, *detail = NULL;
     if (!PyArg_ParseTuple(args, "iy*ky*LOOLOOO!d", &fd, &ticket, &rid, &extra, &nbytes, &dpobj, &idobj, &part,
                           &sums, &gens, &PyByteArray_Type, &marks, &timeout))
         return NULL;
@@ -1584,9 +1578,9 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     int64_t deadline = mono_ns() + (int64_t)(timeout * 1e9);
     int code = 0, late;
     Py_ssize_t had = 0, got;
-    if (io_loop(fd, frame, flen, flen, 1) < 0)
+    if (io_loop(fd, frame, flen, flen, 1, 0, &late) < 0)
         goto failed;
-    got = recv_by(fd, buf, large ? HEAD_LEN : want, HEAD_LEN, deadline, &late);   /* large: the header alone */
+    got = io_loop(fd, buf, large ? HEAD_LEN : want, HEAD_LEN, 0, deadline, &late);   /* large: the header alone */
     if (got == -1)
         goto failed;
     had = got;
@@ -1603,7 +1597,7 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
         goto fallback;
     }
     if (got < want) {                          /* the rest of a small reply, or a large one's fence */
-        Py_ssize_t more = recv_by(fd, buf + got, want - got, want - got, deadline, &late);
+        Py_ssize_t more = io_loop(fd, buf + got, want - got, want - got, 0, deadline, &late);
         if (more == -1)
             goto failed;
         if (more <= 0) {
@@ -1627,7 +1621,7 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
             code = lcode == 1 ? 3 : 5;
             goto fallback;
         }
-        got = recv_by(fd, buf + want, TRAILER_LEN, TRAILER_LEN, deadline, &late);
+        got = io_loop(fd, buf + want, TRAILER_LEN, TRAILER_LEN, 0, deadline, &late);
         if (got <= 0) {
             Py_XDECREF(digests);
             if (got == -1)
@@ -1670,16 +1664,9 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
                 same = want_sum == PyLong_AsUnsignedLongLong(PyList_GET_ITEM(digests, k));
         }
         if (!same) {
-            PyObject *snaplist = PyList_New(n);
-            if (snaplist == NULL) {
-                Py_DECREF(digests);
-                goto done;
-            }
-            for (Py_ssize_t k = 0; k < n; k++)
-                PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(snap[k]));
-            res = Py_BuildValue("(iNN)", 0, snaplist, digests);
-            marked = 0;                              /* the caller's now */
-            goto done;
+            detail = digests;                        /* each block's checksum as it landed */
+            code = 0;
+            goto fallback;
         }
     }
     Py_XDECREF(digests);
@@ -1692,28 +1679,25 @@ failed:                                          /* an OSError is the caller's t
         goto done;
     code = 6;
 fallback: {
-        PyObject *err = NULL, *tb = NULL, *type = NULL;
         if (code == 6) {
-            PyErr_Fetch(&type, &err, &tb);
-            PyErr_NormalizeException(&type, &err, &tb);
+            PyObject *tb = NULL, *type = NULL;
+            PyErr_Fetch(&type, &detail, &tb);
+            PyErr_NormalizeException(&type, &detail, &tb);
             Py_XDECREF(type);
             Py_XDECREF(tb);
-            if (err == NULL)
-                goto done;
+        } else if (code == 4) {
+            detail = Py_NewRef(Py_None);
+        } else if (code != 0) {
+            detail = PyBytes_FromStringAndSize(buf, had);
         }
-        PyObject *snaplist = PyList_New(n);
+        PyObject *snaplist = detail == NULL ? NULL : PyList_New(n);
         if (snaplist == NULL) {
-            Py_XDECREF(err);
+            Py_XDECREF(detail);
             goto done;
         }
         for (Py_ssize_t k = 0; k < n; k++)
             PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(snap[k]));
-        if (code == 6)
-            res = Py_BuildValue("(iNN)", code, snaplist, err);
-        else if (code == 4)
-            res = Py_BuildValue("(iNO)", code, snaplist, Py_None);
-        else
-            res = Py_BuildValue("(iNy#)", code, snaplist, buf, had);
+        res = Py_BuildValue("(iNN)", code, snaplist, detail);
         if (res != NULL)
             marked = 0;                              /* the caller's now */
         goto done;
