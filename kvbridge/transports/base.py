@@ -384,8 +384,8 @@ class Transport(abc.ABC):
     def read_small(self, url: str, handle: KVHandle, pool: "KVPool", block_ids: list[int], verify: bool,
                    gens: list[int]) -> Optional[tuple[int, Optional[list[int]]]]:
         """Optional fast path for the most common read: all of an unleased handle's blocks into
-        whole ``block_ids`` of a host pool (checked by the caller; tcp: up to 64 KiB, shm: a
-        one-sided read of any size). Returns the bytes moved and None where nothing is left to
+        whole ``block_ids`` of a host pool (checked by the caller; shm: a one-sided read of any
+        size; tcp has :meth:`fetch_whole` instead). Returns the bytes moved and None where nothing is left to
         check -- with ``verify``, every block's checksum as it landed equals the handle's --
         or, where one differs, each block's checksum as it landed (see :func:`unverified`);
         None where this transport has no such path for this read (:meth:`read` then). Raises
@@ -397,7 +397,7 @@ class Transport(abc.ABC):
     def fetch_whole(self, url: str, handle: KVHandle, pool: "KVPool", dst: Any,
                     verify: bool) -> Optional[Union[Literal[True], Fallback]]:
         """Optional fastest path for the usual fetch -- all of an unleased raw handle into whole
-        blocks ``dst`` of a host pool, as the caller gave them (tcp: up to 64 KiB) -- doing what
+        blocks ``dst`` of a host pool, as the caller gave them (tcp: any size) -- doing what
         :meth:`KVReceiver.fetch` would around :meth:`read_small` too: the ids checked, their
         generations taken, the blocks marked as landing (``pool._landing``), read, checksums
         compared with the handle's (``verify``), generations compared again. None where nothing
