@@ -151,8 +151,8 @@ class SocketClient:
 
     def release(self, handle: KVHandle, wait: bool, url: str) -> None:
         """RELEASE (and read the answer), or a release without a reply and without a send of its
-        own: it rides, in one RELEASES frame with ``RELEASE_BATCH`` - 1 others, behind one of this
-        client's next requests, or goes (with those waiting) after ``RELEASE_LINGER``."""
+        own: it rides, in one RELEASES frame with those waiting, behind one of this client's next
+        requests (:meth:`riders`), or goes (with them) after ``RELEASE_LINGER``."""
         if not wait:
             raw = handle.to_bytes()
             with self._lock:
@@ -167,8 +167,8 @@ class SocketClient:
         self.control(Kind.RELEASE, handle.to_bytes(), f"release {url}")
 
     def frames(self, frame: bytes) -> bytes:
-        """``frame`` followed by the deferred releases once ``RELEASE_BATCH`` of them wait (served
-        after it: they never delay it)."""
+        """``frame`` followed by the deferred releases :meth:`riders` gives (served after it:
+        they never delay it)."""
         return frame + self.riders() if self._pending else frame
 
     def riders(self, now: bool = False) -> bytes:

@@ -40,7 +40,7 @@ from ..lease.base import Claim
 from ..policy import Timeout
 from ..pool import retired_during
 from .base import Chunk, Fallback, ReadOp, Server, Spans, SpansFor, Transport, unverified
-from .sockets import MIN_RATE, SocketClient, SocketServer, client_for, connector
+from .sockets import SocketClient, SocketServer, client_for, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
                    decode_layers, encode_request, pack, recv_exact, recv_iter, send_iter, unpack_header)
@@ -52,7 +52,6 @@ __all__ = ["TCPTransport", "parse_tcp_url"]
 
 PIPELINE_WINDOW = 16
 SMALL_READ = 64 << 10   # host reads up to this take their whole reply in one receive
-MAX_FAST = 4096         # URLs whose client fetch_whole remembers
 _NO_FENCE = (0, 0)      # a reply's fence when the read was not leased
 _VOUCHED = (Vouch.OK, 0, 0)   # the trailer of a reply the owner vouched for
 _REPLY = HEADER.size + FENCE.size + TRAILER.size   # a DATA reply's bytes besides the blocks'
@@ -244,7 +243,6 @@ class TCPTransport(Transport):
         super().__init__(timeout, secret)
         self._clients: dict[tuple[str, int], SocketClient] = {}
         self._by_url: dict[str, SocketClient] = {}
-        self._fast: dict[str, tuple[SocketClient, float]] = {}
         self._lock = threading.Lock()
 
     @classmethod
@@ -306,7 +304,7 @@ class TCPTransport(Transport):
         pinned = pool.buffers                              # held across the C copy
         try:
             packed = blockcopy.planes(pool)
-            client, base = self._fast.get(url) or self._fast_for(url)
+            client = self._by_url.get(url) or self._client(url)
             sock, rid = client.take()
         except KVBridgeError:                              # a closed pool, no connection: the long way says so
             return None
@@ -315,7 +313,7 @@ class TCPTransport(Transport):
             riders = client.riders(nbytes > SMALL_READ) if client._pending else b""
             out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
                                         layout.part_nbytes, handle.checksums if verify else None,
-                                        pool.live_generations, pool._landing, base + nbytes / MIN_RATE)
+                                        pool.live_generations, pool._landing, client.deadline(nbytes + 4096, 0.0))
         except BaseException:                              # a signal: the connection may hold half a reply
             client.drop(sock)
             raise
@@ -351,17 +349,6 @@ class TCPTransport(Transport):
         if not pool.same_generations(dst, gens):           # a retry would land in blocks no longer the fetch's
             failed = retired_during(handle.request_id)
         return gens, failed, None
-
-    def _fast_for(self, url: str) -> tuple[SocketClient, float]:
-        """:meth:`fetch_whole`'s client for ``url`` and the limit of an exchange on it less its
-        block bytes at the minimum rate (:meth:`SocketClient.deadline`)."""
-        client = self._client(url)
-        fast = client, client.deadline(4096, 0.0)
-        with self._lock:
-            if len(self._fast) >= MAX_FAST:                # a cache: ever new URLs do not grow it
-                self._fast.clear()
-            self._fast[url] = fast
-        return fast
 
     @staticmethod
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,

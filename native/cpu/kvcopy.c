@@ -160,6 +160,17 @@ static int get_planes(PyObject *obj, planes_t *out) {
     return 0;
 }
 
+/* 1 where blocks 0..hi (hi >= 0) lie within every plane of `pl`, 0 where not */
+static int ids_fit(const planes_t *pl, int64_t part, int64_t hi) {
+    for (Py_ssize_t j = 0; j < pl->n; j++) {
+        const plane_t *p = &pl->p[j];
+        if (p->stride < 0 || p->base < 0 || part < 0 || (p->end - p->base - part) < 0 ||
+            (p->stride ? hi > (p->end - p->base - part) / p->stride : 0))
+            return 0;
+    }
+    return 1;
+}
+
 /* ids -> int64 array (caller frees); every id checked against every plane */
 static int64_t *get_ids(PyObject *seq, const planes_t *pl, int64_t part, Py_ssize_t *n_out) {
     /* a tuple snapshot: converting an item cannot change the sequence under us */
@@ -192,15 +203,10 @@ static int64_t *get_ids(PyObject *seq, const planes_t *pl, int64_t part, Py_ssiz
         PyErr_SetString(PyExc_ValueError, "negative block id");
         return NULL;
     }
-    for (Py_ssize_t j = 0; n && j < pl->n; j++) {
-        const plane_t *p = &pl->p[j];
-        if (p->stride < 0 || p->base < 0 || part < 0 ||
-            (p->end - p->base - part) < 0 ||
-            (p->stride ? hi > (p->end - p->base - part) / p->stride : 0)) {
-            PyMem_Free(ids);
-            PyErr_Format(PyExc_ValueError, "block %lld outside plane %zd", (long long)hi, j);
-            return NULL;
-        }
+    if (n && !ids_fit(pl, part, hi)) {
+        PyMem_Free(ids);
+        PyErr_Format(PyExc_ValueError, "block %lld outside a plane", (long long)hi);
+        return NULL;
     }
     *n_out = n;
     return ids;
@@ -1542,13 +1548,11 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
         goto done;
     if (!took)
         goto refuse;
-    for (Py_ssize_t j = 0; j < dp.n; j++) {      /* every block within every plane (get_ids' check) */
-        const plane_t *p = &dp.p[j];
-        for (Py_ssize_t k = 0; k < n; k++)
-            if (p->stride < 0 || p->base < 0 || part < 0 || p->end - p->base - part < 0
-                    || (p->stride && ids[k] > (p->end - p->base - part) / p->stride))
-                goto refuse;
-    }
+    int64_t hi = -1;
+    for (Py_ssize_t k = 0; k < n; k++)
+        hi = ids[k] > hi ? ids[k] : hi;
+    if (n && !ids_fit(&dp, part, hi))            /* every block within every plane (get_ids' check) */
+        goto refuse;
     int m = kvb_marks(marks, ids, n, 1);
     if (m <= 0)
         goto refuse;

@@ -279,3 +279,25 @@ def test_releases_taken_for_a_request_never_sent_still_go(pair, monkeypatch):
     while not freed and time.monotonic() < deadline:
         time.sleep(0.01)
     assert freed == ["a:released"]
+
+
+def test_releases_ride_behind_any_large_read(monkeypatch):
+    """Behind a read over 64 KiB the waiting releases ride at once, fewer than a batch and
+    however briefly they waited (the read's own cost dwarfs theirs)."""
+    monkeypatch.setattr(sockets, "_FLUSHER", sockets._Flusher(linger=30.0))   # only a request can carry them
+    monkeypatch.setattr(sockets, "RELEASE_RIDE", 30.0)
+    big = KVLayout(num_layers=2, block_size=16, num_kv_heads=1, head_dim=1024, dtype="float16")   # 128 KiB blocks
+    freed: list[str] = []
+    with KVSender(KVPool.allocate(big, 4), "tcp://127.0.0.1:0", leases=False,
+                  on_free=lambda h, reason: freed.append(f"{h.request_id}:{reason}")) as snd, \
+            KVReceiver(KVPool.allocate(big, 4), leases=False) as rcv:
+        a = snd.publish("a", snd.pool.alloc(1), 16)
+        assert rcv.fetch(a, [0]).ok                      # a large read: its release waits
+        b = snd.publish("b", snd.pool.alloc(1), 16)
+        time.sleep(0.2)
+        assert freed == []
+        assert rcv.fetch(b, [1], release=False).ok       # the next large read carries it
+        deadline = time.monotonic() + 5
+        while not freed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert freed == ["a:released"]
