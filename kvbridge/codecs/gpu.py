@@ -64,6 +64,12 @@ def part_pointers(pool: KVPool, idx: torch.Tensor, layers: range) -> torch.Tenso
     return torch.cat(out).to(device=pool.device, dtype=torch.int64)
 
 
+# IEEE arithmetic spelled out (NVRTC's defaults today, but the twin's bit-exactness rests on it):
+# subnormals kept (a tiny group's scale is often subnormal), correctly rounded QMAX / amax, and no
+# multiply-add contraction.
+NVRTC_OPTIONS = ("--std=c++17", "--ftz=false", "--prec-div=true", "--prec-sqrt=true", "--fmad=false")
+
+
 class GpuKernels:
     """The compiled module for one device, and launchers for the codecs in ``quant.py``."""
 
@@ -77,7 +83,7 @@ class GpuKernels:
         self.vectorize = True  # 16-byte loads when the geometry allows (tests turn it off to compare)
         with cupy.cuda.Device(device.index or 0):
             try:
-                self.module = cupy.RawModule(code=source(), options=("--std=c++17",))
+                self.module = cupy.RawModule(code=source(), options=NVRTC_OPTIONS)
                 self.kernels = {n: self.module.get_function(n) for n in KERNEL_NAMES}
             except cupy.cuda.compiler.CompileException as exc:
                 raise ConfigError(f"native/kv_codecs.cu does not compile with NVRTC: {exc}") from None

@@ -74,7 +74,9 @@ def _scaled(x: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
         up = torch.where(tiny, _UP, 1.0)
         amax = amax * up
         xf.mul_(up)
-    inv = torch.where(amax > 0, qmax / amax, torch.zeros((), dtype=torch.float32, device=x.device))
+    # a true division (``qmax / amax`` with a Python number is ``amax.reciprocal() * qmax`` in torch:
+    # rounded twice, a code in four differs from the kernels' correctly rounded QMAX / amax)
+    inv = torch.where(amax > 0, torch.div(amax.new_full((), qmax), amax), amax.new_zeros(()))
     return xf.mul_(inv), scale
 
 

@@ -70,8 +70,8 @@ def test_nvrtc_compiles(cu: Path) -> None:
         pytest.skip("NVRTC not found (pip install nvidia-cuda-nvrtc-cu12, or a CUDA toolkit with libnvrtc)")
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), cu.read_bytes(), cu.name.encode(), 0, None, None) == 0
-    opts = (ctypes.c_char_p * 2)(b"--std=c++17", b"-arch=compute_80")
-    rc = lib.nvrtcCompileProgram(prog, 2, opts)
+    args = [o.encode() for o in gpu.NVRTC_OPTIONS] + [b"-arch=compute_80"]   # the options kvbridge passes
+    rc = lib.nvrtcCompileProgram(prog, len(args), (ctypes.c_char_p * len(args))(*args))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
@@ -112,6 +112,41 @@ def test_element_conversions_match_torch_bit_for_bit(tmp_path: Path) -> None:
     assert torch.equal(qf[ok], p.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)[ok])
     ref = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
     assert bool(((ref == table) | (ref.isnan() & table.isnan())).all())
+
+
+def _kernel_formula(x: np.ndarray, qmax: float) -> tuple[np.ndarray, np.ndarray]:
+    """kv_codecs.cu's arithmetic per row, in numpy float32 (IEEE, correctly rounded division):
+    up = 2^64 when 0 < amax < 2^-96; inv = QMAX / (amax * up); y = clamp(x * up * inv);
+    scale = amax * float32(1/QMAX)."""
+    f32 = np.float32
+    m = np.abs(x).max(-1, keepdims=True)
+    up = np.where((m > 0) & (m < f32(2.0 ** -96)), f32(2.0 ** 64), f32(1.0)).astype(f32)
+    with np.errstate(divide="ignore"):
+        inv = np.where(m > 0, f32(qmax) / (m * up), f32(0.0)).astype(f32)
+    y = np.clip((x * up).astype(f32) * inv, -qmax, qmax).astype(f32)
+    inv_q = f32(float.fromhex("0x1.020408p-7") if qmax == 127 else float.fromhex("0x1.24924ap-9"))
+    return y, (m[..., 0] * inv_q).astype(f32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mul", [1.0, 2.0 ** -110, 2.0 ** -125], ids=["normal", "tiny", "subnormal"])
+def test_torch_twin_computes_the_kernels_formula(dtype: torch.dtype, mul: float) -> None:
+    """On the host, without a GPU: the torch twin's codes and scales equal the kernels' formula
+    bit for bit (a twin that multiplied by a rounded reciprocal instead of dividing differed in
+    about one code in four; the GPU test then failed)."""
+    from kvbridge.codecs.quant import quantize_fp8, quantize_int8
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(4000, 128, generator=g) * mul).to(dtype)
+    x[7] = 0                                            # an all-zero row: scale 0, codes 0
+    xf = x.float().numpy()
+    y, scale = _kernel_formula(xf, 127.0)
+    q, s = quantize_int8(x)
+    assert np.array_equal(s.numpy(), scale)
+    assert np.array_equal(q.numpy(), np.rint(y).astype(np.int8))
+    y, scale = _kernel_formula(xf, 448.0)
+    q, s = quantize_fp8(x)
+    assert np.array_equal(s.numpy(), scale)
+    assert torch.equal(q.view(torch.uint8), torch.from_numpy(y).to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 @pytest.mark.parametrize("kind", list(LAYOUTS))
@@ -172,6 +207,17 @@ def test_kernel_matches_torch_twin_on_tiny_groups(name: str) -> None:
         kernels.vectorize = True
 
 
+def _first_difference(a: torch.Tensor, b: torch.Tensor, as_type: torch.dtype) -> str:
+    """Where two byte sections first differ, and the two values there (for the failure message)."""
+    n = a.numel() // torch.empty((), dtype=as_type).element_size()
+    va, vb = a[:n * (a.numel() // n)].view(as_type), b[:n * (b.numel() // n)].view(as_type)
+    bad = (va != vb).nonzero()
+    if not len(bad):
+        return "equal"
+    i = int(bad[0])
+    return f"{int((va != vb).sum())} of {n} differ, first at {i}: kernel {va[i].item()!r} twin {vb[i].item()!r}"
+
+
 def _compare(name: str, dtype: str, kind: str, tiny: bool = False) -> None:
     layout = KVLayout.vllm_flash(2, 8, 128, 16, dtype) if kind == "llama" else LAYOUTS[kind](dtype, 16)
     host = KVPool.allocate(layout, 64)
@@ -189,10 +235,11 @@ def _compare(name: str, dtype: str, kind: str, tiny: bool = False) -> None:
     f1, f2 = fused.encode(pool, ids), twin.encode(pool, ids)
     sb, _ = twin.sizes(pool.layout, len(ids), pool.layout.num_layers)
     assert f1.nbytes == f2.nbytes and torch.equal(f1.data[:96].cpu(), f2.data[:96].cpu())  # headers
-    assert torch.equal(f1.data[96:96 + sb], f2.data[96:96 + sb]), (dtype, kind)  # scales: bit-identical
+    s1, s2 = f1.data[96:96 + sb].cpu(), f2.data[96:96 + sb].cpu()
+    assert torch.equal(s1, s2), (dtype, kind, _first_difference(s1, s2, torch.float32))  # scales: bit-identical
     codes1, codes2 = f1.data[96 + sb:].cpu(), f2.data[96 + sb:].cpu()
     if name == "int8":
-        assert torch.equal(codes1, codes2), (dtype, kind)
+        assert torch.equal(codes1, codes2), (dtype, kind, _first_difference(codes1, codes2, torch.int8))
     else:
         assert int((codes1.int() - codes2.int()).abs().max()) <= 1, (dtype, kind)
     d1 = KVPool.allocate(pool.layout, 64, device="cuda")

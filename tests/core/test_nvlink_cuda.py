@@ -46,12 +46,13 @@ def test_exports_name_the_allocation_base_and_the_offset_in_it():
 def test_cross_process_fetch_maps_each_buffer_once():
     peer = RemotePeer()
     try:
-        info = peer.new_sender(layout=LAYOUT.to_dict(), num_blocks=64, listen="nvlink://", seed=5, reserve_all=True)
+        info = peer.new_sender(layout=LAYOUT.to_dict(), num_blocks=64, listen="nvlink://", seed=5)
         ref = reference_pool(LAYOUT, 64, 5)
         pool = KVPool.allocate(LAYOUT, 64, device="cuda")
         with KVReceiver(pool) as rcv:
-            for k in range(3):
-                ids = random.Random(k).sample(range(64), 16)
+            for k in range(3):    # a released handle's blocks go back to the sender's free list
+                ids = peer.alloc(sid=info["sid"], n=16)
+                random.Random(k).shuffle(ids)
                 dst = random.Random(k + 10).sample(range(64), 16)
                 h = KVHandle.from_bytes(base64.b64decode(peer.publish(
                     sid=info["sid"], request_id=f"r{k}", block_ids=ids, num_tokens=16 * 16)))
