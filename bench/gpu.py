@@ -43,8 +43,8 @@ import torch
 
 GIB, MIB = 1 << 30, 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TEST_SETS = [("gpu-files", ["tests/core/test_nvlink_cuda.py", "tests/core/test_staging.py",
-                            "tests/core/test_nvlink.py"], 120),
+TEST_SETS = [("gpu-files", ["tests/core/test_nvlink_cuda.py", "tests/core/test_gpucopy.py",
+                            "tests/core/test_staging.py", "tests/core/test_nvlink.py"], 120),
              ("conformance-nvlink", ["tests/core/test_conformance.py", "-k", "nvlink"], 150)]
 MEASURE_BUDGET_S = 200.0      # no new section starts after this long
 REPLY_S = 120.0               # the sender process answers a publish within this

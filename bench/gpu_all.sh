@@ -39,7 +39,7 @@ PY
 rcs=()
 echo "== 1. GPU tests"
 timeout 200 python3 -m pytest -rs --tb=short -p no:cacheprovider --timeout 90 \
-  tests/core/test_nvlink_cuda.py tests/core/test_staging.py tests/core/test_nvlink.py \
+  tests/core/test_nvlink_cuda.py tests/core/test_gpucopy.py tests/core/test_staging.py tests/core/test_nvlink.py \
   tests/codecs/test_codecs_native.py tests/security/test_codec_defenses.py \
   "tests/workers/test_workers_engine.py::test_cuda_pool_and_model_match_cpu"
 rcs+=("tests=$?")

@@ -176,7 +176,10 @@ class Staging:
         return Spans(self, [(0, o, n) for o, n in pieces if n])  # type: ignore[arg-type]
 
 
-def total(runs: Sequence[Run]) -> int:
+def total(runs: Any) -> int:
+    """Bytes named by (offset, nbytes) runs: a sequence of pairs, or an ``(n, 2)`` array."""
+    if hasattr(runs, "shape"):
+        return int(runs[:, 1].sum()) if len(runs) else 0
     return sum(n for _, n in runs)
 
 

@@ -30,15 +30,15 @@ refused (use shm:// or tcp://).
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import os
 import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import BackendUnavailable, ConfigError, ProtocolError, StaleHandle
@@ -55,6 +55,7 @@ _PROC = struct.Struct("!16sI")        # unused (zeros): who the peer is comes fr
 _EVENT = struct.Struct("!16s64s")     # event id, CUDA IPC event handle
 _BUF = struct.Struct("!16s64sQQ")     # export id, CUDA IPC memory handle, offset in the allocation, nbytes
 _RUN = struct.Struct("!QQ")           # offset in the concatenation of the buffers, nbytes
+_RUNS_DTYPE = np.dtype(">u8")          # the same, read and written as arrays
 _NO_EVENT = bytes(16)
 MAX_OPEN = 64                         # IPC mappings a client keeps open (least recently used closed first)
 _EVENT_FLAGS = 0x02 | 0x04            # cudaEventDisableTiming | cudaEventInterprocess
@@ -250,7 +251,10 @@ class NVLinkServer(ShmServer):
                 struct.pack("!H", len(exports))]
         body += [_BUF.pack(e.eid, e.ipc.ljust(64, b"\0"), e.offset, e.flat.numel()) for e in exports]
         body.append(struct.pack("!I", len(spans.segments)))
-        body += [_RUN.pack(bases[b] + o, n) for b, o, n in spans.segments]
+        seg = np.asarray(spans.segments, dtype=np.int64).reshape(-1, 3)
+        starts = np.zeros(max(used, default=-1) + 1, dtype=np.int64)
+        starts[list(bases)] = list(bases.values())
+        body.append(np.stack([starts[seg[:, 0]] + seg[:, 1], seg[:, 2]], axis=1).astype(_RUNS_DTYPE).tobytes())
         return b"".join(body)
 
 
@@ -263,19 +267,15 @@ class _Mapped:
     buffers: list[tuple[bytes, bytes, int, int]]     # (export id, IPC handle, offset, nbytes)
     bases: list[int]
 
-    def pieces(self, runs: list[tuple[int, int]]) -> list[Piece]:
-        out: list[Piece] = []
-        i = 0
-        for off, n in runs:                 # runs ascend within a buffer but may jump back between them
-            while i + 1 < len(self.bases) and off >= self.bases[i + 1]:
-                i += 1
-            while i > 0 and off < self.bases[i]:
-                i -= 1
-            out.append((i, off - self.bases[i], n))
-        return out
+    def pieces(self, runs: np.ndarray) -> np.ndarray:
+        """The runs (offsets into the concatenation of the buffers) as ``(buffer, offset, nbytes)``
+        pieces, ``(n, 3)``; runs may jump back and forth between buffers."""
+        bases = np.asarray(self.bases, dtype=np.int64)
+        i = np.searchsorted(bases, runs[:, 0], side="right") - 1
+        return np.stack([i, runs[:, 0] - bases[i], runs[:, 1]], axis=1)
 
 
-def _parse_mapped(body: bytes, pos: int, local: bool) -> tuple[_Mapped, list[tuple[int, int]]]:
+def _parse_mapped(body: bytes, pos: int, local: bool) -> tuple[_Mapped, np.ndarray]:
     """``local``: the peer is this process (from the kernel, ``SO_PEERCRED``: a peer that only
     says so would have this process copy into and out of its own exports where it chose)."""
     try:
@@ -289,16 +289,21 @@ def _parse_mapped(body: bytes, pos: int, local: bool) -> tuple[_Mapped, list[tup
         p += 4
         if len(body) != p + nruns * _RUN.size:
             raise ProtocolError("MAPPED frame has the wrong length")
-        runs = [_RUN.unpack_from(body, p + k * _RUN.size) for k in range(nruns)]
-    except struct.error:
+        raw = np.frombuffer(body, dtype=_RUNS_DTYPE, count=2 * nruns, offset=p).reshape(-1, 2)
+    except (struct.error, ValueError):
         raise ProtocolError("MAPPED frame is malformed") from None
     bases, total = [], 0
     for _, _, _, n in bufs:
         bases.append(total)
         total += n
-    for off, n in runs:                    # every run inside one buffer
-        k = bisect.bisect_right(bases, off) - 1
-        if k < 0 or off + n > bases[k] + bufs[k][3]:
+    # every run inside one buffer (compared as unsigned first: the peer's numbers may be anything)
+    if len(raw) and not (int(raw[:, 0].max()) <= total and int(raw[:, 1].max()) <= total):
+        raise ProtocolError("peer named bytes outside the buffers it exported")
+    runs = raw.astype(np.int64)
+    if len(runs):
+        ends = np.asarray(bases, dtype=np.int64) + np.asarray([b[3] for b in bufs], dtype=np.int64)
+        k = np.searchsorted(np.asarray(bases, dtype=np.int64), runs[:, 0], side="right") - 1
+        if (k < 0).any() or (runs[:, 0] + runs[:, 1] > ends[np.maximum(k, 0)]).any():
             raise ProtocolError("peer named bytes outside the buffers it exported")
     return _Mapped(local, (eid, ehandle), [(e, h, o, n) for e, h, o, n in bufs], bases), runs
 
@@ -334,7 +339,7 @@ class NVLinkTransport(ShmTransport):
             check_pool(pool)
         return super().serve(url, source, timeout)
 
-    def _runs(self, body: bytes, pos: int, writable: bool, peer: tuple[int, int]) -> tuple[Any, list[tuple[int, int]]]:
+    def _runs(self, body: bytes, pos: int, writable: bool, peer: tuple[int, int]) -> tuple[Any, Any]:
         return _parse_mapped(body, pos, peer[0] == os.getpid())
 
     # -- mappings ------------------------------------------------------------------------------
@@ -461,8 +466,8 @@ class NVLinkTransport(ShmTransport):
         except _cuda_errors(cp) as exc:
             raise StaleHandle(f"cannot wait on the sender's CUDA event: {exc}") from None
 
-    def _move(self, m: _Mapped, device_pool: Any, into_peer: bool, mine: list[Piece],
-              theirs: list[Piece]) -> int:
+    def _move(self, m: _Mapped, device_pool: Any, into_peer: bool, mine: Sequence[Piece],
+              theirs: Any) -> int:
         """Copy between this side's pool and the peer's mapped buffers; complete on return."""
         cuda = device_pool.device.type == "cuda" or not m.local
         if cuda:
@@ -487,10 +492,10 @@ class NVLinkTransport(ShmTransport):
             self._release(held)
         return n
 
-    def _copy_in(self, dst: Spans, m: Any, runs: list[tuple[int, int]]) -> int:  # type: ignore[override]
+    def _copy_in(self, dst: Spans, m: Any, runs: Any) -> int:  # type: ignore[override]
         return self._move(m, dst.pool, False, list(dst.segments), m.pieces(runs))
 
-    def _copy_out(self, src: Spans, m: Any, runs: list[tuple[int, int]]) -> int:  # type: ignore[override]
+    def _copy_out(self, src: Spans, m: Any, runs: Any) -> int:  # type: ignore[override]
         return self._move(m, src.pool, True, list(src.segments), m.pieces(runs))
 
     def extra(self, name: str, default: Any = None) -> Any:

@@ -53,7 +53,7 @@ from ..integrity import block_checksums
 from ..lease.base import Claim
 from ..policy import Timeout
 from ..pool import KVPool, SharedSegment, peer_cred, peer_segment
-from .base import Chunk, Server, Spans, SpansFor, copy_runs, generations_held, unverified
+from .base import Chunk, Server, Spans, SpansFor, copy_runs, generations_held, total, unverified
 from .deadline import WATCHDOG
 from .shm_onesided import OneSidedReads
 from .shm_server import _RUN, MAX_GRANTS as MAX_GRANTS, ShmServer as ShmServer, _path_of as _path_of
@@ -267,7 +267,7 @@ class ShmTransport(OneSidedReads):
             got = _claim_of(body, claim)
             lo, hi, sums, used = decode_layers(body[FENCE.size:], nb, (first, end))
             seg, runs = self._runs(body, FENCE.size + used, False, peer)
-            dst = spans_for(lo, hi, sum(n for _, n in runs))
+            dst = spans_for(lo, hi, total(runs))
             return Chunk(lo, hi, sums, self._copy_in(dst, seg, runs), got), b""
         chunk: Chunk = self._exchange(url, Kind.MAP, encode_request(handle.to_bytes(), indices, claim, (first, end)),
                                       move, Kind.DONE, f"map layers of {url}")
@@ -287,8 +287,8 @@ class ShmTransport(OneSidedReads):
             if (lo, hi) != layers:
                 raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")
             mapped, runs = self._runs(body, FENCE.size + used, True, peer)
-            if sum(n for _, n in runs) != src.nbytes:
-                raise ProtocolError(f"receiver mapped {sum(n for _, n in runs)} bytes for {src.nbytes}")
+            if total(runs) != src.nbytes:
+                raise ProtocolError(f"receiver mapped {total(runs)} bytes for {src.nbytes}")
             return self._copy_out(src, mapped, runs), encode_request(b"", last=last, nbytes=0, sums=sums)
         return int(self._exchange(url, Kind.WMAP, encode_request(ticket.to_bytes(), None, claim, layers), move,
                                   Kind.WDONE, f"write to {url}"))

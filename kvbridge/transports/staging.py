@@ -20,12 +20,13 @@ from __future__ import annotations
 import math
 import socket
 import threading
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from ..errors import TransferCancelled
 from ..pool import _host_view
+from . import gpucopy
 from .base import Spans
 from .wire import recv_scatter, send_all
 
@@ -136,11 +137,21 @@ def _copy_run(run: _Run, src: torch.Tensor, dst: torch.Tensor) -> None:
         d2.index_copy_(0, _rows([d for _, d, _ in p], lens, g).to(dst.device, non_blocking=True), gathered)
 
 
-def copy_pieces(dst_flats: Sequence[torch.Tensor], dst: Sequence[Piece], src_flats: Sequence[torch.Tensor],
-                src: Sequence[Piece]) -> int:
-    """Copy the byte stream ``src`` (pieces of ``src_flats``) into ``dst`` (pieces of ``dst_flats``):
-    one gather/scatter per run of pieces between the same two buffers (a layer's part), on the
-    current streams; the caller synchronizes. Returns the bytes moved."""
+def copy_pieces(dst_flats: Sequence[torch.Tensor], dst: Any, src_flats: Sequence[torch.Tensor], src: Any) -> int:
+    """Copy the byte stream ``src`` (pieces of ``src_flats``) into ``dst`` (pieces of ``dst_flats``),
+    on the current streams; the caller synchronizes. Returns the bytes moved. Pieces are
+    sequences of ``(buffer, offset, nbytes)`` or ``(n, 3)`` arrays.
+
+    Every buffer on one CUDA device (and CuPy there): one kernel over all the pieces
+    (:mod:`kvbridge.transports.gpucopy`). Otherwise one gather/scatter per run of pieces between
+    the same two buffers (a layer's part)."""
+    got = gpucopy.copy(dst_flats, dst, src_flats, src)
+    if got is not None:
+        return got
+    if hasattr(src, "tolist"):
+        src = src.tolist()
+    if hasattr(dst, "tolist"):
+        dst = dst.tolist()
     moved = 0
     for run in _runs_of(src, dst):
         _copy_run(run, src_flats[run.src], dst_flats[run.dst])

@@ -133,9 +133,11 @@ def _mapped(pid: int, bufs: list[tuple[bytes, int]], runs: list[tuple[int, int]]
 
 def test_mapped_frames_are_parsed_defensively():
     m, runs = nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(120, 30), (0, 10)]), 0, False)
-    assert m.pieces(runs) == [(1, 20, 30), (0, 0, 10)]
-    with pytest.raises(ProtocolError):
-        nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], [(90, 20)]), 0, False)     # crosses a buffer end
+    assert m.pieces(runs).tolist() == [[1, 20, 30], [0, 0, 10]]
+    for bad in ([(90, 20)], [(0, 10), (90, 20)], [(150, 1)], [(2 ** 64 - 1, 1)], [(0, 2 ** 64 - 1)],
+                [(2 ** 63, 2 ** 63)], [(149, 2 ** 64 - 149)]):       # crosses a buffer end, or wraps around
+        with pytest.raises(ProtocolError):
+            nvlink._parse_mapped(_mapped(1, [(b"h", 100), (b"h", 50)], bad), 0, False)
     with pytest.raises(ProtocolError):
         nvlink._parse_mapped(_mapped(1, [(b"h", 100)], [(0, 10)])[:-1], 0, False)
     body = _mapped(1, [(b"", 100)], [(0, 10)])                    # another process, nothing CUDA IPC can open
