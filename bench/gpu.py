@@ -338,6 +338,25 @@ def measure(rounds: int, big_blocks: int, save: Callable[[list[dict]], None]) ->
                   f"{statistics.median(leased) * 1e3:.2f} ms, row copy {statistics.median(local) * 1e3:.2f} ms",
                   flush=True)
 
+        def profile() -> None:
+            """Where the receiver's time goes in an unleased 128 MiB fetch (cProfile, 3 fetches)."""
+            import cProfile
+            import io
+            import pstats
+            src_ids, dst_ids, _, _ = state[64]
+            handles = [sender.publish("nvlink", src_ids) for _ in range(3)]
+            prof = cProfile.Profile()
+            prof.enable()
+            for h in handles:
+                _ok(rcv.fetch(h, dst_ids), "nvlink fetch (profiled)")
+            prof.disable()
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+            text = out.getvalue()
+            rows.append({"what": "profile of 3 nvlink fetches of 128 MiB (receiver, by own time)",
+                         "text": text[text.find("ncalls"):]})
+            print(text[text.find("ncalls"):], flush=True)
+
         def checksums() -> None:
             src_ids, _, fetch, _ = state[64]
             integrity.block_checksums(dst, src_ids)                       # warm: ring allocated
@@ -397,6 +416,7 @@ def measure(rounds: int, big_blocks: int, save: Callable[[list[dict]], None]) ->
         if 64 in state:
             section("nvlink 128 MiB latency parts", latency_parts)
             section("checksums 128 MiB", checksums)
+            section("profile 128 MiB", profile)
         section("staging", staging)
         section("tcp device vs host", tcp)
     finally:
@@ -427,6 +447,9 @@ def markdown(result: dict[str, Any]) -> str:
             continue
         if "error" in r or "skipped" in r:
             lines.append(f"- {r['what']}: " + (f"FAILED: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"))
+            continue
+        if "text" in r:
+            lines += [f"- {r['what']}:", "", "```", r["text"].rstrip(), "```", ""]
             continue
         parts = []
         for k, v in r.items():
