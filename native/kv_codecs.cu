@@ -93,23 +93,38 @@ KVB_HD float kvb_e4m3_to_f32(u8 v) {
 
 KVB_HD bool kvb_finite(float f) { return (kvb_float_to_bits(f) & 0x7f800000u) != 0x7f800000u; }
 
-KVB_HD float kvb_nanmax(float m, float a) { return (a > m || a != a) ? a : m; }  // NaN propagates
+// Subnormals are kept whatever flush-to-zero setting the kernels are compiled with (a tiny group's
+// scale is often subnormal, and the twin keeps it): products through PTX mul.rn.f32 without .ftz,
+// absolute values and comparisons on the bits.
+KVB_HD float kvb_mul(float a, float b) {
+#ifdef __CUDA_ARCH__
+  float r; asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+#else
+  return a * b;
+#endif
+}
+KVB_HD float kvb_abs(float x) { return kvb_bits_to_float(kvb_float_to_bits(x) & 0x7fffffffu); }
+// max of two non-negative values (|x|) as their bits, as the twin's integer max: NaN bits are the largest
+KVB_HD float kvb_nanmax(float m, float a) { return kvb_float_to_bits(a) > kvb_float_to_bits(m) ? a : m; }
 
 // QMAX / amax overflows float32 below ~1e-36 (subnormal or tiny normal groups: x * inf is inf,
 // 0 * inf NaN): a group with 0 < amax < 2^-96 and its values are scaled by 2^64 first, as the
 // torch twin does (kvbridge/codecs/quant.py). Powers of two are exact, so x * inv rounds as it
 // would without the overflow; the scale written stays amax * (1/QMAX).
-KVB_HD float kvb_up(float m) { return (m > 0.0f && m < 0x1p-96f) ? 0x1p64f : 1.0f; }
-KVB_HD float kvb_inv(float m, float up, float qmax) { return m > 0.0f ? qmax / (m * up) : 0.0f; }
+KVB_HD float kvb_up(float m) {   // m >= 0; 0x0f800000 is 2^-96
+  u32 b = kvb_float_to_bits(m);
+  return (b != 0u && b < 0x0f800000u) ? 0x1p64f : 1.0f;
+}
+KVB_HD float kvb_inv(float m, float up, float qmax) { return kvb_float_to_bits(m) != 0u ? qmax / kvb_mul(m, up) : 0.0f; }
 
 KVB_HD signed char kvb_q_int8(float x, float inv) {
-  float r = rintf(x * inv);
+  float r = rintf(kvb_mul(x, inv));
   r = r > 127.0f ? 127.0f : (r < -127.0f ? -127.0f : r);
   return (signed char)(int)r;
 }
 
 KVB_HD u8 kvb_q_fp8(float x, float inv) {
-  float y = x * inv;
+  float y = kvb_mul(x, inv);
   y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
   return kvb_f32_to_e4m3(y);
 }
@@ -149,13 +164,13 @@ __device__ void kvb_gather_quant_rows(const u64* parts, long long num_rows, int 
   if (row >= num_rows) return;
   const T* src = reinterpret_cast<const T*>(parts[row / rows_per_part]) + (row % rows_per_part) * (long long)dim;
   float m = 0.0f;
-  for (int i = lane; i < dim; i += 32) m = kvb_nanmax(m, fabsf(kvb_load(src + i)));
+  for (int i = lane; i < dim; i += 32) m = kvb_nanmax(m, kvb_abs(kvb_load(src + i)));
   m = kvb_warp_max(m);
   if (!kvb_finite(m)) { if (lane == 0) *bad = 1; }
   float up = kvb_up(m), inv = kvb_inv(m, up, Q::QMAX);
   u8* out = q + row * (long long)dim;
-  for (int i = lane; i < dim; i += 32) out[i] = Q::enc(kvb_load(src + i) * up, inv);
-  if (lane == 0) scales[row] = m * Q::inv_qmax();
+  for (int i = lane; i < dim; i += 32) out[i] = Q::enc(kvb_mul(kvb_load(src + i), up), inv);
+  if (lane == 0) scales[row] = kvb_mul(m, Q::inv_qmax());
 }
 
 // One warp per row: dequantize from staging, scatter into the pool in its dtype.
@@ -168,7 +183,7 @@ __device__ void kvb_dequant_scatter_rows(const u64* parts, long long num_rows, i
   T* dst = reinterpret_cast<T*>(parts[row / rows_per_part]) + (row % rows_per_part) * (long long)dim;
   float s = scales[row];
   const u8* in = q + row * (long long)dim;
-  for (int i = lane; i < dim; i += 32) kvb_store(dst + i, Q::dec(in[i]) * s);
+  for (int i = lane; i < dim; i += 32) kvb_store(dst + i, kvb_mul(Q::dec(in[i]), s));
 }
 
 // One thread block per part (fp8-block): block-wide amax, then quantize the part.
@@ -177,7 +192,7 @@ __device__ void kvb_gather_quant_parts(const u64* parts, int part_elems, u8* q, 
   __shared__ float red[32];
   const T* src = reinterpret_cast<const T*>(parts[blockIdx.x]);
   float m = 0.0f;
-  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) m = kvb_nanmax(m, fabsf(kvb_load(src + i)));
+  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) m = kvb_nanmax(m, kvb_abs(kvb_load(src + i)));
   m = kvb_warp_max(m);
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
   __syncthreads();
@@ -191,8 +206,8 @@ __device__ void kvb_gather_quant_parts(const u64* parts, int part_elems, u8* q, 
   if (threadIdx.x == 0 && !kvb_finite(m)) *bad = 1;
   float up = kvb_up(m), inv = kvb_inv(m, up, Q::QMAX);
   u8* out = q + (long long)blockIdx.x * part_elems;
-  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) out[i] = Q::enc(kvb_load(src + i) * up, inv);
-  if (threadIdx.x == 0) scales[blockIdx.x] = m * Q::inv_qmax();
+  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) out[i] = Q::enc(kvb_mul(kvb_load(src + i), up), inv);
+  if (threadIdx.x == 0) scales[blockIdx.x] = kvb_mul(m, Q::inv_qmax());
 }
 
 template <typename T, typename Q>
@@ -200,7 +215,7 @@ __device__ void kvb_dequant_scatter_parts(const u64* parts, int part_elems, cons
   T* dst = reinterpret_cast<T*>(parts[blockIdx.x]);
   float s = scales[blockIdx.x];
   const u8* in = q + (long long)blockIdx.x * part_elems;
-  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) kvb_store(dst + i, Q::dec(in[i]) * s);
+  for (int i = threadIdx.x; i < part_elems; i += blockDim.x) kvb_store(dst + i, kvb_mul(Q::dec(in[i]), s));
 }
 
 // ---- vectorized variants: 16-byte loads, a row held in registers -------------------------
@@ -280,7 +295,7 @@ __device__ void kvb_gather_quant_rows_vec(const u64* parts, long long num_rows, 
     const T* src = reinterpret_cast<const T*>(parts[row / rows_per_part]) + (row % rows_per_part) * (long long)dim;
     KvbVec<T>::load(src + sub * N, v);
 #pragma unroll
-    for (int i = 0; i < N; ++i) m = kvb_nanmax(m, fabsf(v[i]));
+    for (int i = 0; i < N; ++i) m = kvb_nanmax(m, kvb_abs(v[i]));
   }
   for (int o = lanes_per_row >> 1; o > 0; o >>= 1) m = kvb_nanmax(m, __shfl_xor_sync(0xffffffffu, m, o));
   if (!valid) return;
@@ -288,9 +303,9 @@ __device__ void kvb_gather_quant_rows_vec(const u64* parts, long long num_rows, 
   float up = kvb_up(m), inv = kvb_inv(m, up, Q::QMAX);
   u8 c[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) c[i] = Q::enc(v[i] * up, inv);
+  for (int i = 0; i < N; ++i) c[i] = Q::enc(kvb_mul(v[i], up), inv);
   KvbCodes<N>::store(q + row * (long long)dim + sub * N, c);
-  if (sub == 0) scales[row] = m * Q::inv_qmax();
+  if (sub == 0) scales[row] = kvb_mul(m, Q::inv_qmax());
 }
 
 template <typename T, typename Q>
@@ -307,7 +322,7 @@ __device__ void kvb_dequant_scatter_rows_vec(const u64* parts, long long num_row
   KvbCodes<N>::load(q + row * (long long)dim + sub * N, c);
   float v[N];
 #pragma unroll
-  for (int i = 0; i < N; ++i) v[i] = Q::dec(c[i]) * s;
+  for (int i = 0; i < N; ++i) v[i] = kvb_mul(Q::dec(c[i]), s);
   KvbVec<T>::store(dst + sub * N, v);
 }
 
