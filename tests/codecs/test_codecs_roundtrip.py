@@ -221,7 +221,7 @@ def test_quantizers_are_the_documented_formulas(dtype: str) -> None:
     for qmax, fn in ((127.0, quantize_int8), (448.0, quantize_fp8)):
         xf = x.float()
         amax = xf.abs().amax(-1, keepdim=True)
-        y = xf * torch.where(amax > 0, qmax / amax, torch.zeros(()))
+        y = xf * torch.where(amax > 0, torch.div(torch.tensor(qmax), amax), torch.zeros(()))  # a true division
         want = (y.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8) if qmax == 448.0
                 else torch.round(y).clamp(-127, 127).to(torch.int8))
         q, scale = fn(x)
