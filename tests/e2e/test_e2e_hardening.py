@@ -171,7 +171,7 @@ def test_a_bug_answers_json_without_its_text(tiny_model: CausalLM) -> None:
 
 # -- 2, 6. clients that leave -------------------------------------------------------------------
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(100)
 def test_clients_leaving_give_back_prefill_and_decode_blocks(tiny_model: CausalLM, lease_url: str) -> None:
     """Streaming clients gone before their first token; a client gone while its handle waits for
     a decode worker (one that never answers); a non-streaming client gone mid-decode: every block
@@ -197,8 +197,8 @@ def test_clients_leaving_give_back_prefill_and_decode_blocks(tiny_model: CausalL
                      5), (pw.pool.num_free, pw.sender.num_live)
         s = _send(stuck_url, "/v1/completions", {"prompt": [80] * 300, "max_tokens": 8, "stream": True})
         assert _wait(lambda: pw.sender.num_live == 1, 10)  # published; the decode worker never takes it
-        s.close()   # released at once (POST /release), well before the 30 s TTL, even on a loaded machine
-        assert _wait(lambda: pw.sender.num_live == 0 and pw.pool.num_free == full, 15)
+        s.close()   # released (POST /release) before the 30 s TTL: 25 s allowed on a loaded 2-core machine
+        assert _wait(lambda: pw.sender.num_live == 0 and pw.pool.num_free == full, 25)
         s = _send(url, "/v1/completions", {"prompt": "hello", "max_tokens": 2000, "ignore_eos": True})
         assert _wait(lambda: dw.loop.load["running"] == 1, 10)
         s.close()
