@@ -15,8 +15,8 @@ it, so it is ordered after every write the sender's stream had queued); and the 
 The client opens each export once (``cudaIpcOpenMemHandle``, about 0.14 ms) and keeps it
 open for the life of the transport (per (sender, buffer); closed with
 ``cudaIpcCloseMemHandle`` on :meth:`NVLinkTransport.close`), then moves the runs with
-row gathers (:func:`~kvbridge.transports.staging.copy_pieces`: one or two kernels per run
-of pieces between the same two buffers, never one launch per block) on the current CUDA
+:func:`~kvbridge.transports.staging.copy_pieces` (one kernel over every piece,
+``native/kv_copy.cu``; row gathers per run of pieces without CuPy) on the current CUDA
 stream of the destination device, and waits for that copy before it sends DONE: when a
 fetch returns, the bytes are in the destination pool for every stream.
 

@@ -10,8 +10,9 @@ one launch per piece. Copies are ``non_blocking`` on CUDA with an event per slot
 next slot is gathered and copied while the previous one is on the wire; on the CPU the
 same code runs synchronously (that is how it is tested without a GPU).
 
-:func:`copy_pieces` moves one byte stream into another with the same row gathers, across
-devices when needed (nvlink://). :func:`stage_out` is also how device pools are
+:func:`copy_pieces` moves one byte stream into another (nvlink://): one kernel over every
+piece when all buffers are on one CUDA device and CuPy is there (:mod:`.gpucopy`), the same
+row gathers otherwise. The per-slot gathers above go through it too. :func:`stage_out` is also how device pools are
 checksummed (:mod:`kvbridge.integrity` hashes the staged host bytes).
 """
 
