@@ -162,10 +162,37 @@ def _stop_orphan(folder: str) -> None:
         os.close(fd)
 
 
+# A unix socket's path holds at most 107 bytes on Linux (sun_path); the server's folder, its
+# socket ("redis.sock") in it, goes to SHORT_TMP where the temp directory's path is too long.
+MAX_SOCKET_PATH = 107
+SHORT_TMP = "/tmp"
+
+
+def _server_dirs() -> list[str]:
+    """Where the servers' folders are made: the temp directory, and SHORT_TMP for a long one."""
+    tmp = tempfile.gettempdir()
+    return [tmp] if os.path.realpath(tmp) == os.path.realpath(SHORT_TMP) else [tmp, SHORT_TMP]
+
+
+def _make_server_dir() -> str:
+    """A private folder (0700) whose ``redis.sock`` fits in a unix socket address."""
+    prefix = f"kvbridge-redis-{os.getpid()}-"
+    for parent in _server_dirs():
+        # mkdtemp adds 8 characters to the prefix
+        if len(os.path.join(parent, prefix + "x" * 8, "redis.sock").encode()) <= MAX_SOCKET_PATH:
+            return tempfile.mkdtemp(prefix=prefix, dir=parent)
+    raise ConfigError(f"no folder for the embedded server's socket: the temp directory "
+                      f"{tempfile.gettempdir()!r} and {SHORT_TMP} are too long for a unix socket path")
+
+
 def _sweep_dead_dirs() -> None:
     """Remove ``kvbridge-redis-<pid>-*`` folders whose process was killed before it could,
     stopping a server of theirs that still runs."""
-    tmp = tempfile.gettempdir()
+    for tmp in _server_dirs():
+        _sweep_dead_dirs_in(tmp)
+
+
+def _sweep_dead_dirs_in(tmp: str) -> None:
     try:
         names = os.listdir(tmp)
     except OSError:
@@ -211,7 +238,7 @@ class EmbeddedRedis:
         self.extra_args = tuple(extra_args)
         _sweep_dead_dirs()
         sweep_credentials()
-        self._dir = tempfile.mkdtemp(prefix=f"kvbridge-redis-{os.getpid()}-")
+        self._dir = _make_server_dir()
         self.password = secrets.token_urlsafe(24)
         self._cred_files: list[str] = []
         self._control = os.path.join(self._dir, "redis.sock")

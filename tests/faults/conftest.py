@@ -10,7 +10,8 @@ Each test records what it measured through the ``tally`` fixture: scenarios run,
 leaked (an owner pool's ``num_free`` not back to its start), stale reads (bytes reported ok
 that are not the published ones), reads served from blocks the owner had freed (``unsafe
 frees``), and hangs (a bounded wait that ran out, or a pytest-timeout). The totals are
-printed at the end of the session::
+printed at the end of the session (``faults.totals``; summed over the workers of a
+parallel run)::
 
     kvbridge lifecycle faults: leaked=0 stale=0 unsafe_frees=0 hangs=0 over N scenarios (T tests)
 
@@ -47,8 +48,8 @@ from kvbridge.lease import EmbeddedRedis
 from kvbridge.policy import Backoff
 
 from ._util import LAYOUT, Bounded, FaultSender, fill_sentinel, wait_until
+from .totals import TOTALS
 
-TOTALS = {"tests": 0, "scenarios": 0, "leaked": 0, "stale": 0, "unsafe_frees": 0, "hangs": 0}
 FAST_RETRY = Retry(attempts=3, backoff=Backoff(base=0.01, cap=0.05), deadline=3.0)
 RECV_TIMEOUT = Timeout(connect=1.0, transfer=10.0)
 
@@ -60,16 +61,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     text = str(call.excinfo.value)
     if call.excinfo.errisinstance(Bounded.Hang) or text.startswith("Timeout"):
         TOTALS["hangs"] += 1
-
-
-def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if TOTALS["scenarios"]:
-        t = TOTALS
-        terminalreporter.write_sep("=", "kvbridge lifecycle faults")
-        terminalreporter.write_line(
-            f"kvbridge lifecycle faults: leaked={t['leaked']} stale={t['stale']} "
-            f"unsafe_frees={t['unsafe_frees']} hangs={t['hangs']} over {t['scenarios']} scenarios "
-            f"({t['tests']} tests; a claim race counts as one scenario)")
 
 
 class Tally:

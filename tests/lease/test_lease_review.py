@@ -204,3 +204,19 @@ def test_server_busy_with_a_long_script_is_retryable(make_store: Any) -> None:
         finally:
             t.join(10)
             raw.close()
+
+
+def test_a_temp_directory_too_deep_for_a_socket_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A temp directory whose path leaves no room for the server's unix socket (108 bytes at most
+    on Linux): the server's folder goes to /tmp instead, and the server starts. Before: the
+    server exited at start ("unix socket path too long"), as under a test runner's deep
+    per-worker temp folder."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    with EmbeddedRedis() as srv:
+        assert srv.unix_path is not None and len(srv.unix_path.encode()) <= embedded.MAX_SOCKET_PATH
+        assert os.path.dirname(os.path.dirname(srv.unix_path)) == embedded.SHORT_TMP
+        assert redis.Redis.from_url(srv.unix_url, password=srv.password).ping()
+        folder = os.path.dirname(srv.unix_path)
+    assert not os.path.exists(folder)
