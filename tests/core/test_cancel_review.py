@@ -70,7 +70,7 @@ def test_an_exchange_armed_after_its_transfers_cancel_is_cut_at_once_as_cancelle
         assert a.recv(1) == b""
         took = time.monotonic() - t0
         assert wd.disarm(a) == CANCELLED
-        assert took < 0.1, f"cut after {took:.2f} s"
+        assert took < 0.3, f"cut after {took:.2f} s"   # at once: well before the 0.5 s look
         assert wd.disarm(c) is False
     finally:
         for s in (a, b, c, d):
