@@ -75,6 +75,8 @@ class SocketServer(Server):
             getattr(endpoint, "release_many", None)
         self.timeout = timeout
         self._listener = listener
+        # tcp: hold a large reply's tail for its trailer (accepted sockets share the listener's family)
+        self._more = _MORE if listener.family in (socket.AF_INET, socket.AF_INET6) else 0
         self._closed = threading.Event()
         self._rings = RingPool()
         self._conns: set[socket.socket] = set()
@@ -395,8 +397,7 @@ class SocketServer(Server):
             # taking nothing for Timeout.transfer) is dropped, its read no longer in flight
             out = cast(socket.socket, PacedSender(conn, RateGuard(MIN_RATE, RATE_GRACE), self.timeout.transfer))
             if spans.pool.is_host:
-                send_iter(out, head, spans.iter_views(), None,
-                          _MORE if conn.family in (socket.AF_INET, socket.AF_INET6) else 0)
+                send_iter(out, head, spans.iter_views(), None, self._more)
             else:
                 ring = self._rings.take()
                 try:
