@@ -115,10 +115,34 @@ def _spawning_thread() -> _Spawner:
         return _spawner
 
 
-def _free_port() -> int:
+# A cluster-mode server also listens on its port + 10000 (the cluster bus): its port is at most this
+CLUSTER_MAX_PORT = 55535
+
+
+def _free_port(highest: int = 65535) -> int:
+    """A port free on 127.0.0.1 now, at most ``highest`` (the kernel's pick, else one tried upward
+    from 20000 at random)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    if port <= highest:
+        return port
+    for _ in range(200):
+        port = secrets.randbelow(highest - 20000) + 20000
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise LeaseStoreUnavailable(f"no free port at or under {highest} on 127.0.0.1")
+
+
+def _cluster_enabled(args: tuple[str, ...] | list[str]) -> bool:
+    """Whether the server's extra arguments turn cluster mode on (``--cluster-enabled yes``)."""
+    args = list(args)
+    return any(a == "--cluster-enabled" and i + 1 < len(args) and args[i + 1].lower() == "yes"
+               for i, a in enumerate(args))
 
 
 def _ping(path: str, timeout: float, password: str) -> bool:
@@ -232,7 +256,9 @@ class EmbeddedRedis:
                  extra_args: tuple[str, ...] = ()) -> None:
         self.binary = binary or find_server_binary()
         self._fixed_port = port is not None
-        self.port = port if port is not None else _free_port()
+        # cluster mode needs room for its bus port (port + 10000)
+        self._highest = CLUSTER_MAX_PORT if _cluster_enabled(extra_args) else 65535
+        self.port = port if port is not None else _free_port(self._highest)
         self.host = "127.0.0.1"
         self.startup_timeout_s = startup_timeout_s
         self.extra_args = tuple(extra_args)
@@ -342,7 +368,7 @@ class EmbeddedRedis:
                 except LeaseStoreUnavailable:
                     if self._fixed_port or attempt == 2:
                         raise
-                    self.port = _free_port()
+                    self.port = _free_port(self._highest)
             return self  # pragma: no cover
 
     def _terminate(self, sig: int) -> None:

@@ -23,7 +23,7 @@ import redis
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
 from kvbridge.errors import KVBridgeError, LeaseError
 from kvbridge.lease import EmbeddedRedis, Fence, LeaseState, RedisLeaseStore
-from kvbridge.lease import _scripts
+from kvbridge.lease import _scripts, embedded
 
 L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
 REQUESTS = [f"req-{os.urandom(6).hex()}" for _ in range(6)]
@@ -215,3 +215,19 @@ def test_lifecycle_on_a_cluster_mode_server(tmp_path: Any) -> None:
             assert {x.ref for x in s.list("owner")} == {s.ref("l1"), s.ref("l2")}
             got = s.batch().claim("l1", "x", 5).get("l2").execute()
             assert isinstance(got[0], KVBridgeError) and got[1].state is LeaseState.ABORTED
+
+
+def test_a_cluster_mode_server_gets_a_port_with_room_for_its_bus() -> None:
+    """A cluster-mode server also binds its port + 10000 and refuses a port over 55535 ("port
+    number too high"). Before: the kernel's ephemeral pick (up to 60999 here) was taken as it
+    came, and a cluster-mode start failed about one time in five."""
+    cluster = ("--cluster-enabled", "yes", "--cluster-require-full-coverage", "no")
+    assert embedded._cluster_enabled(cluster) and not embedded._cluster_enabled(("--cluster-enabled", "no"))
+    assert not embedded._cluster_enabled(("--cluster-enabled",))
+    ports = [embedded._free_port(embedded.CLUSTER_MAX_PORT) for _ in range(300)]
+    assert max(ports) <= embedded.CLUSTER_MAX_PORT
+    srv = EmbeddedRedis(extra_args=cluster)          # not started: its port is chosen here
+    try:
+        assert srv.port <= embedded.CLUSTER_MAX_PORT
+    finally:
+        srv.close()
