@@ -352,8 +352,9 @@ def measure(rounds: int, big_blocks: int, save: Callable[[list[dict]], None]) ->
             prof.disable()
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
             text = out.getvalue()
-            rows.append({"what": "profile of 3 nvlink fetches of 128 MiB (receiver, by own time)",
+            rows.append({"what": "profile of 3 nvlink fetches of 128 MiB (receiver; by own time, by cumulative)",
                          "text": text[text.find("ncalls"):]})
             print(text[text.find("ncalls"):], flush=True)
 

@@ -9,9 +9,11 @@
 #   2. python -m bench.gpu --no-tests --quick (nvlink fetch, staging, device vs host pools over tcp,
 #      device checksums; each against a ceiling measured in the same run);
 #   3. python -m bench.codecs --gpu --quick (fused gather+quantize / dequantize+scatter against a
-#      device-to-device copy and the torch.compile'd twin).
+#      device-to-device copy and the torch.compile'd twin);
+#   4. python -m bench.gpucopy (the batched copy kernel taken apart: plan, upload, launch, against
+#      one device-to-device copy and torch's own gathers).
 # Usage: bash bench/gpu_all.sh [OUT_DIR]. Writes gpu.log (everything), gpu.json, gpu.md and
-# codecs_gpu.json there. Exits non-zero when a step failed.
+# codecs_gpu.json and gpucopy.json there. Exits non-zero when a step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${1:-${TMPDIR:-/tmp}/kvbridge-gpu}"
@@ -51,5 +53,8 @@ rcs+=("bench.gpu=$?")
 echo "== 3. bench.codecs --gpu"
 timeout 70 python3 -m bench.codecs --gpu --quick --out "$OUT/codecs_gpu.json"
 rcs+=("bench.codecs=$?")
+echo "== 4. bench.gpucopy"
+timeout 90 python3 -m bench.gpucopy --out "$OUT/gpucopy.json"
+rcs+=("bench.gpucopy=$?")
 echo "== done $(date -u +%FT%TZ): ${rcs[*]}"
 for r in "${rcs[@]}"; do [[ "$r" == *=0 ]] || exit 1; done
