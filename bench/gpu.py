@@ -311,8 +311,8 @@ def measure(rounds: int, big_blocks: int, save: Callable[[list[dict]], None]) ->
             _row(rows, f"nvlink fetch {label} (other process, checksums off)", nbytes, fetch, d2d,
                  "d2d copy of the same bytes")
             # the same row copy in this process, between two pools: what IPC and control add
-            segs_src = Spans.of_blocks(src_local, src_ids).segments
-            segs_dst = Spans.of_blocks(dst, dst_ids).segments
+            segs_src = Spans.of_blocks(src_local, src_ids).segment_array      # (n, 3) arrays, as nvlink:// plans
+            segs_dst = Spans.of_blocks(dst, dst_ids).segment_array
             fsrc, fdst = flat_buffers(src_local.buffers), flat_buffers(dst.buffers)
             copy_pieces(fdst, segs_dst, fsrc, segs_src)                  # warm
             local = [_timed(lambda: copy_pieces(fdst, segs_dst, fsrc, segs_src)) for _ in range(rounds)]
@@ -353,6 +353,7 @@ def measure(rounds: int, big_blocks: int, save: Callable[[list[dict]], None]) ->
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(14)
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(30)
+            pstats.Stats(prof, stream=out).print_callers("sleep")
             text = out.getvalue()
             rows.append({"what": "profile of 3 nvlink fetches of 128 MiB (receiver; by own time, by cumulative)",
                          "text": text[text.find("ncalls"):]})

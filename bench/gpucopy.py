@@ -8,7 +8,8 @@ against a ceiling measured in the same run (medians of alternating rounds):
 - the whole ``copy_pieces`` (the plan from the handle's piece lists, the table's upload, the
   launch, a synchronize) vs. one device-to-device ``copy_`` of the same bytes;
 - the kernel alone (CUDA events around a launch over a table already on the device);
-- the plan alone (host time: pieces to chunk table), from tuples and from arrays;
+- the plan alone (host time: pieces to chunk table), from tuples and from arrays, and the
+  handle's pieces as a list of tuples and as an array;
 - a candidate kernel that keeps four 16-byte loads in flight per thread;
 - the same gathers done by hand with torch (``dst[:, ids] = src[:, ids]`` per layer).
 
@@ -137,6 +138,14 @@ def measure(rounds: int) -> list[dict[str, Any]]:
         for _ in range(rounds):
             Spans.of_blocks(src_pool, src_ids).segments
         parts["handle's piece list (Spans.of_blocks(...).segments, host)"] = (time.perf_counter() - t0) / rounds
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            Spans.of_blocks(src_pool, src_ids).segment_array
+        parts["handle's piece array (Spans.of_blocks(...).segment_array, host)"] = (time.perf_counter() - t0) / rounds
+        t0 = time.perf_counter()
+        for _ in range(rounds):
+            plan(fdst, darr, fsrc, sarr)
+        parts["plan alone from arrays (host)"] = (time.perf_counter() - t0) / rounds
         ok = all(torch.equal(d[:, dst_ids], s[:, src_ids]) for s, d in zip(src_pool.buffers, dst_pool.buffers))
         ceiling = parts["d2d copy_ of the same bytes (ceiling)"]
         for what, s in parts.items():

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import (TYPE_CHECKING, Any, Callable, ClassVar, Iterator, Literal, Optional, Protocol, Sequence, TypeVar,
                     Union)
 
+import numpy as np
+
 from ..errors import ConfigError, KVBridgeError, ProtocolError, TransferCancelled
 from ..handle import KVHandle
 from ..layout import Segment
@@ -54,7 +56,7 @@ class Spans:
     :attr:`watched` is true.
     """
 
-    __slots__ = ("pool", "_segments", "_layers", "nbytes", "_views", "_runs", "verifier", "cancel", "claimed",
+    __slots__ = ("pool", "_segments", "_layers", "nbytes", "_views", "_array", "_runs", "verifier", "cancel", "claimed",
                  "block_ids", "want_digests", "digests")
 
     def __init__(self, pool: "KVPool", segments: Optional[list[Segment]], block_ids: Optional[list[int]] = None,
@@ -71,6 +73,7 @@ class Spans:
             nl = L.num_layers if layers is None else len(layers)
             self.nbytes = len(block_ids) * nl * L.num_parts * L.part_nbytes
         self._views: Optional[list[memoryview]] = None
+        self._array: Optional[np.ndarray] = None
         self._runs: Optional[list[Run]] = None
         self.verifier: Optional["StreamVerifier"] = None   # hashes bytes as they land
         self.cancel: Optional["Flag"] = None     # anything with is_set(): a Transfer's cancel flag
@@ -88,6 +91,20 @@ class Spans:
             assert self.block_ids is not None
             self._segments = list(self.pool.layout.segments(self.block_ids, self.pool.num_blocks, self._layers))
         return self._segments
+
+    @property
+    def segment_array(self) -> np.ndarray:
+        """:attr:`segments` as an ``(n, 3)`` int64 array (made without a Python loop per block
+        where the spans are blocks); read-only, kept."""
+        if self._array is None:
+            if self._segments is None:
+                assert self.block_ids is not None
+                arr = self.pool.layout.segment_array(self.block_ids, self.pool.num_blocks, self._layers)
+            else:
+                arr = np.asarray(self._segments, dtype=np.int64).reshape(-1, 3)
+            arr.flags.writeable = False
+            self._array = arr
+        return self._array
 
     @property
     def whole_blocks(self) -> bool:

@@ -36,7 +36,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from ..policy import Timeout
 from .base import Server, Spans
 from .shm import ShmServer, ShmTransport
 from .shm import _path_of as shm_path_of
-from .staging import Piece, copy_pieces, flat_buffers
+from .staging import copy_pieces, flat_buffers
 from .wire import FENCE, encode_layers
 
 __all__ = ["NVLinkTransport", "cupy_or_error"]
@@ -238,7 +238,8 @@ class NVLinkServer(ShmServer):
         spans: Spans = grant.spans
         pool = spans.pool
         check_pool(pool)
-        used = sorted({b for b, _, _ in spans.segments})
+        seg = spans.segment_array           # (n, 3): thousands of pieces, no Python loop over them
+        used = np.unique(seg[:, 0]).tolist()
         exports = [self.exports.get(pool.buffers[b]) for b in used]
         base, bases = 0, {}
         for b, e in zip(used, exports):
@@ -250,8 +251,7 @@ class NVLinkServer(ShmServer):
                 encode_layers(*layers, sums), _PROC.pack(bytes(16), 0), _EVENT.pack(eid, ehandle),
                 struct.pack("!H", len(exports))]
         body += [_BUF.pack(e.eid, e.ipc.ljust(64, b"\0"), e.offset, e.flat.numel()) for e in exports]
-        body.append(struct.pack("!I", len(spans.segments)))
-        seg = np.asarray(spans.segments, dtype=np.int64).reshape(-1, 3)
+        body.append(struct.pack("!I", len(seg)))
         starts = np.zeros(max(used, default=-1) + 1, dtype=np.int64)
         starts[list(bases)] = list(bases.values())
         body.append(np.stack([starts[seg[:, 0]] + seg[:, 1], seg[:, 2]], axis=1).astype(_RUNS_DTYPE).tobytes())
@@ -466,7 +466,7 @@ class NVLinkTransport(ShmTransport):
         except _cuda_errors(cp) as exc:
             raise StaleHandle(f"cannot wait on the sender's CUDA event: {exc}") from None
 
-    def _move(self, m: _Mapped, device_pool: Any, into_peer: bool, mine: Sequence[Piece],
+    def _move(self, m: _Mapped, device_pool: Any, into_peer: bool, mine: Any,
               theirs: Any) -> int:
         """Copy between this side's pool and the peer's mapped buffers; complete on return."""
         cuda = device_pool.device.type == "cuda" or not m.local
@@ -493,10 +493,10 @@ class NVLinkTransport(ShmTransport):
         return n
 
     def _copy_in(self, dst: Spans, m: Any, runs: Any) -> int:  # type: ignore[override]
-        return self._move(m, dst.pool, False, list(dst.segments), m.pieces(runs))
+        return self._move(m, dst.pool, False, dst.segment_array, m.pieces(runs))
 
     def _copy_out(self, src: Spans, m: Any, runs: Any) -> int:  # type: ignore[override]
-        return self._move(m, src.pool, True, list(src.segments), m.pieces(runs))
+        return self._move(m, src.pool, True, src.segment_array, m.pieces(runs))
 
     def extra(self, name: str, default: Any = None) -> Any:
         if name == "ipc_mappings":

@@ -23,6 +23,7 @@ import socket
 import threading
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import TransferCancelled
@@ -161,37 +162,31 @@ def copy_pieces(dst_flats: Sequence[torch.Tensor], dst: Any, src_flats: Sequence
 
 
 # -- the staging ring ----------------------------------------------------------------------------
-def plan_slots(segments: Sequence[Piece], chunk: int) -> list[tuple[list[Piece], int]]:
-    """Cut the stream into slots of at most ``chunk`` bytes: (the slot's pieces, its fill).
+def plan_slots(segments: Any, chunk: int) -> list[tuple[np.ndarray, int]]:
+    """Cut the stream into slots of at most ``chunk`` bytes: (the slot's pieces as an ``(m, 3)``
+    array, its fill). ``segments``: pieces as tuples or an ``(n, 3)`` array (no Python loop
+    per piece: a block-shaped handle has thousands).
 
     When every piece has one size (a block-shaped handle) the slot size is rounded down to a
     multiple of it, so no piece is split and each slot's gather has rows of that size."""
-    sizes = {n for _, _, n in segments}
-    if len(sizes) == 1:
-        (p,) = sizes
-        if p <= chunk:
-            chunk -= chunk % p
-    slots: list[tuple[list[Piece], int]] = []
-    cur: list[Piece] = []
-    fill = 0
-    for b, o, n in segments:
-        pos = 0
-        while pos < n:
-            k = min(n - pos, chunk - fill)
-            cur.append((b, o + pos, k))
-            fill += k
-            pos += k
-            if fill == chunk:
-                slots.append((cur, fill))
-                cur, fill = [], 0
-    if cur:
-        slots.append((cur, fill))
-    return slots
-
-
-def _slot_pieces(pieces: list[Piece]) -> list[Piece]:
-    """The slot's own side of a slot plan: one contiguous run from offset 0 (buffer 0)."""
-    return [(0, 0, sum(n for _, _, n in pieces))]
+    seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
+    seg = seg[seg[:, 2] > 0]
+    if not len(seg):
+        return []
+    sizes = np.unique(seg[:, 2])
+    if len(sizes) == 1 and int(sizes[0]) <= chunk:
+        chunk -= chunk % int(sizes[0])
+    ends = np.cumsum(seg[:, 2])
+    starts = ends - seg[:, 2]
+    first = starts // chunk                         # the slot each piece starts in ...
+    k = (ends - 1) // chunk - first + 1             # ... and how many slots it reaches into
+    idx = np.repeat(np.arange(len(seg)), k)
+    slot = first[idx] + np.arange(int(k.sum())) - np.repeat(np.cumsum(k) - k, k)
+    lo = np.maximum(starts[idx], slot * chunk)
+    hi = np.minimum(ends[idx], (slot + 1) * chunk)
+    pieces = np.stack([seg[idx, 0], seg[idx, 1] + (lo - starts[idx]), hi - lo], axis=1)
+    groups = np.split(pieces, np.flatnonzero(np.diff(slot)) + 1)   # slots are consecutive: none empty
+    return [(g, int(g[:, 2].sum())) for g in groups]
 
 
 class StagingRing:
@@ -256,14 +251,14 @@ def stage_out(spans: Spans, ring: StagingRing, sink: Callable[[memoryview], obje
     dev = pool.device
     cuda = dev.type == "cuda"
     flats = flat_buffers(pool.buffers)
-    plan = plan_slots(spans.segments, ring.chunk)
+    plan = plan_slots(spans.segment_array, ring.chunk)
     dslots = ring.device_slots(dev)
     n = len(ring.slots)
 
     def stage(i: int) -> None:
         slot = i % n
         pieces, fill = plan[i]
-        copy_pieces([dslots[slot]], _slot_pieces(pieces), flats, pieces)          # one gather (per buffer)
+        copy_pieces([dslots[slot]], [(0, 0, fill)], flats, pieces)                 # one gather (per buffer)
         ring.slots[slot][:fill].copy_(dslots[slot][:fill], non_blocking=cuda)    # one device-to-host copy
         ring._record(slot, cuda)
 
@@ -294,12 +289,12 @@ def stage_in(spans: Spans, ring: StagingRing, source: Callable[[memoryview], int
     n = len(ring.slots)
     got = 0
     try:
-        for i, (pieces, fill) in enumerate(plan_slots(spans.segments, ring.chunk)):
+        for i, (pieces, fill) in enumerate(plan_slots(spans.segment_array, ring.chunk)):
             slot = i % n
             ring._wait(slot)                      # its previous copies are done: slot and buffer free
             got += source(ring.views[slot][:fill])
             dslots[slot][:fill].copy_(ring.slots[slot][:fill], non_blocking=cuda)      # one host-to-device copy
-            copy_pieces(flats, pieces, [dslots[slot]], _slot_pieces(pieces))         # one scatter (per buffer)
+            copy_pieces(flats, pieces, [dslots[slot]], [(0, 0, fill)])                 # one scatter (per buffer)
             ring._record(slot, cuda)
     finally:
         for slot in range(n):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -243,6 +244,27 @@ def test_segments_merge(layout, nb, data):
     assert merged == _expand(per_part)          # maximal: adjacent runs never left unmerged
     for (b1, o1, n1), (b2, o2, _) in zip(merged, merged[1:]):
         assert not (b1 == b2 and o1 + n1 == o2)
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts(), st.integers(1, 12), st.data())
+def test_segment_array_equals_segments(layout, nb, data):
+    """The array form (device copies' plans) is the list form, piece for piece, for any block
+    order, runs of neighbours and layer range; a block outside the pool is refused alike."""
+    ids = data.draw(st.lists(st.integers(0, nb - 1), unique=True, max_size=nb))
+    if data.draw(st.booleans()) and ids:                  # runs of neighbours, the usual shape
+        ids = list(range(ids[0], min(nb, ids[0] + len(ids))))
+    lo = data.draw(st.integers(0, layout.num_layers))
+    layers = data.draw(st.sampled_from([None, range(lo, layout.num_layers), range(0, lo)]))
+    want = list(layout.segments(ids, nb, layers))
+    got = layout.segment_array(ids, nb, layers)
+    assert got.dtype == np.int64 and got.shape == (len(want), 3)
+    assert [tuple(r) for r in got.tolist()] == want
+    bad = data.draw(st.sampled_from([-1, nb]))
+    with pytest.raises(IndexError, match=f"block {bad} outside a pool of {nb} blocks"):
+        layout.segment_array(ids + [bad], nb, layers)
+    with pytest.raises(IndexError, match=f"block {bad} outside a pool of {nb} blocks"):
+        list(layout.segments(ids + [bad], nb, layers))
 
 
 # -- wire ---------------------------------------------------------------------------------------------

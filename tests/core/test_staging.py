@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -78,6 +79,37 @@ def test_slots_cover_the_stream_once():
     slots = staging.plan_slots(uniform, 150)            # rounded down to 128: no piece split
     assert [fill for _, fill in slots] == [128, 128, 64]
     assert all(n == 64 for pieces, _ in slots for _, _, n in pieces)
+
+
+def _slots_by_hand(segments, chunk):
+    """The reference for plan_slots: piece by piece, cut at every ``chunk`` bytes of the stream."""
+    sizes = {n for _, _, n in segments if n}
+    if len(sizes) == 1 and min(sizes) <= chunk:
+        chunk -= chunk % min(sizes)
+    slots, cur, fill = [], [], 0
+    for b, o, n in segments:
+        pos = 0
+        while pos < n:
+            k = min(n - pos, chunk - fill)
+            cur.append((b, o + pos, k))
+            fill, pos = fill + k, pos + k
+            if fill == chunk:
+                slots.append((cur, fill))
+                cur, fill = [], 0
+    if cur:
+        slots.append((cur, fill))
+    return slots
+
+
+@pytest.mark.timeout(60)
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1 << 20), st.integers(0, 300)), max_size=40),
+       st.integers(1, 700), st.booleans())
+def test_slots_equal_a_piece_by_piece_cut(segments, chunk, as_array):
+    """The vectorized plan is the piece-by-piece one, slot for slot, from tuples or an array."""
+    got = staging.plan_slots(np.asarray(segments, dtype=np.int64).reshape(-1, 3) if as_array else segments, chunk)
+    want = _slots_by_hand(segments, chunk)
+    assert [(p.tolist(), f) for p, f in got] == [([list(x) for x in p], f) for p, f in want]
 
 
 def _pieces(draw, sizes, total, align):
