@@ -42,6 +42,7 @@ class Record:
     sums: list[list[int]] = field(default_factory=list)   # layer-wise: per layer, per block
     frames: Optional[FrameStore] = None                   # a coded handle's frames
     alive_until: float = 0.0  # monotonic: the lease is certainly within its TTL until then (holds_until)
+    claimed: Optional[Claim] = None   # the claim this sender made for a reader (CLAIM_ME), by that read
 
 
 class Deadlines:

@@ -41,6 +41,11 @@ log = logging.getLogger("kvbridge.receiver")
 HASH_AFTER = 256 << 10
 
 
+# A lease the sender claimed inside the read (CLAIM_ME) is released through that sender, which
+# makes the release in the store itself (CRELEASES); False: this receiver releases in the store.
+RELEASE_VIA_SENDER = True
+
+
 @dataclass(slots=True)
 class _Job:
     """One pull in progress."""
@@ -54,6 +59,7 @@ class _Job:
     gens: list[int]
     t0: float = field(default_factory=time.perf_counter)
     claim: Optional[Claim] = None
+    owner_claimed: bool = False   # the sender made `claim` inside the read (CLAIM_ME)
     released: Any = None          # fetch_many: the outcome of this job's release, sent in one batch
     since: float = field(default_factory=time.monotonic)   # before any claim of this fetch was sent
 
@@ -109,7 +115,7 @@ class ReceiverPipeline:
     def _not_released(self, h: KVHandle) -> None:
         """A claim is re-entrant for its claimer, so until the store has this receiver's release
         of ``h`` it would grant the handle again: refuse it as the store will."""
-        if self._releaser.releasing(h.lease_id):
+        if self._releaser.releasing(h.lease_id) or h.handle_id in self._released:   # the latter: by its sender
             raise LeaseExpired(f"lease {h.lease_id!r} is already released (by this receiver; "
                                "the release is on its way)")
 
@@ -318,6 +324,7 @@ class ReceiverPipeline:
             if claim.claimer != self.claimer:
                 raise ProtocolError("sender reports a claim for another claimer")
             j.claim = claim
+            j.owner_claimed = True
             self.stats.add(claimed=1)
 
     def _bad_layer_blocks(self, j: _Job, spans: Spans, chunk: Chunk, coded: Optional[FrameLoader] = None) -> list[int]:
@@ -370,7 +377,8 @@ class ReceiverPipeline:
                 if j.release:
                     if isinstance(j.released, KVBridgeError):
                         raise j.released
-                    if j.released is None and not (checked and self._releaser.submit(store, h.lease_id, c.fence)):
+                    if j.released is None and not (checked and (self._release_by_owner(j, c)
+                                                                or self._releaser.submit(store, h.lease_id, c.fence))):
                         self.retry.call(lambda: store.release(h.lease_id, c.claimer, c.fence), self._on_retry)
                         self.stats.add(released=1)
                     elif j.released is not None:
@@ -403,6 +411,23 @@ class ReceiverPipeline:
         res.seconds = time.perf_counter() - j.t0
         self.stats.fetched(res.ok, res.nbytes, res.seconds)
         return res
+
+    def _release_by_owner(self, j: _Job, c: Claim) -> bool:
+        """A lifecycle-only release of a lease the sender claimed inside the read: handed to
+        that sender, which makes it in the store for its own claim (no round trip of this
+        receiver's to the store, and none for the sender's event of it); riding on a later
+        request to it, or alone after a linger. False where the transport cannot."""
+        if not j.owner_claimed or not RELEASE_VIA_SENDER:
+            return False
+        for url in j.h.urls:
+            try:
+                if self.transport(url).release_claimed(url, j.h, c):
+                    self._released.add(j.h.handle_id)          # refused here from now on, as the store will
+                    self.stats.add(released=1, released_later=1)
+                    return True
+            except KVBridgeError:
+                continue
+        return False
 
     def _checked_after_read(self, j: _Job, c: Claim) -> bool:
         """Whether validate-after-read already holds without the lease store (see AfterRead)."""

@@ -45,7 +45,7 @@ from .codecs import CodecChoice, available_codecs, choose_codec, is_lossless, me
 from .frames import FrameStore, check_codec
 from .handle import KVHandle, check_secret, check_ttl
 from .integrity import block_checksums, layer_checksums
-from .lease import LeaseStore, holds_until, owner_deadline
+from .lease import Claim, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
 from .policy import Retry, Timeout
 from .pool import KVPool, block_id_list, whole_number
@@ -116,6 +116,8 @@ class KVSender(SenderServing):
         # reads C answers by itself (serve_small): raw, complete, unleased, a few host blocks
         self._small: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]] = {}
         self._by_lease: dict[str, Record] = {}
+        self._owed: list[tuple[Record, Claim]] = []    # claimed releases to make in the store (release_claimed)
+        self._owed_lock = threading.Lock()
         # the live handles naming each block (prefix caching shares blocks), by id: an engine pool's
         # retire ends them all; a kvbridge pool's publish checks each holds a reference of its own
         self._by_block: dict[int, dict[int, Record]] = {}

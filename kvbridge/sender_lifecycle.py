@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from .errors import LeaseStoreUnavailable, PoolError, StaleHandle
 from .handle import KVHandle
-from .lease import LeaseState, LeaseStore
+from .lease import Claim, LeaseState, LeaseStore
 from .logs import RateLimitedLog
 from .metrics import SenderStats
 from .pool import KVPool
@@ -48,6 +48,8 @@ class SenderLifecycle:
     _records: dict[bytes, Record]
     _small: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]]
     _by_lease: dict[str, Record]
+    _owed: list[tuple[Record, Claim]]
+    _owed_lock: threading.Lock
     _by_block: dict[int, dict[int, Record]]
     _pending: list[Record]
     _deadlines: Deadlines

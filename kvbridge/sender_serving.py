@@ -7,16 +7,17 @@ one at a time or in a batch."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import logging
+from typing import Optional, Sequence, cast
 
 from . import blockcopy
-from .errors import (AccessDenied, BadHandle, ConnectionLost, HandleNotFound, KVBridgeError, PoolError, ProtocolError,
-                     StaleHandle)
+from .errors import (AccessDenied, BadHandle, ConnectionLost, HandleNotFound, KVBridgeError, LeaseError, PoolError,
+                     ProtocolError, StaleHandle)
 from .handle import ID_OFFSET, find_issued, lookup_ticket
 from .integrity import pack_sums
-from .lease import Claim
+from .lease import Claim, Lease
 from .published import Grant, Record
-from .sender_lifecycle import SenderLifecycle
+from .sender_lifecycle import SenderLifecycle, _limited, log
 from .transports.base import Spans
 from .transports.socket_server import SMALL_REPLY
 from .transports.wire import FrameReader
@@ -56,8 +57,9 @@ class SenderServing(SenderLifecycle):
             try:
                 if claim.epoch == 0:      # CLAIM_ME: claim on the reader's behalf, one round trip
                     ttl = min(max(claim.counter / 1000, 0.001), 3600.0)
-                    lease = self.leases.claim(rec.handle.lease_id, claim.claimer, ttl)
+                    lease = self._claim_for(rec.handle.lease_id, claim.claimer, ttl)
                     claim = Claim(claim.claimer, lease.fence.epoch, lease.fence.counter)
+                    rec.claimed = claim   # its release may come back here (release_claimed)
                 else:
                     self.leases.validate(rec.handle.lease_id, claim.claimer, claim.fence)
             except StaleHandle:
@@ -209,6 +211,94 @@ class SenderServing(SenderLifecycle):
         elif free:
             self._release_many_blocks(free)
         return out
+
+    def release_claimed(self, items: Sequence[tuple[bytes, Optional[Claim]]]) -> list[Optional[KVBridgeError]]:
+        """Leased handles whose lease this sender claimed inside a read (``CLAIM_ME``), which
+        that reader has consumed, queued to be released in the lease store for the claim this
+        sender made: the claim of the next read takes them along in its own round trip (one
+        pipeline), else :meth:`flush_claimed` sends them alone; each handle ends here once the
+        store took its release -- the reader's own release round trip, and this sender's
+        wake-up for the store's event of it, both saved. An entry is refused unless it names a
+        live leased handle in the exact bytes issued and precisely the claim made for it
+        (claimer and fence): a holder of the handle bytes that is not its claimer cannot end
+        it. Per entry, None or why it was refused."""
+        out: list[Optional[KVBridgeError]] = []
+        todo: list[tuple[Record, Claim]] = []
+        for raw, claim in items:
+            try:
+                rec = self._lookup(raw)
+                if self.leases is None or not rec.handle.lease_id:
+                    raise AccessDenied("a claimed release names a handle without a lease")
+                if claim is None or claim.epoch == 0 or rec.claimed != claim:
+                    raise AccessDenied("a claimed release must name the claim this sender made for the read")
+                todo.append((rec, claim))
+                out.append(None)
+            except KVBridgeError as exc:
+                self.stats.add(refused=1)
+                out.append(exc)
+        if todo:
+            with self._owed_lock:
+                self._owed.extend(todo)
+        return out
+
+    def flush_claimed(self) -> None:
+        """Make the queued claimed releases (:meth:`release_claimed`) in one round trip now."""
+        if not self._owed:
+            return
+        with self._owed_lock:
+            todo, self._owed = self._owed, []
+        if not todo:
+            return
+        assert self.leases is not None
+        batch = getattr(self.leases, "batch", None)
+        try:
+            if batch is not None:
+                b = batch()
+                for rec, c in todo:
+                    b.release(rec.handle.lease_id, c.claimer, c.fence, notify=False)   # ended below
+                results = b.execute()
+            else:
+                results = []
+                for rec, c in todo:
+                    try:
+                        self.leases.release(rec.handle.lease_id, c.claimer, c.fence)
+                        results.append(None)
+                    except LeaseError as exc:
+                        results.append(exc)
+        except KVBridgeError as exc:      # the store unreachable: the readers' claims lapse, the leases expire
+            _limited.log(logging.WARNING, "owner-release", "releases for readers not made (%s); their "
+                         "leases end at expiry", exc)
+            return
+        self._claimed_done(todo, results)
+
+    def _claim_for(self, lease_id: str, claimer: str, ttl: float) -> Lease:
+        """A CLAIM_ME read's claim; the queued claimed releases ride in the same round trip."""
+        assert self.leases is not None
+        batch = getattr(self.leases, "batch", None) if self._owed else None
+        if batch is None:
+            return self.leases.claim(lease_id, claimer, ttl)
+        with self._owed_lock:
+            todo, self._owed = self._owed, []
+        b = batch().claim(lease_id, claimer, ttl)
+        for rec, c in todo:
+            b.release(rec.handle.lease_id, c.claimer, c.fence, notify=False)
+        try:
+            results = b.execute()
+        except BaseException:
+            with self._owed_lock:                  # not made: queued again, for the next try
+                self._owed[:0] = todo
+            raise
+        self._claimed_done(todo, results[1:])
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        return cast(Lease, results[0])
+
+    def _claimed_done(self, todo: Sequence[tuple[Record, Claim]], results: Sequence[object]) -> None:
+        for (rec, _), res in zip(todo, results):
+            if isinstance(res, KVBridgeError):  # the claim lapsed or the lease ended: not this release's to end
+                log.info("release of %s for its reader refused by the lease store: %s", rec.handle.request_id, res)
+            else:
+                self._end(rec, "released")
 
     def _releasable(self, handle_bytes: bytes) -> Record:
         rec = self._lookup(handle_bytes)

@@ -182,9 +182,10 @@ return {'OK'}
 """
 
 
-def _finish(code: str, kind: str, done: str) -> str:
+def _finish(code: str, kind: str, done: str, notify: bool = True) -> str:
     """RELEASE or ABORT. ``done``: the ended states in which this one answers OK again (a retry);
-    a release after the holder's own abort is refused -- a release is the read's validation."""
+    a release after the holder's own abort is refused -- a release is the read's validation.
+    ``notify=False``: no event for the owner (the owner itself releases, for its reader)."""
     return ONE + f"""
 local h, s, err = holder()
 if err then return err end
@@ -192,12 +193,13 @@ if {' or '.join(f"s == '{d}'" for d in done)} then return {{'OK', s}} end
 if s == 'R' or s == 'A' then return {{'ENDED', s}} end
 redis.call('HSET', K_LEASE, 'st', '{code}')
 keep_until(NOW + GRACE)
-emit(h.ow, '{kind}')
+{f"emit(h.ow, '{kind}')" if notify else "-- the owner makes this release itself: no event to wake it"}
 return {{'OK', '{code}'}}
 """
 
 
 RELEASE = _finish("R", "released", "R")
+RELEASE_QUIET = _finish("R", "released", "R", notify=False)
 ABORT = _finish("A", "aborted", "RA")
 
 # ARGV[6..8] claimer, fence; ARGV[9] claim ttl ms
@@ -296,7 +298,7 @@ return out
 """
 
 ALL = {
-    "publish": PUBLISH, "claim": CLAIM, "validate": VALIDATE, "release": RELEASE,
+    "publish": PUBLISH, "claim": CLAIM, "validate": VALIDATE, "release": RELEASE, "release_quiet": RELEASE_QUIET,
     "abort": ABORT, "renew_claim": RENEW_CLAIM, "renew_owner": RENEW_OWNER,
     "revoke": REVOKE, "get": GET, "sweep": SWEEP, "list": LIST,
 }

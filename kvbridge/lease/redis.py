@@ -191,8 +191,8 @@ class RedisLeaseStore(LeaseStore):
         args = self._head(lease_id) + [claimer, str(fence.epoch), str(fence.counter), *extra]
         return _Op(script, self._keys(lease_id), args, self._counted(stat, lease_id, claimer, ok))
 
-    def _op_release(self, lease_id: str, claimer: str, fence: Fence) -> _Op:
-        return self._op_holder("release", "released", lease_id, claimer, fence)
+    def _op_release(self, lease_id: str, claimer: str, fence: Fence, notify: bool = True) -> _Op:
+        return self._op_holder("release" if notify else "release_quiet", "released", lease_id, claimer, fence)
 
     def _op_abort(self, lease_id: str, claimer: str, fence: Fence) -> _Op:
         return self._op_holder("abort", "aborted", lease_id, claimer, fence)
@@ -593,8 +593,10 @@ class LeaseBatch:
         self._ops.append(self._store._op_validate(lease_id, claimer, fence))
         return self
 
-    def release(self, lease_id: str, claimer: str, fence: Fence) -> "LeaseBatch":
-        self._ops.append(self._store._op_release(lease_id, claimer, fence))
+    def release(self, lease_id: str, claimer: str, fence: Fence, notify: bool = True) -> "LeaseBatch":
+        """``notify=False``: no event for the lease's owner -- for an owner that releases on its
+        reader's behalf (it ends the handle itself)."""
+        self._ops.append(self._store._op_release(lease_id, claimer, fence, notify))
         return self
 
     def abort(self, lease_id: str, claimer: str, fence: Fence) -> "LeaseBatch":

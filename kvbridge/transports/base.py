@@ -282,8 +282,10 @@ class BlockSource(Protocol):
 
     Socket servers also use two optional methods when the source has them (the sender does):
     ``serve_small(fd, request_payload, request_id)`` -- a small whole read answered on the
-    socket in one piece, or False for the long way -- and ``release_many(list_of_bytes)`` --
-    the releases that arrived together, ended in one pass."""
+    socket in one piece, or False for the long way -- ``release_many(list_of_bytes)`` --
+    the releases that arrived together, ended in one pass -- and
+    ``release_claimed(list of (handle_bytes, claim))`` -- leased handles whose lease the source
+    claimed inside a read, released in the store for that claim."""
 
     def open_read(self, handle_bytes: bytes, indices: Optional[Sequence[int]],
                   claim: Optional[Claim] = None, layers: Optional[tuple[int, int]] = None) -> ReadGrant:
@@ -460,6 +462,13 @@ class Transport(abc.ABC):
         """Tell the sender that the handle is consumed (it frees the blocks).
 
         ``wait=False`` may skip the reply (best effort: an unreleased handle expires)."""
+
+    def release_claimed(self, url: str, handle: KVHandle, claim: Claim) -> bool:
+        """A leased handle whose lease the sender claimed inside the read (``CLAIM_ME``), done:
+        hand the release to the sender, which makes it in the lease store for ``claim`` (its own
+        claim, which it checks), without a reply and riding on a later request. False where
+        this transport cannot (the receiver then releases through the store itself)."""
+        return False
 
     def extra(self, name: str, default: Any = None) -> Any:
         """Backend-specific facts (e.g. 'connections'); ``default`` when unknown."""

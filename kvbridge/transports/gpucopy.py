@@ -54,8 +54,9 @@ def plan(dst_flats: Sequence[torch.Tensor], dst: Any, src_flats: Sequence[torch.
     else:
         s_end, d_end = np.cumsum(sn), np.cumsum(dn)
         total = min(int(s_end[-1]) if len(s_end) else 0, int(d_end[-1]) if len(d_end) else 0)
-        cuts = np.union1d(s_end, d_end)
-        cuts = cuts[(cuts > 0) & (cuts <= total)]
+        cuts = np.concatenate([s_end, d_end])       # both sorted: one sort, duplicates dropped
+        cuts.sort(kind="stable")
+        cuts = cuts[np.concatenate([[True], cuts[1:] != cuts[:-1]]) & (cuts > 0) & (cuts <= total)]
         starts = np.concatenate([np.zeros(1, np.int64), cuts[:-1]])
         lens = cuts - starts
         si = np.searchsorted(s_end, starts, side="right")

@@ -235,6 +235,7 @@ class SocketServer(Server):
         # `transfer` seconds is dropped; an idle one parks after PARK_AFTER.
         idle, linger = 0.0, False
         closed, small, step, fd = self._closed, self._serve_small, self._serve_next, conn.fileno()
+        owed: Optional[Callable[[], None]] = getattr(self.source, "flush_claimed", None) if self._source else None
         try:
             while not closed.is_set():
                 try:
@@ -266,6 +267,8 @@ class SocketServer(Server):
                 if not self.handle(conn, reader, kind, req_id, payload):
                     linger = True              # an error reply ends it
                     break
+                if owed is not None and reader.start == reader.end:
+                    owed()       # claimed releases no request behind them took along (see CRELEASES)
         except (OSError, KVBridgeError) as exc:
             log.debug("connection closed: %s", exc)
         except Exception:      # a bug: say so loudly, drop this connection, keep the worker
@@ -329,6 +332,22 @@ class SocketServer(Server):
             for refused in self._end_many(many):
                 if refused is not None:
                     log.info("release refused: %s", refused)
+            return True
+        if kind is Kind.CRELEASES:       # no reply either: a claim that lapses unreleased ends at expiry
+            # queued, and made in one round trip to the store once this receive's frames are served
+            # (below; or by the claim of a READ already waiting behind them, in that claim's trip)
+            release_claimed = getattr(self.source, "release_claimed", None)
+            try:
+                claimed = [decode_request(e) for e in decode_releases(payload)]
+            except ProtocolError as exc:
+                log.info("claimed releases refused: %s", exc)
+                return True
+            if release_claimed is None:
+                log.info("claimed releases refused: this server's source makes no claims")
+                return True
+            for refused in release_claimed([(r.ticket, r.claim) for r in claimed]):
+                if refused is not None:
+                    log.info("claimed release refused: %s", refused)
             return True
         if kind in (Kind.RELEASE, Kind.WABORT):
             try:

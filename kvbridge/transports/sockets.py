@@ -22,8 +22,8 @@ from ..policy import Timeout
 from .deadline import CANCELLED, WATCHDOG
 from .socket_server import DISCARD_LIMIT as DISCARD_LIMIT, MIN_RATE as MIN_RATE, RATE_GRACE as RATE_GRACE
 from .socket_server import SMALL_REPLY as SMALL_REPLY, SocketServer as SocketServer, tune as tune
-from .wire import (HEADER, Kind, decode_error, encode_releases, map_os_error, pack, recv_exact, set_os_timeouts,
-                   unpack_header)
+from .wire import (HEADER, Claim, Kind, decode_error, encode_releases, encode_request, map_os_error, pack, recv_exact,
+                   set_os_timeouts, unpack_header)
 
 __all__ = ["SocketServer", "SocketClient", "connector", "tune"]
 
@@ -73,6 +73,7 @@ class SocketClient:
         self._rids = itertools.count(1)   # request ids (next() is atomic under the GIL)
         self.opened = 0
         self._pending: list[bytes] = []   # handles released without a reply: a RELEASES frame to send
+        self._claimed: list[bytes] = []   # ... leased ones, with the claim the owner made: CRELEASES
         self._since = 0.0                 # when the oldest of them was released
         self._scheduled = False           # the flusher will visit this client
         self._waited = False              # ... and has already put its sending off once
@@ -149,16 +150,21 @@ class SocketClient:
             s.close()
 
 
-    def release(self, handle: KVHandle, wait: bool, url: str) -> None:
+    def release(self, handle: KVHandle, wait: bool, url: str, claim: Optional[Claim] = None) -> None:
         """RELEASE (and read the answer), or a release without a reply and without a send of its
         own: it rides, in one RELEASES frame with those waiting, behind one of this client's next
-        requests (:meth:`riders`), or goes (with them) after ``RELEASE_LINGER``."""
-        if not wait:
+        requests (:meth:`riders`), or goes (with them) after ``RELEASE_LINGER``. With ``claim``
+        (a leased handle whose owner claimed it inside the read: never waited for), a CRELEASES
+        entry: the owner releases the lease in the store for that claim."""
+        if not wait or claim is not None:
             raw = handle.to_bytes()
             with self._lock:
-                if not self._pending:
+                if not (self._pending or self._claimed):
                     self._since = time.monotonic()
-                self._pending.append(raw)
+                if claim is None:
+                    self._pending.append(raw)
+                else:
+                    self._claimed.append(encode_request(raw, None, claim))
                 first = not self._scheduled      # one flusher visit per linger, not one per release
                 self._scheduled = True
             if first:
@@ -168,19 +174,21 @@ class SocketClient:
 
     def frames(self, frame: bytes) -> bytes:
         """``frame`` followed by the deferred releases :meth:`riders` gives (served after it:
-        they never delay it)."""
-        return frame + self.riders() if self._pending else frame
+        they never delay it; claimed ones are made in the store right after it is served)."""
+        return frame + self.riders() if self._pending or self._claimed else frame
 
     def riders(self, now: bool = False) -> bytes:
         """The deferred releases to send behind the next request: all of them once
         ``RELEASE_BATCH`` wait or the oldest has waited ``RELEASE_RIDE`` (or ``now``: behind a
         large read, whose own cost dwarfs theirs), else none."""
-        if not now and len(self._pending) < RELEASE_BATCH and time.monotonic() - self._since < RELEASE_RIDE:
+        if (not now and len(self._pending) + len(self._claimed) < RELEASE_BATCH
+                and time.monotonic() - self._since < RELEASE_RIDE):
             return b""
         with self._lock:
             pending, self._pending = self._pending, []
+            claimed, self._claimed = self._claimed, []
             self._waited = False   # carried; a visit already scheduled stays (it finds nothing, or the next ones)
-        return encode_releases(pending) if pending else b""
+        return _release_frames(pending, claimed)
 
     def take(self) -> tuple[socket.socket, int]:
         """A connection and a request id for an exchange the caller bounds itself (no
@@ -204,24 +212,26 @@ class SocketClient:
         idle (perhaps a request in flight, which the releases will ride behind next) and the
         last visit did not wait already. A failure is logged: the sender frees at expiry."""
         with self._lock:
-            if idle_only and not self._idle and self._pending and not self._waited:
+            if idle_only and not self._idle and (self._pending or self._claimed) and not self._waited:
                 self._waited = True
                 return False
             pending, self._pending = self._pending, []
+            claimed, self._claimed = self._claimed, []
             self._scheduled = self._waited = False
-        if not pending:
+        n = len(pending) + len(claimed)
+        if not n:
             return True
         try:
             sock = self.acquire()
         except KVBridgeError as exc:
-            log.info("deferred release of %d handle(s) not sent: %s", len(pending), exc)
+            log.info("deferred release of %d handle(s) not sent: %s", n, exc)
             return True
-        frames = encode_releases(pending)
+        frames = _release_frames(pending, claimed)
         self.arm(sock, len(frames))
         try:
             sock.sendall(frames)
         except OSError as exc:
-            log.info("deferred release of %d handle(s) not sent: %s", len(pending), self.fail(sock, exc, "release"))
+            log.info("deferred release of %d handle(s) not sent: %s", n, self.fail(sock, exc, "release"))
             return True
         self.put_back(sock)
         return True
@@ -277,6 +287,11 @@ class SocketClient:
             return sock, k, got_id, length
         except BaseException as exc:
             raise self.fail(sock, exc, what) from None
+
+
+def _release_frames(pending: list[bytes], claimed: list[bytes]) -> bytes:
+    return ((encode_releases(pending) if pending else b"")
+            + (encode_releases(claimed, Kind.CRELEASES) if claimed else b""))
 
 
 def client_for(clients: dict[Any, SocketClient], by_url: dict[str, SocketClient], key: Any, url: str,

@@ -483,6 +483,10 @@ class TCPTransport(Transport):
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         self._client(url).release(handle, wait, url)
 
+    def release_claimed(self, url: str, handle: KVHandle, claim: Claim) -> bool:
+        self._client(url).release(handle, False, url, claim)
+        return True
+
     def ping(self, url: str, payload: bytes = b"") -> None:
         self._client(url).control(Kind.PING, payload, f"ping {url}")
 

@@ -32,7 +32,11 @@ whole), so a pipeline goes on with the next reply.
 
 Releases without a reply (version 4) travel in batches: one RELEASES frame holds up to
 :data:`MAX_RELEASES` handles, each ``u32 length | handle bytes``, and gets no answer; a
-malformed one is dropped whole (no handle of it ends) and the connection goes on.
+malformed one is dropped whole (no handle of it ends) and the connection goes on. A
+CRELEASES frame is the same for leased handles whose lease the owner claimed inside the read
+(``CLAIM_ME``): each entry is a request -- the handle and the claim (claimer, fence) the read
+reported back -- and the owner, which made that very claim, releases the lease in the store
+for its claimer; an entry naming any other claim is dropped.
 """
 
 from __future__ import annotations
@@ -79,17 +83,20 @@ class Kind(enum.IntEnum):
     WDONE = 15     # shm push: the copy finished (checksums) -> OK | ERROR
     WABORT = 16    # push: the writer gives up -> OK | ERROR
     OPEN = 17      # shm: handle -> MAPPED (where to read one-sided, once per peer) | OK (not offered) | ERROR
+    CRELEASES = 18  # claimed releases: each u32 length + a request (handle, claim) -> nothing; the owner
+                    # releases each lease in the store for the claimer whose claim it made in the read
 
 
 MAX_RELEASES = 256   # handles in one RELEASES frame (a server ends them in one pass)
 
 
-def encode_releases(raws: Sequence[bytes]) -> bytes:
-    """RELEASES frames for handles' bytes, ``MAX_RELEASES`` per frame."""
+def encode_releases(raws: Sequence[bytes], kind: "Kind" = Kind.RELEASES) -> bytes:
+    """RELEASES (or CRELEASES: each entry a request, handle and claim) frames, ``MAX_RELEASES``
+    entries per frame."""
     out = []
     for i in range(0, len(raws), MAX_RELEASES):
         body = b"".join(_U32.pack(len(r)) + r for r in raws[i:i + MAX_RELEASES])
-        out.append(pack(Kind.RELEASES, 0, body))
+        out.append(pack(kind, 0, body))
     return b"".join(out)
 
 

@@ -163,7 +163,8 @@ def _slot_tag(key: str) -> str:
 def _every_op(store: RedisLeaseStore) -> list[Any]:
     f = Fence(1, 2)
     return [store._op_publish("x", "o", 5, 1, {"m": "1"}), store._op_claim("x", "c", 5),
-            store._op_validate("x", "c", f), store._op_release("x", "c", f), store._op_abort("x", "c", f),
+            store._op_validate("x", "c", f), store._op_release("x", "c", f),
+            store._op_release("x", "c", f, notify=False), store._op_abort("x", "c", f),
             store._op_renew("x", "c", 5, f), store._op_renew("x", "o", 5, None), store._op_revoke("x", "o"),
             store._op_get("x"), store._op_sweep("o", ["x", "y", "z"]), store._op_list(None, 10)]
 

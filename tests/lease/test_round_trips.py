@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
-from kvbridge import releases
+from kvbridge import receiver_pipeline, releases
 from kvbridge.errors import Action, LeaseExpired
 from kvbridge import sender_lifecycle
 from kvbridge.lease import EmbeddedRedis, LeaseState, RedisLeaseStore
@@ -47,6 +47,9 @@ def _state(ls: RedisLeaseStore, lease_id: str) -> Any:
 def slow_release(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(releases, "LINGER", LATER)
     monkeypatch.setattr(sender_lifecycle, "SWEEP_INTERVAL", 3600.0)   # no owner sweep inside a counted window
+    # this receiver's own releases through the store (tests/lease/test_release_via_sender.py: the
+    # sender making them for the claims it made)
+    monkeypatch.setattr(receiver_pipeline, "RELEASE_VIA_SENDER", False)
 
 
 try:
@@ -101,6 +104,7 @@ def test_leased_fetch_is_one_lease_round_trip_then_the_release(own_server: Embed
 
 def test_close_flushes_pending_releases(own_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(releases, "LINGER", 30.0)        # nothing would go out before close
+    monkeypatch.setattr(receiver_pipeline, "RELEASE_VIA_SENDER", False)   # through this receiver's Releaser
     src, dst = KVPool.allocate(L, 8, allocator="engine"), KVPool.allocate(L, 8)
     with RedisLeaseStore(own_server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd:
         rcv = KVReceiver(dst, leases=ls)

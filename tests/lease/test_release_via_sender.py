@@ -1,0 +1,109 @@
+"""A lease the sender claimed inside the read (tcp's CLAIM_ME) is released through that sender:
+the receiver hands it the release (a CRELEASES entry riding behind a later request, or alone
+after a linger) and the sender makes it in the store for the claim it made -- no release
+round trip of the receiver's, and no event for the owner to wake on. Only the exact claim the
+sender made ends the lease: a holder of the handle bytes with another claimer or fence ends
+nothing. Counted on the lease server."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import pytest
+import redis
+
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
+from kvbridge.errors import LeaseExpired
+from kvbridge.lease import Claim, EmbeddedRedis, LeaseState, RedisLeaseStore
+from kvbridge.transports.tcp import TCPTransport
+from kvbridge.transports.wire import Kind, encode_releases, encode_request, pack
+
+L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
+
+
+def _script_calls(srv: EmbeddedRedis) -> int:
+    stats = redis.Redis.from_url(srv.auth_url).info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def _state(ls: RedisLeaseStore, lease_id: str) -> object:
+    st = ls._redis.hget(ls._lease_prefix + ls.ref(lease_id), "st")
+    return {"C": LeaseState.CLAIMED, "R": LeaseState.RELEASED, "P": LeaseState.PUBLISHED}.get(st or "", st)
+
+
+@pytest.mark.timeout(60)
+def test_the_sender_releases_the_leases_it_claimed(own_server: EmbeddedRedis) -> None:
+    with RedisLeaseStore(own_server.url) as sls, RedisLeaseStore(own_server.url) as rls, \
+            KVSender(KVPool.allocate(L, 32, allocator="engine"), "tcp://127.0.0.1:0", leases=sls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=rls) as rcv:
+        assert rcv.fetch(snd.publish("warm", [0], 4), [0]).ok            # scripts loaded
+        assert _wait(lambda: snd.num_live == 0)
+        events = sls._events_prefix + snd.owner
+        before_events = sls._redis.xlen(events)
+        hs = [snd.publish(f"r{i}", [i + 1], 4) for i in range(20)]
+        before = _script_calls(own_server)
+        for i, h in enumerate(hs):
+            assert rcv.fetch(h, [i % 8]).ok
+        assert _wait(lambda: all(_state(sls, h.lease_id) is LeaseState.RELEASED for h in hs))
+        assert _wait(lambda: snd.num_live == 0)                           # the sender freed every block
+        assert _script_calls(own_server) - before == 2 * len(hs)          # per fetch: its claim, its release
+        assert rls.stats.released == 0 and rls.stats.claimed == 0        # none of them by the receiver
+        assert sls.stats.released == len(hs) + 1                          # all by the sender (warm-up too)
+        assert sls._redis.xlen(events) == before_events                  # no event to wake the owner
+        assert rcv.stats.released_later == len(hs) + 1 and rcv.stats.release_failures == 0
+        with pytest.raises(LeaseExpired, match="already released"):       # consumed: refused here at once
+            rcv.claim(hs[0])
+        res = rcv.fetch(hs[-1], [0])
+        assert not res.ok and isinstance(res.error, LeaseExpired)
+
+
+@pytest.mark.timeout(60)
+def test_only_the_claim_the_sender_made_releases_its_lease(own_server: EmbeddedRedis) -> None:
+    with RedisLeaseStore(own_server.url) as ls, \
+            KVSender(KVPool.allocate(L, 8, allocator="engine"), "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv, TCPTransport() as tr:
+        h = snd.publish("r", [1, 2], 8)
+        plain = KVSender(KVPool.allocate(L, 4, allocator="engine"), "tcp://127.0.0.1:0", leases=False)
+        try:
+            unleased = plain.publish("u", [0], 4)
+            assert rcv.fetch(h, [3, 4], release=False).ok                  # claimed by the sender, kept
+            lease = ls.get(h.lease_id)
+            assert lease is not None and lease.state is LeaseState.CLAIMED
+            real = Claim(rcv.claimer, lease.fence.epoch, lease.fence.counter)
+            url = h.urls[0]
+            refused = snd.stats.as_dict().get("refused", 0)
+            forged = [Claim("mallory", real.epoch, real.counter),           # another claimer
+                      Claim(real.claimer, real.epoch, real.counter + 1),    # another fence
+                      Claim(real.claimer, 0, 0)]                            # CLAIM_ME itself
+            for c in forged:
+                assert tr.release_claimed(url, h, c)
+            tr.release_claimed(plain.servers[0].url, unleased, real)      # a handle without a lease
+            tr._client(url).flush()
+            tr._client(plain.servers[0].url).flush()
+            # bytes that are no entry at all, then a handle with a flipped bit
+            sock = tr._client(url).acquire()
+            sock.sendall(pack(Kind.CRELEASES, 0, b"\x00\x00\x00\x09garbage"))
+            bad = bytearray(h.to_bytes())
+            bad[len(bad) // 2] ^= 1
+            sock.sendall(encode_releases([encode_request(bytes(bad), None, real)], Kind.CRELEASES))
+            assert _wait(lambda: snd.stats.as_dict().get("refused", 0) >= refused + 4), snd.stats.as_dict()
+            time.sleep(0.2)
+            assert _state(ls, h.lease_id) is LeaseState.CLAIMED and snd.num_live == 1
+            assert plain.num_live == 1                                     # the unleased handle: not ended either
+            tr.release_claimed(url, h, real)                                # the claim it made: released
+            tr._client(url).flush()
+            assert _wait(lambda: _state(ls, h.lease_id) is LeaseState.RELEASED)
+            assert _wait(lambda: snd.num_live == 0)
+            sock.close()
+        finally:
+            plain.close()
