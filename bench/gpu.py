@@ -329,12 +329,20 @@ def measure(rounds: int, big_blocks: int, save: Callable[[list[dict]], None]) ->
                 res: list[Any] = []
                 leased.append(_timed(lambda: res.append(rcv.fetch(h, dst_ids))))
                 _ok(res[0], "leased nvlink fetch")
+            one = []                                   # a one-block handle: the fixed cost of a fetch
+            for _ in range(rounds):
+                h1 = sender.publish("nvlink", src_ids[:1])
+                r1: list[Any] = []
+                one.append(_timed(lambda: r1.append(rcv.fetch(h1, dst_ids[:1]))))
+                _ok(r1[0], "one-block nvlink fetch")
             rows.append({"what": "nvlink fetch 128 MiB latency parts", "bytes": 64 * L.block_nbytes,
+                         "fetch_one_block_s": _summary(one),
                          "fetch_unleased_s": _summary(fetch), "fetch_leased_s": _summary(leased),
                          "copy_s": _summary(local),
                          "control_and_ipc_s": statistics.median(fetch) - statistics.median(local),
                          "claim_s": statistics.median(leased) - statistics.median(fetch)})
-            print(f"  128 MiB fetch: unleased {statistics.median(fetch) * 1e3:.2f} ms, leased "
+            print(f"  one-block fetch {statistics.median(one) * 1e3:.2f} ms; "
+                  f"128 MiB fetch: unleased {statistics.median(fetch) * 1e3:.2f} ms, leased "
                   f"{statistics.median(leased) * 1e3:.2f} ms, row copy {statistics.median(local) * 1e3:.2f} ms",
                   flush=True)
 
