@@ -117,7 +117,8 @@ class KVSender(SenderServing):
         self._small: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]] = {}
         self._by_lease: dict[str, Record] = {}
         self._owed: list[tuple[Record, Claim]] = []    # claimed releases to make in the store (release_claimed)
-        self._owed_lock = threading.Lock()
+        self._owed_lock = threading.Condition(threading.Lock())
+        self._owed_thread: Optional[threading.Thread] = None
         # the live handles naming each block (prefix caching shares blocks), by id: an engine pool's
         # retire ends them all; a kvbridge pool's publish checks each holds a reference of its own
         self._by_block: dict[int, dict[int, Record]] = {}
@@ -476,6 +477,11 @@ class KVSender(SenderServing):
             self.pool.on_retire.remove(self._on_retire)
         if self._watcher is not None:
             self._watcher.join(timeout=2)
+        with self._owed_lock:
+            self._owed_lock.notify_all()
+            owed = self._owed_thread
+        if owed is not None:
+            owed.join(timeout=2)
         with self._lock:
             transports = list(self._transports.values())
             self._transports.clear()

@@ -49,7 +49,8 @@ class SenderLifecycle:
     _small: dict[bytes, tuple[bytes, tuple[int, ...], tuple[int, ...]]]
     _by_lease: dict[str, Record]
     _owed: list[tuple[Record, Claim]]
-    _owed_lock: threading.Lock
+    _owed_lock: threading.Condition
+    _owed_thread: Optional[threading.Thread]
     _by_block: dict[int, dict[int, Record]]
     _pending: list[Record]
     _deadlines: Deadlines

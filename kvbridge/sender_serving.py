@@ -8,6 +8,7 @@ one at a time or in a batch."""
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Optional, Sequence, cast
 
 from . import blockcopy
@@ -25,6 +26,7 @@ from .transports.wire import FrameReader
 __all__ = ["SenderServing", "LAYER_WAIT"]
 
 LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
+OWED_THREAD = True  # claimed releases made by a release thread (False: on the connection's thread)
 
 
 class SenderServing(SenderLifecycle):
@@ -215,8 +217,8 @@ class SenderServing(SenderLifecycle):
     def release_claimed(self, items: Sequence[tuple[bytes, Optional[Claim]]]) -> list[Optional[KVBridgeError]]:
         """Leased handles whose lease this sender claimed inside a read (``CLAIM_ME``), which
         that reader has consumed, queued to be released in the lease store for the claim this
-        sender made: the claim of the next read takes them along in its own round trip (one
-        pipeline), else :meth:`flush_claimed` sends them alone; each handle ends here once the
+        sender made: :meth:`flush_claimed` has them made in one pipelined round trip (or the
+        claim of a read already waiting takes them along in its own); each handle ends here once the
         store took its release -- the reader's own release round trip, and this sender's
         wake-up for the store's event of it, both saved. An entry is refused unless it names a
         live leased handle in the exact bytes issued and precisely the claim made for it
@@ -242,9 +244,33 @@ class SenderServing(SenderLifecycle):
         return out
 
     def flush_claimed(self) -> None:
-        """Make the queued claimed releases (:meth:`release_claimed`) in one round trip now."""
+        """Have the queued claimed releases (:meth:`release_claimed`) made in one round trip:
+        by this sender's release thread (the connection goes on serving the next request
+        meanwhile), started on the first of them."""
         if not self._owed:
             return
+        if not OWED_THREAD:
+            self._flush_owed()
+            return
+        with self._owed_lock:
+            if self._owed_thread is None and not self._closed:
+                self._owed_thread = threading.Thread(target=self._owed_loop, name="kvb-sender-releases",
+                                                     daemon=True)
+                self._owed_thread.start()
+            self._owed_lock.notify()
+
+    def _owed_loop(self) -> None:
+        while True:
+            with self._owed_lock:
+                self._owed_lock.wait_for(lambda: bool(self._owed) or self._closed, timeout=1.0)
+                if self._closed and not self._owed:
+                    return
+            try:
+                self._flush_owed()
+            except Exception:   # never let the release thread die silently
+                log.exception("releases for readers failed")
+
+    def _flush_owed(self) -> None:
         with self._owed_lock:
             todo, self._owed = self._owed, []
         if not todo:
