@@ -23,7 +23,7 @@ import torch
 SENDER_STEPS = ["kvbridge.transports.shm_server:ShmServer.handle", "kvbridge.sender_serving:SenderServing.open_read",
                 "kvbridge.transports.nvlink:NVLinkServer._body", "kvbridge.transports.nvlink:_Exports.get",
                 "kvbridge.transports.nvlink:_Exports.record", "kvbridge.published:Grant.close",
-                "kvbridge.published:Grant.vouch", "kvbridge.transports.base:Spans.segment_array"]
+                "kvbridge.published:Grant.vouch"]
 RECEIVER_STEPS = ["kvbridge.receiver:KVReceiver.fetch", "kvbridge.transports.shm:ShmTransport.read_small",
                   "kvbridge.transports.shm:ShmTransport.read", "kvbridge.transports.shm:ShmTransport._exchange",
                   "kvbridge.transports.sockets:SocketClient.call", "kvbridge.transports.shm:recv_exact",
