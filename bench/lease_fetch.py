@@ -209,8 +209,9 @@ def main() -> None:
               f" p99 {added_p99:.1f} µs; = {result['added_by_leases_us']['in_lease_round_trips']:.1f}"
               f" × one lease script round trip. Script calls per leased fetch on the server:"
               f" {critical:.2f} on its critical path (the owner's claim inside the READ; its trailer is"
-              f" the validate-after-read), {per_fetch:.2f} in all (the release goes after fetch returns:"
-              f" {released_later / n_leased:.2f} per fetch).",
+              f" the validate-after-read), {per_fetch:.2f} in all (the release goes after fetch returns,"
+              f" through the sender, which makes it for the claim it made: {released_later / n_leased:.2f}"
+              f" per fetch).",
               f"Target (plain + 2 × lease `validate` + 30 µs; the critical path now holds one lease"
               f" round trip): {budget:.1f} µs; leased median {s['leased']['median_us']:.1f} µs:"
               f" {'met' if result['target_met'] else 'missed'}."]

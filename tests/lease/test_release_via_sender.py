@@ -107,3 +107,16 @@ def test_only_the_claim_the_sender_made_releases_its_lease(own_server: EmbeddedR
             sock.close()
         finally:
             plain.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_receiver_closed_right_after_its_fetches_still_releases_them(own_server: EmbeddedRedis) -> None:
+    """The claimed releases still waiting to ride are sent when the receiver closes."""
+    with RedisLeaseStore(own_server.url) as ls, \
+            KVSender(KVPool.allocate(L, 16, allocator="engine"), "tcp://127.0.0.1:0", leases=ls) as snd:
+        rcv = KVReceiver(KVPool.allocate(L, 8), leases=ls)
+        hs = [snd.publish(f"c{i}", [i], 4) for i in range(6)]
+        assert all(rcv.fetch(h, [i]).ok for i, h in enumerate(hs))
+        rcv.close()
+        assert _wait(lambda: all(_state(ls, h.lease_id) is LeaseState.RELEASED for h in hs))
+        assert _wait(lambda: snd.num_live == 0)
