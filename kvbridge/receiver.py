@@ -90,7 +90,7 @@ class KVReceiver(ReceiverPipeline):
         check_ttl("KVReceiver(reservation_ttl)", reservation_ttl)
         self.pool = pool
         self._closed = False
-        self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
+        self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(12).hex()}"
         self.claim_ttl = claim_ttl
         self.clock_margin = clock_margin
         self._after = AfterRead(self.transport, claim_ttl, clock_margin)

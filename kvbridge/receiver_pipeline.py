@@ -59,7 +59,8 @@ class _Job:
     gens: list[int]
     t0: float = field(default_factory=time.perf_counter)
     claim: Optional[Claim] = None
-    owner_claimed: bool = False   # the sender made `claim` inside the read (CLAIM_ME)
+    owner_claimed: bool = False   # the sender made `claim` inside the read (CLAIM_ME) ...
+    served_by: str = ""           # ... at this URL (its claimed release goes there)
     released: Any = None          # fetch_many: the outcome of this job's release, sent in one batch
     since: float = field(default_factory=time.monotonic)   # before any claim of this fetch was sent
 
@@ -204,12 +205,15 @@ class ReceiverPipeline:
         if failed is None:
             try:      # the first try at the first URL, straight (nearly every read ends here)
                 j.res.nbytes = int(self.transport(url).read(url, h, spans, j.idx, j.claim))
+                j.served_by = url
                 return
             except KVBridgeError as exc:
                 failed = exc
 
         def read(tr: Transport, url: str) -> int:
-            return tr.read(url, h, spans, j.idx, j.claim)
+            n = tr.read(url, h, spans, j.idx, j.claim)
+            j.served_by = url
+            return n
 
         def attempt() -> int:
             nonlocal failed
@@ -417,17 +421,17 @@ class ReceiverPipeline:
         that sender, which makes it in the store for its own claim (no round trip of this
         receiver's to the store, and none for the sender's event of it); riding on a later
         request to it, or alone after a linger. False where the transport cannot."""
-        if not j.owner_claimed or not RELEASE_VIA_SENDER:
+        url = j.served_by
+        if not (j.owner_claimed and url and RELEASE_VIA_SENDER):
             return False
-        for url in j.h.urls:
-            try:
-                if self.transport(url).release_claimed(url, j.h, c):
-                    self._released.add(j.h.handle_id)          # refused here from now on, as the store will
-                    self.stats.add(released=1, released_later=1)
-                    return True
-            except KVBridgeError:
-                continue
-        return False
+        try:                  # to the URL that served the read: the one known to answer
+            if not self.transport(url).release_claimed(url, j.h, c):
+                return False
+        except KVBridgeError:
+            return False
+        self._released.add(j.h.handle_id)          # refused here from now on, as the store will
+        self.stats.add(released=1, released_later=1)
+        return True
 
     def _checked_after_read(self, j: _Job, c: Claim) -> bool:
         """Whether validate-after-read already holds without the lease store (see AfterRead)."""

@@ -217,8 +217,9 @@ class SenderServing(SenderLifecycle):
     def release_claimed(self, items: Sequence[tuple[bytes, Optional[Claim]]]) -> list[Optional[KVBridgeError]]:
         """Leased handles whose lease this sender claimed inside a read (``CLAIM_ME``), which
         that reader has consumed, queued to be released in the lease store for the claim this
-        sender made: :meth:`flush_claimed` has them made in one pipelined round trip (or the
-        claim of a read already waiting takes them along in its own); each handle ends here once the
+        sender made: :meth:`flush_claimed` has the release thread make them in one pipelined
+        round trip (or the claim of a read made meanwhile takes them along in its own, as
+        :meth:`_claim_for` does); each handle ends here once the
         store took its release -- the reader's own release round trip, and this sender's
         wake-up for the store's event of it, both saved. An entry is refused unless it names a
         live leased handle in the exact bytes issued and precisely the claim made for it
@@ -233,14 +234,18 @@ class SenderServing(SenderLifecycle):
                     raise AccessDenied("a claimed release names a handle without a lease")
                 if claim is None or claim.epoch == 0 or rec.claimed != claim:
                     raise AccessDenied("a claimed release must name the claim this sender made for the read")
+                rec.claimed = None      # taken: the same entry again is refused, not queued twice
                 todo.append((rec, claim))
                 out.append(None)
-            except KVBridgeError as exc:
+            except AccessDenied as exc:
                 self.stats.add(refused=1)
+                out.append(exc)
+            except KVBridgeError as exc:            # a handle _lookup refused (and counted)
                 out.append(exc)
         if todo:
             with self._owed_lock:
                 self._owed.extend(todo)
+            self.flush_claimed()
         return out
 
     def flush_claimed(self) -> None:

@@ -106,7 +106,9 @@ def refusal(reply: Sequence[Any], lease_id: str, who: str) -> LeaseError:
     if code == "CONFLICT":
         if not detail:
             return LeaseConflict(f"lease {lease_id!r} is not claimed by {who!r} (no claimer)")
-        return LeaseConflict(f"lease {lease_id!r} is held by claimer {detail!r}, not {who!r}")
+        # the holder is not named: a claimer's name is its claim's credential, and senders relay
+        # this message to whoever sent the read (who could then claim re-entrantly as the holder)
+        return LeaseConflict(f"lease {lease_id!r} is held by another claimer, not {who!r}")
     if code == "NOTOWNER":
         return LeaseConflict(f"lease {lease_id!r} is owned by {detail!r}, not {who!r}")
     if code == "STALE":

@@ -235,7 +235,6 @@ class SocketServer(Server):
         # `transfer` seconds is dropped; an idle one parks after PARK_AFTER.
         idle, linger = 0.0, False
         closed, small, step, fd = self._closed, self._serve_small, self._serve_next, conn.fileno()
-        owed: Optional[Callable[[], None]] = getattr(self.source, "flush_claimed", None) if self._source else None
         try:
             while not closed.is_set():
                 try:
@@ -267,8 +266,6 @@ class SocketServer(Server):
                 if not self.handle(conn, reader, kind, req_id, payload):
                     linger = True              # an error reply ends it
                     break
-                if owed is not None and reader.start == reader.end:
-                    owed()       # claimed releases no request behind them took along (see CRELEASES)
         except (OSError, KVBridgeError) as exc:
             log.debug("connection closed: %s", exc)
         except Exception:      # a bug: say so loudly, drop this connection, keep the worker
@@ -334,8 +331,7 @@ class SocketServer(Server):
                     log.info("release refused: %s", refused)
             return True
         if kind is Kind.CRELEASES:       # no reply either: a claim that lapses unreleased ends at expiry
-            # queued, and made in one round trip to the store once this receive's frames are served
-            # (below; or by the claim of a READ already waiting behind them, in that claim's trip)
+            # queued, and made by the source's release thread in one round trip to the store
             release_claimed = getattr(self.source, "release_claimed", None)
             try:
                 claimed = [decode_request(e) for e in decode_releases(payload)]

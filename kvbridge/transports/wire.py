@@ -6,7 +6,7 @@ type, request id, payload length. Control payloads are capped
 for. Anything else is a :class:`ProtocolError`. Socket errors are mapped to the
 kvbridge tree here, at the boundary.
 
-A read's reply (version 4)::
+A read's reply (version 4 and 5)::
 
     DATA   header | FENCE (!QQ: the claim it was served under; 0, 0: none) | bytes | TRAILER
     LDATA  header | FENCE | LAYERS (!HHI) + checksums | bytes | TRAILER
@@ -59,7 +59,7 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "RateGuard", "PacedSender", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
-VERSION = 4
+VERSION = 5     # 5: CRELEASES (a version 4 peer would drop the connection on it)
 HEADER = struct.Struct("!2sBBIQ")
 MAX_CONTROL = 16 << 20
 IOV_MAX = 1024

@@ -669,7 +669,7 @@ done:
 #define HEAD_LEN 16     /* !2sBBIQ: magic "KB", version, kind, request id, length */
 #define FENCE_LEN 16    /* !QQ */
 #define TRAILER_LEN 4   /* !BBH: status, two zero bytes */
-#define WIRE_VERSION 4
+#define WIRE_VERSION 5
 #define KIND_DATA 2
 #define READ_SMALL_MAX (1 << 20)
 

@@ -22,7 +22,7 @@ from kvbridge.lease import EmbeddedRedis
 from kvbridge.lease.base import Claim
 from kvbridge.transports import tcp
 from kvbridge.transports.base import Spans
-from kvbridge.transports.wire import FENCE, TRAILER, Kind, encode_error, encode_request, pack
+from kvbridge.transports.wire import FENCE, TRAILER, VERSION, Kind, encode_error, encode_request, pack
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not blockcopy.NATIVE, reason="the one-piece path needs the C extension")]
@@ -133,7 +133,7 @@ def test_the_frame_loop_answers_a_read_in_its_receive_and_keeps_what_follows() -
             time.sleep(0.05)
             s.sendall(frame[10:])
             assert _take(s, len(data)) == pack(Kind.DATA, 10, data[16:])
-            s.sendall(b"KB\x04\x7f" + bytes(12))                          # a kind nobody knows
+            s.sendall(b"KB" + bytes([VERSION]) + b"\x7f" + bytes(12))               # a kind nobody knows
             s.settimeout(5)
             assert s.recv(1 << 16)[3] == Kind.ERROR                        # refused as before: framing lost
         assert snd.stats.reads == 3 and snd.stats.bytes_served == 3 * 2 * L.block_nbytes

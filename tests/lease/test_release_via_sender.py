@@ -7,6 +7,7 @@ nothing. Counted on the lease server."""
 
 from __future__ import annotations
 
+import socket
 import time
 from typing import Callable
 
@@ -14,10 +15,11 @@ import pytest
 import redis
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
-from kvbridge.errors import LeaseExpired
+from kvbridge.errors import LeaseConflict, LeaseExpired
 from kvbridge.lease import Claim, EmbeddedRedis, LeaseState, RedisLeaseStore
 from kvbridge.transports.tcp import TCPTransport
-from kvbridge.transports.wire import Kind, encode_releases, encode_request, pack
+from kvbridge.transports.wire import (CLAIM_ME, HEADER, Kind, decode_error, encode_releases, encode_request, pack,
+                                      recv_exact, unpack_header)
 
 L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
 
@@ -120,3 +122,65 @@ def test_a_receiver_closed_right_after_its_fetches_still_releases_them(own_serve
         rcv.close()
         assert _wait(lambda: all(_state(ls, h.lease_id) is LeaseState.RELEASED for h in hs))
         assert _wait(lambda: snd.num_live == 0)
+
+
+def _ask(sock: socket.socket, frame: bytes) -> tuple[Kind, bytes]:
+    sock.sendall(frame)
+    kind, _, n = unpack_header(recv_exact(sock, HEADER.size))
+    return kind, recv_exact(sock, n)
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_with_the_handle_learns_no_claimer_to_release_as(own_server: EmbeddedRedis) -> None:
+    """A peer holding only the handle bytes asks to read while the genuine reader holds the
+    claim: the refusal does not name the holder (a claimer's name is its claim's credential:
+    with it the peer would claim re-entrantly, get the holder's fence and release it)."""
+    with RedisLeaseStore(own_server.url) as ls, \
+            KVSender(KVPool.allocate(L, 8, allocator="engine"), "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
+        h = snd.publish("r", [1, 2], 8)
+        assert rcv.fetch(h, [3, 4], release=False).ok                      # the genuine reader holds it
+        host, port = h.urls[0][len("tcp://"):].rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as s:
+            kind, body = _ask(s, pack(Kind.READ, 1, encode_request(h.to_bytes(), None, CLAIM_ME("mallory", 30))))
+            assert kind is Kind.ERROR
+            err = decode_error(body)
+            assert isinstance(err, LeaseConflict) and rcv.claimer not in str(err)
+        assert _state(ls, h.lease_id) is LeaseState.CLAIMED and snd.num_live == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_claimed_release_sent_many_times_is_made_once(own_server: EmbeddedRedis) -> None:
+    with RedisLeaseStore(own_server.url) as ls, \
+            KVSender(KVPool.allocate(L, 8, allocator="engine"), "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv, TCPTransport() as tr:
+        assert rcv.fetch(snd.publish("warm", [0], 4), [0]).ok            # the release script loaded
+        assert _wait(lambda: snd.num_live == 0)
+        h = snd.publish("r", [1, 2], 8)
+        assert rcv.fetch(h, [3, 4], release=False).ok
+        lease = ls.get(h.lease_id)
+        assert lease is not None
+        real = Claim(rcv.claimer, lease.fence.epoch, lease.fence.counter)
+        refused = snd.stats.as_dict()["refused"]
+        before = _script_calls(own_server)
+        sock = tr._client(h.urls[0]).acquire()
+        sock.sendall(encode_releases([encode_request(h.to_bytes(), None, real)] * 256, Kind.CRELEASES))
+        assert _wait(lambda: _state(ls, h.lease_id) is LeaseState.RELEASED and snd.num_live == 0)
+        time.sleep(0.2)
+        assert _script_calls(own_server) - before == 1                   # one release, not 256
+        assert snd.stats.as_dict()["refused"] == refused + 255
+        sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_the_release_goes_to_the_url_that_served_the_read(own_server: EmbeddedRedis) -> None:
+    """The handle's first URL is down: the read is served at its second, and so is the release."""
+    with RedisLeaseStore(own_server.url) as ls, \
+            KVSender(KVPool.allocate(L, 8, allocator="engine"), ["tcp://127.0.0.1:0", "tcp://127.0.0.1:0"],
+                     leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
+        h = snd.publish("r", [1], 4)
+        snd.servers[0].close()
+        assert rcv.fetch(h, [3]).ok
+        assert _wait(lambda: _state(ls, h.lease_id) is LeaseState.RELEASED and snd.num_live == 0)
+        assert ls.stats.released == 1                                      # by the sender (one store here)
