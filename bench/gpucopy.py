@@ -157,18 +157,25 @@ def measure(rounds: int) -> list[dict[str, Any]]:
     return rows
 
 
+def no_gpu() -> str:
+    """Why the GPU benches cannot run here ("" where they can)."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        print("bench.gpucopy: CuPy is not installed; nothing to measure")
-        return 0
-    if not torch.cuda.is_available():
-        print("bench.gpucopy: no CUDA device; nothing to measure")
+    why = no_gpu()
+    if why:
+        print(f"bench.gpucopy: {why}; nothing to measure")
         return 0
     rows = measure(a.rounds)
     if a.out:

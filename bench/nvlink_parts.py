@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from bench.gpucopy import no_gpu
+
 SENDER_STEPS = ["kvbridge.transports.shm_server:ShmServer.handle", "kvbridge.sender_serving:SenderServing.open_read",
                 "kvbridge.transports.nvlink:NVLinkServer._body", "kvbridge.transports.nvlink:_Exports.get",
                 "kvbridge.transports.nvlink:_Exports.record", "kvbridge.published:Grant.close",
@@ -84,13 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=20)
     a = ap.parse_args(argv)
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        print("bench.nvlink_parts: CuPy is not installed; nothing to measure")
-        return 0
-    if not torch.cuda.is_available():
-        print("bench.nvlink_parts: no CUDA device; nothing to measure")
+    why = no_gpu()
+    if why:
+        print(f"bench.nvlink_parts: {why}; nothing to measure")
         return 0
     from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver
     ctx = mp.get_context("spawn")

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable
 
 import pytest
-import redis
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
 from kvbridge.errors import LeaseConflict, LeaseExpired
@@ -20,27 +18,10 @@ from kvbridge.lease import Claim, EmbeddedRedis, LeaseState, RedisLeaseStore
 from kvbridge.transports.tcp import TCPTransport
 from kvbridge.transports.wire import (CLAIM_ME, HEADER, Kind, decode_error, encode_releases, encode_request, pack,
                                       recv_exact, unpack_header)
+from tests.lease.test_round_trips import _script_calls, _state
+from tests.waiting import wait_until as _wait
 
 L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
-
-
-def _script_calls(srv: EmbeddedRedis) -> int:
-    stats = redis.Redis.from_url(srv.auth_url).info("commandstats")
-    return sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
-
-
-def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
-
-
-def _state(ls: RedisLeaseStore, lease_id: str) -> object:
-    st = ls._redis.hget(ls._lease_prefix + ls.ref(lease_id), "st")
-    return {"C": LeaseState.CLAIMED, "R": LeaseState.RELEASED, "P": LeaseState.PUBLISHED}.get(st or "", st)
 
 
 @pytest.mark.timeout(60)
