@@ -22,6 +22,7 @@ with ``part = (block_size, num_kv_heads, head_dim)`` for NHD and
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from dataclasses import MISSING, asdict, dataclass, fields
@@ -244,12 +245,10 @@ class KVLayout:
             bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
             raise IndexError(f"block {bad} outside a pool of {num_blocks} blocks")
         p = self.part_nbytes
-        planes = [(layer, part) for layer in (layers if layers is not None else range(self.num_layers))
-                  for part in range(self.num_parts)]
-        if not len(ids) or not planes:
+        rng = layers if layers is not None else range(self.num_layers)
+        bufs, bs = _planes(self, num_blocks, rng.start, rng.stop, rng.step)
+        if not len(ids) or not len(bufs):
             return np.zeros((0, 3), dtype=np.int64)
-        bufs = np.array([self.buffer_index(layer, part) for layer, part in planes], dtype=np.int64)
-        bs = np.array([self.part_base_stride(part, num_blocks) for _, part in planes], dtype=np.int64)
         buf = np.repeat(bufs, len(ids))
         off = (bs[:, :1] + ids[None, :] * bs[:, 1:]).reshape(-1)
         # a piece joins the run before it when it lies in the same buffer right after its end
@@ -303,3 +302,15 @@ class KVLayout:
         if missing:
             raise ConfigError(f"KVLayout dict lacks the fields {missing}")
         return cls(**d)
+
+
+@functools.lru_cache(maxsize=256)
+def _planes(layout: KVLayout, num_blocks: int, start: int, stop: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per (layer, part) plane of ``range(start, stop, step)``, in canonical order: its buffer
+    index, and its block 0 offset and block stride (read-only arrays, kept per layout)."""
+    planes = [(layer, part) for layer in range(start, stop, step) for part in range(layout.num_parts)]
+    bufs = np.array([layout.buffer_index(layer, part) for layer, part in planes], dtype=np.int64)
+    bs = np.array([layout.part_base_stride(part, num_blocks) for _, part in planes], dtype=np.int64).reshape(-1, 2)
+    bufs.flags.writeable = False
+    bs.flags.writeable = False
+    return bufs, bs

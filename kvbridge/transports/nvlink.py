@@ -229,33 +229,48 @@ class NVLinkServer(ShmServer):
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.exports = _Exports()
+        # per pool buffer list and set of buffers a read names: its MAPPED buffer table, built
+        # once (32-64 export lookups and entries per read cost more than the rest of the body)
+        self._tables: dict[tuple[int, tuple[int, ...]], tuple[list[torch.Tensor], bytes, np.ndarray]] = {}
 
     def close(self) -> None:
         super().close()
         self.exports.close()
+        self._tables.clear()
+
+    def _table(self, pool: Any, used: tuple[int, ...]) -> tuple[bytes, np.ndarray]:
+        """The MAPPED body's buffer table for the buffers ``used`` of ``pool`` (their count and
+        entries), and each buffer's start in their concatenation (indexed by buffer)."""
+        bufs = pool.buffers
+        key = (id(bufs), used)
+        got = self._tables.get(key)
+        if got is not None and got[0] is bufs:         # the same list object: the same buffers
+            return got[1], got[2]
+        exports = [self.exports.get(bufs[b]) for b in used]
+        starts = np.zeros(max(used, default=-1) + 1, dtype=np.int64)
+        base = 0
+        for b, e in zip(used, exports):
+            starts[b] = base
+            base += e.flat.numel()
+        table = b"".join([struct.pack("!H", len(exports))]
+                         + [_BUF.pack(e.eid, e.ipc.ljust(64, b"\0"), e.offset, e.flat.numel()) for e in exports])
+        if len(self._tables) >= 256:                  # pools and layer ranges come and go: bounded
+            self._tables.clear()
+        self._tables[key] = (bufs, table, starts)
+        return table, starts
 
     def _body(self, grant: Any, layers: tuple[int, int], sums: bytes, what: str = "") -> bytes:
         spans: Spans = grant.spans
         pool = spans.pool
         check_pool(pool)
         seg = spans.segment_array           # (n, 3): thousands of pieces, no Python loop over them
-        used = np.unique(seg[:, 0]).tolist()
-        exports = [self.exports.get(pool.buffers[b]) for b in used]
-        base, bases = 0, {}
-        for b, e in zip(used, exports):
-            bases[b] = base
-            base += e.flat.numel()
+        table, starts = self._table(pool, tuple(np.unique(seg[:, 0]).tolist()))
         eid, ehandle = self.exports.record(pool.device)
         c = getattr(grant, "claim", None)
-        body = [FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0),
-                encode_layers(*layers, sums), _PROC.pack(bytes(16), 0), _EVENT.pack(eid, ehandle),
-                struct.pack("!H", len(exports))]
-        body += [_BUF.pack(e.eid, e.ipc.ljust(64, b"\0"), e.offset, e.flat.numel()) for e in exports]
-        body.append(struct.pack("!I", len(seg)))
-        starts = np.zeros(max(used, default=-1) + 1, dtype=np.int64)
-        starts[list(bases)] = list(bases.values())
-        body.append(np.stack([starts[seg[:, 0]] + seg[:, 1], seg[:, 2]], axis=1).astype(_RUNS_DTYPE).tobytes())
-        return b"".join(body)
+        return b"".join([FENCE.pack(c.epoch, c.counter) if c is not None else FENCE.pack(0, 0),
+                         encode_layers(*layers, sums), _PROC.pack(bytes(16), 0), _EVENT.pack(eid, ehandle), table,
+                         struct.pack("!I", len(seg)),
+                         np.stack([starts[seg[:, 0]] + seg[:, 1], seg[:, 2]], axis=1).astype(_RUNS_DTYPE).tobytes()])
 
 
 @dataclass
