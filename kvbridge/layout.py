@@ -264,10 +264,6 @@ class KVLayout:
         d["latent"] = self.latent
         for k in ("kv_order", "token_order"):
             d[k] = getattr(self, k).value
-        if self.num_kv_heads == 1 or self.block_size == 1:
-            # (tokens, heads, dim) and (heads, tokens, dim) are the same bytes when either of the
-            # first two is 1: NHD and HND pools of such a layout exchange blocks as they are
-            d["token_order"] = TokenOrder.NHD.value
         return {k: d[k] for k in _COMPAT_FIELDS}
 
     @cached_property
