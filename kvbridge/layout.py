@@ -240,13 +240,20 @@ class KVLayout:
     def segment_array(self, block_ids: Any, num_blocks: int, layers: range | None = None) -> np.ndarray:
         """:meth:`segments` as an ``(n, 3)`` int64 array, computed without a Python loop per
         block (what device copies and nvlink:// plans take: thousands of pieces per handle)."""
-        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        try:
+            ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        except OverflowError:                      # an id past int64: outside any pool
+            bad = next(b for b in block_ids if not 0 <= b < num_blocks)
+            raise IndexError(f"block {bad} outside a pool of {num_blocks} blocks") from None
         if len(ids) and not (int(ids.min()) >= 0 and int(ids.max()) < num_blocks):
             bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
             raise IndexError(f"block {bad} outside a pool of {num_blocks} blocks")
         p = self.part_nbytes
         rng = layers if layers is not None else range(self.num_layers)
-        bufs, bs = _planes(self, num_blocks, rng.start, rng.stop, rng.step)
+        if isinstance(rng, range):
+            bufs, bs = _planes(self, num_blocks, rng.start, rng.stop, rng.step)
+        else:                                      # any other iterable of layers, as segments() takes
+            bufs, bs = _plane_arrays(self, num_blocks, list(rng))
         if not len(ids) or not len(bufs):
             return np.zeros((0, 3), dtype=np.int64)
         buf = np.repeat(bufs, len(ids))
@@ -302,9 +309,14 @@ class KVLayout:
 
 @functools.lru_cache(maxsize=256)
 def _planes(layout: KVLayout, num_blocks: int, start: int, stop: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per (layer, part) plane of ``range(start, stop, step)``, in canonical order: its buffer
-    index, and its block 0 offset and block stride (read-only arrays, kept per layout)."""
-    planes = [(layer, part) for layer in range(start, stop, step) for part in range(layout.num_parts)]
+    """:func:`_plane_arrays` of ``range(start, stop, step)``, kept per layout."""
+    return _plane_arrays(layout, num_blocks, range(start, stop, step))
+
+
+def _plane_arrays(layout: KVLayout, num_blocks: int, layers: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Per (layer, part) plane of ``layers``, in canonical order: its buffer index, and its
+    block 0 offset and block stride (read-only arrays)."""
+    planes = [(layer, part) for layer in layers for part in range(layout.num_parts)]
     bufs = np.array([layout.buffer_index(layer, part) for layer, part in planes], dtype=np.int64)
     bs = np.array([layout.part_base_stride(part, num_blocks) for _, part in planes], dtype=np.int64).reshape(-1, 2)
     bufs.flags.writeable = False

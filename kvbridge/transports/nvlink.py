@@ -231,7 +231,8 @@ class NVLinkServer(ShmServer):
         self.exports = _Exports()
         # per pool buffer list and set of buffers a read names: its MAPPED buffer table, built
         # once (32-64 export lookups and entries per read cost more than the rest of the body)
-        self._tables: dict[tuple[int, tuple[int, ...]], tuple[list[torch.Tensor], bytes, np.ndarray]] = {}
+        self._tables: dict[tuple[int, tuple[int, ...]],
+                           tuple[list[torch.Tensor], tuple[torch.Tensor, ...], bytes, np.ndarray]] = {}
 
     def close(self) -> None:
         super().close()
@@ -244,8 +245,8 @@ class NVLinkServer(ShmServer):
         bufs = pool.buffers
         key = (id(bufs), used)
         got = self._tables.get(key)
-        if got is not None and got[0] is bufs:         # the same list object: the same buffers
-            return got[1], got[2]
+        if got is not None and got[0] is bufs and all(bufs[b] is t for b, t in zip(used, got[1])):
+            return got[2], got[3]                       # the same list holding the same tensors
         exports = [self.exports.get(bufs[b]) for b in used]
         starts = np.zeros(max(used, default=-1) + 1, dtype=np.int64)
         base = 0
@@ -256,7 +257,7 @@ class NVLinkServer(ShmServer):
                          + [_BUF.pack(e.eid, e.ipc.ljust(64, b"\0"), e.offset, e.flat.numel()) for e in exports])
         if len(self._tables) >= 256:                  # pools and layer ranges come and go: bounded
             self._tables.clear()
-        self._tables[key] = (bufs, table, starts)
+        self._tables[key] = (bufs, tuple(bufs[b] for b in used), table, starts)
         return table, starts
 
     def _body(self, grant: Any, layers: tuple[int, int], sums: bytes, what: str = "") -> bytes:

@@ -223,3 +223,26 @@ def test_bench_gpu_says_no_gpu_and_exits_0():
     r = subprocess.run([sys.executable, "-m", "bench.gpu"], cwd=root, capture_output=True, text=True, timeout=60,
                        env={**os.environ, "PYTHONPATH": root})
     assert r.returncode == 0 and "no CUDA device" in r.stdout
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_pool_whose_buffers_change_is_served_from_the_new_ones(in_place):
+    """The sender keeps each pool's MAPPED buffer table; a buffer swapped into the list (or a
+    new list) is exported anew, never served from the old memory."""
+    L = KVLayout.vllm_flash(2, 2, 8, 4, dtype="float16")
+    src, dst = _device_pool(L, 10, 1), _device_pool(L, 10, 2)
+    src.alloc(10)
+    with KVSender(src, "nvlink://", leases=False, checksums=False) as snd, \
+            KVReceiver(dst, leases=False, verify=False) as rcv:
+        assert rcv.fetch(snd.publish("a", [1, 2], 8), [3, 4]).ok and _same(src, [1, 2], dst, [3, 4])
+        g = torch.Generator().manual_seed(9)
+        fresh = [torch.randint(0, 256, (b.numel() * b.element_size(),), dtype=torch.uint8, generator=g)
+                 .view(b.dtype).view(b.shape) for b in src.buffers]
+        if in_place:
+            src.buffers[0] = fresh[0]
+        else:
+            src.buffers = fresh
+        src._views = None
+        res = rcv.fetch(snd.publish("b", [5, 6], 8), [7, 8])
+        assert res.ok, res.error
+        assert _same(src, [5, 6], dst, [7, 8])

@@ -219,6 +219,15 @@ def test_segments_match_torch_views(layout, nb):
                 assert bytes(hv[buf][off:off + n]) == bytes([val % 251 + 1]) * n
 
 
+def test_segment_array_takes_what_segments_takes():
+    L = KVLayout.vllm_flash(3, 2, 8, 4, dtype="float16")
+    # any iterable of layers, as segments() takes, not only a range
+    assert [tuple(r) for r in L.segment_array([1, 2], 8, [2, 0]).tolist()] == list(L.segments([1, 2], 8, [2, 0]))
+    assert [tuple(r) for r in L.segment_array([3], 8, (1,)).tolist()] == list(L.segments([3], 8, (1,)))
+    with pytest.raises(IndexError, match="outside a pool of 8 blocks"):
+        L.segment_array([1, 2**64], 8)                         # past int64: refused as any id outside
+
+
 def _expand(segs) -> list[tuple[int, int, int]]:
     """Merge adjacent per-part segments into maximal runs (the reference for segments())."""
     merged: list[list[int]] = []
