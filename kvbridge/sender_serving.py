@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Optional, Sequence, cast
+from typing import Optional, Sequence
 
 from . import blockcopy
 from .errors import (AccessDenied, BadHandle, ConnectionLost, HandleNotFound, KVBridgeError, LeaseError, PoolError,
                      ProtocolError, StaleHandle)
 from .handle import ID_OFFSET, find_issued, lookup_ticket
 from .integrity import pack_sums
-from .lease import Claim, Lease
+from .lease import Claim
 from .published import Grant, Record
 from .sender_lifecycle import SenderLifecycle, _limited, log
 from .transports.base import Spans
@@ -26,7 +26,6 @@ from .transports.wire import FrameReader
 __all__ = ["SenderServing", "LAYER_WAIT"]
 
 LAYER_WAIT = 0.25   # a read of a layer not ready yet waits this long on the sender, then asks again
-OWED_THREAD = True  # claimed releases made by a release thread (False: on the connection's thread)
 
 
 class SenderServing(SenderLifecycle):
@@ -59,7 +58,7 @@ class SenderServing(SenderLifecycle):
             try:
                 if claim.epoch == 0:      # CLAIM_ME: claim on the reader's behalf, one round trip
                     ttl = min(max(claim.counter / 1000, 0.001), 3600.0)
-                    lease = self._claim_for(rec.handle.lease_id, claim.claimer, ttl)
+                    lease = self.leases.claim(rec.handle.lease_id, claim.claimer, ttl)
                     claim = Claim(claim.claimer, lease.fence.epoch, lease.fence.counter)
                     rec.claimed = claim   # its release may come back here (release_claimed)
                 else:
@@ -218,13 +217,11 @@ class SenderServing(SenderLifecycle):
         """Leased handles whose lease this sender claimed inside a read (``CLAIM_ME``), which
         that reader has consumed, queued to be released in the lease store for the claim this
         sender made: :meth:`flush_claimed` has the release thread make them in one pipelined
-        round trip (or the claim of a read made meanwhile takes them along in its own, as
-        :meth:`_claim_for` does); each handle ends here once the
-        store took its release -- the reader's own release round trip, and this sender's
-        wake-up for the store's event of it, both saved. An entry is refused unless it names a
-        live leased handle in the exact bytes issued and precisely the claim made for it
-        (claimer and fence): a holder of the handle bytes that is not its claimer cannot end
-        it. Per entry, None or why it was refused."""
+        round trip; each handle ends here once the store took its release -- the reader's own
+        release round trip, and this sender's wake-up for the store's event of it, both saved.
+        An entry is refused unless it names a live leased handle in the exact bytes issued and
+        precisely the claim made for it (claimer and fence), once. Per entry, None or why it
+        was refused."""
         out: list[Optional[KVBridgeError]] = []
         todo: list[tuple[Record, Claim]] = []
         for raw, claim in items:
@@ -253,9 +250,6 @@ class SenderServing(SenderLifecycle):
         by this sender's release thread (the connection goes on serving the next request
         meanwhile), started on the first of them."""
         if not self._owed:
-            return
-        if not OWED_THREAD:
-            self._flush_owed()
             return
         with self._owed_lock:
             if self._owed_thread is None and not self._closed:
@@ -301,28 +295,6 @@ class SenderServing(SenderLifecycle):
                          "leases end at expiry", exc)
             return
         self._claimed_done(todo, results)
-
-    def _claim_for(self, lease_id: str, claimer: str, ttl: float) -> Lease:
-        """A CLAIM_ME read's claim; the queued claimed releases ride in the same round trip."""
-        assert self.leases is not None
-        batch = getattr(self.leases, "batch", None) if self._owed else None
-        if batch is None:
-            return self.leases.claim(lease_id, claimer, ttl)
-        with self._owed_lock:
-            todo, self._owed = self._owed, []
-        b = batch().claim(lease_id, claimer, ttl)
-        for rec, c in todo:
-            b.release(rec.handle.lease_id, c.claimer, c.fence, notify=False)
-        try:
-            results = b.execute()
-        except BaseException:
-            with self._owed_lock:                  # not made: queued again, for the next try
-                self._owed[:0] = todo
-            raise
-        self._claimed_done(todo, results[1:])
-        if isinstance(results[0], BaseException):
-            raise results[0]
-        return cast(Lease, results[0])
 
     def _claimed_done(self, todo: Sequence[tuple[Record, Claim]], results: Sequence[object]) -> None:
         for (rec, _), res in zip(todo, results):

@@ -299,10 +299,6 @@ class ShmTransport(OneSidedReads):
     def release(self, url: str, handle: KVHandle, wait: bool = True) -> None:
         (self._by_url.get(url) or self._client(url)).release(handle, wait, url)
 
-    def release_claimed(self, url: str, handle: KVHandle, claim: Claim) -> bool:
-        (self._by_url.get(url) or self._client(url)).release(handle, False, url, claim)
-        return True
-
     def close(self) -> None:
         with self._lock:
             clients, maps = list(self._clients.values()), list(self._maps.values())

@@ -174,7 +174,7 @@ class SocketClient:
 
     def frames(self, frame: bytes) -> bytes:
         """``frame`` followed by the deferred releases :meth:`riders` gives (served after it:
-        they never delay it; claimed ones are made in the store right after it is served)."""
+        they never delay it; claimed ones go to the sender's release thread as they arrive)."""
         return frame + self.riders() if self._pending or self._claimed else frame
 
     def riders(self, now: bool = False) -> bytes:
