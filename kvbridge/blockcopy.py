@@ -5,8 +5,9 @@ A pool's memory is seen as *planes*, one per (layer, part) in canonical order: b
 part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
 :meth:`KVLayout.part_base_stride`). :func:`planes` packs them once per pool and layer range.
 
-- :func:`hash_blocks`: xxh3-64 per block (or per layer and block), exactly
-  :func:`kvbridge.integrity.block_checksums`' definition.
+- :func:`hash_blocks`: the checksum per block (or per layer and block), exactly
+  :func:`kvbridge.integrity.block_checksums`' definition: the xxh3-64 of the xxh3-64 digests of
+  the block's parts (:func:`combine`).
 - :func:`copy_blocks`: copy blocks between two plane sets and, optionally, hash each block's
   bytes as they land: in one pass where the CPU has AVX2 or AVX-512F (each 64-byte stripe loaded once,
   stored and hashed; ``_kvcopy.FUSED``), elsewhere chunk by chunk while the chunk is in cache.
@@ -44,7 +45,7 @@ import xxhash
 if TYPE_CHECKING:
     from .pool import KVPool
 
-__all__ = ["NATIVE", "copy_threads", "planes", "pack_planes", "hash_blocks", "copy_blocks", "gather_blocks",
+__all__ = ["NATIVE", "combine", "copy_threads", "planes", "pack_planes", "hash_blocks", "copy_blocks", "gather_blocks",
            "scatter_blocks", "dst_snapshot", "py_hash_blocks", "py_copy_blocks", "py_gather_blocks",
            "py_scatter_blocks", "py_dst_snapshot"]
 
@@ -212,20 +213,25 @@ def _check(pl: list[tuple[int, int, int]], ids: Sequence[int], part: int) -> Non
             raise ValueError(f"block {hi} outside plane {j}")
 
 
+def combine(part_digests: Sequence[int]) -> int:
+    """A block's checksum from its parts' xxh3-64 digests in (layer, part) order: the xxh3-64 of
+    them, each as 8 little-endian bytes (the extension's ``kvb_combine``). Each part is hashed on
+    its own, so the parts of one block can be copied and hashed on two threads."""
+    return xxhash.xxh3_64_intdigest(struct.pack(f"<{len(part_digests)}Q", *part_digests))
+
+
+def _part_digest(address: int, part: int) -> int:
+    return xxhash.xxh3_64_intdigest((ctypes.c_char * part).from_address(address))
+
+
 def py_hash_blocks(packed: bytes, ids: Sequence[int], part: int, group: int) -> list[int]:
     """The Python twin of the extension's ``hash_blocks``."""
     pl = _unpack(packed)
     if group <= 0 or len(pl) % group:
         raise ValueError("group must divide the number of planes")
     _check(pl, ids, part)
-    out = []
-    for g in range(len(pl) // group):
-        for b in ids:
-            h = xxhash.xxh3_64()
-            for base, stride, _ in pl[g * group:(g + 1) * group]:
-                h.update((ctypes.c_char * part).from_address(base + b * stride))
-            out.append(h.intdigest())
-    return out
+    return [combine([_part_digest(base + b * stride, part) for base, stride, _ in pl[g * group:(g + 1) * group]])
+            for g in range(len(pl) // group) for b in ids]
 
 
 def py_copy_blocks(dst: bytes, dst_ids: Sequence[int], src: bytes, src_ids: Sequence[int], part: int,
@@ -240,13 +246,13 @@ def py_copy_blocks(dst: bytes, dst_ids: Sequence[int], src: bytes, src_ids: Sequ
         raise ValueError("source and destination name different numbers of blocks")
     out = []
     for d, s in zip(dst_ids, src_ids):
-        h = xxhash.xxh3_64() if hash else None
+        pd = []
         for (db, dstr, _), (sb, sstr, _) in zip(dp, sp):
             ctypes.memmove(db + d * dstr, sb + s * sstr, part)
-            if h is not None:
-                h.update((ctypes.c_char * part).from_address(db + d * dstr))
-        if h is not None:
-            out.append(h.intdigest())
+            if hash:
+                pd.append(_part_digest(db + d * dstr, part))
+        if hash:
+            out.append(combine(pd))
     return out if hash else None
 
 
@@ -277,15 +283,15 @@ def py_scatter_blocks(dst: bytes, dst_ids: Sequence[int], src: Any, offset: int,
                          f"from offset {offset}")
     out = []
     for k, b in enumerate(dst_ids):
-        h = xxhash.xxh3_64() if hash else None
+        pd = []
         for j, (base, stride, _) in enumerate(dp):
             land = (ctypes.c_char * part).from_address(base + b * stride)
             o = offset + (j * n + k) * part
             memoryview(land).cast("B")[:] = mv[o:o + part]
-            if h is not None:
-                h.update(land)
-        if h is not None:
-            out.append(h.intdigest())
+            if hash:
+                pd.append(xxhash.xxh3_64_intdigest(land))
+        if hash:
+            out.append(combine(pd))
     return out if hash else None
 
 

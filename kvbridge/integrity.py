@@ -1,10 +1,13 @@
-"""Checksums: xxh3-64 over blocks' parts in canonical order.
+"""Checksums: each block part's xxh3-64, combined in canonical order.
 
-Two granularities, one definition. A whole handle carries one checksum per block over all
-its layers (:func:`block_checksums`); a layer-wise handle's checksums are computed per
-(layer, block) as each layer becomes ready and travel with the bytes
-(:func:`layer_checksums`). Both hash each part in (layer, part) order, which is the order
-bytes arrive in, so :class:`StreamVerifier` computes either while the bytes land.
+One definition: a checksum is the xxh3-64 of the xxh3-64 digests of the parts it covers, each
+as 8 little-endian bytes, in (layer, part) order (:func:`combine`). Each part is hashed on its
+own, so a large block's parts can be copied and hashed on two threads and still give one
+checksum. Two granularities: a whole handle carries one checksum per block over all its layers
+(:func:`block_checksums`); a layer-wise handle's checksums are computed per (layer, block) as
+each layer becomes ready and travel with the bytes (:func:`layer_checksums`). Every part arrives
+whole and in (layer, part) order, so :class:`StreamVerifier` computes either while the bytes
+land.
 
 Host pools are hashed by :mod:`kvbridge.blockcopy` (one C pass over the blocks' parts, or its
 Python twin); shm:// one-sided reads hash each block as it lands, in the same pass as the copy.
@@ -19,14 +22,14 @@ a receiver hashes a staged transfer's bytes in the host slot they land in
 from __future__ import annotations
 
 import struct
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import xxhash
 
-from .blockcopy import hash_blocks, planes
+from .blockcopy import combine, hash_blocks, planes
 from .pool import KVPool
 
-__all__ = ["block_checksums", "layer_checksums", "pack_sums", "unpack_sums", "StreamVerifier"]
+__all__ = ["combine", "block_checksums", "layer_checksums", "pack_sums", "unpack_sums", "StreamVerifier"]
 
 
 def _staged_checksums(pool: KVPool, block_ids: Sequence[int], layers: range, per_layer: bool) -> list[int]:
@@ -44,7 +47,7 @@ def _staged_checksums(pool: KVPool, block_ids: Sequence[int], layers: range, per
 
 
 def _hash(pool: KVPool, block_ids: Sequence[int], layers: range, group: int) -> list[int]:
-    """xxh3-64 per block over each ``group`` of planes of ``layers`` (host pools, one C pass)."""
+    """The checksum per block over each ``group`` of planes of ``layers`` (host pools, one C pass)."""
     bufs = pool.buffers            # held across the C call (see blockcopy.planes)
     sums = hash_blocks(planes(pool, layers), block_ids, pool.layout.part_nbytes, group)
     del bufs
@@ -52,7 +55,7 @@ def _hash(pool: KVPool, block_ids: Sequence[int], layers: range, group: int) -> 
 
 
 def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[range] = None) -> list[int]:
-    """One 64-bit xxh3 per block over ``layers`` (default all) and parts, in (layer, part) order."""
+    """One checksum per block over ``layers`` (default all) and parts, in (layer, part) order."""
     if not pool.is_host:
         return _staged_checksums(pool, block_ids, layers if layers is not None else range(pool.layout.num_layers),
                                  False)
@@ -63,7 +66,7 @@ def block_checksums(pool: KVPool, block_ids: Sequence[int], layers: Optional[ran
 
 
 def layer_checksums(pool: KVPool, block_ids: Sequence[int], layers: range) -> list[int]:
-    """One xxh3 per (layer, block), layer-major: ``len(layers) * len(block_ids)`` values."""
+    """One checksum per (layer, block), layer-major: ``len(layers) * len(block_ids)`` values."""
     if not pool.is_host:
         return _staged_checksums(pool, block_ids, layers, True)
     if not len(block_ids) or not len(layers):
@@ -82,10 +85,11 @@ def unpack_sums(data: bytes) -> list[int]:
 class StreamVerifier:
     """Checksums of destination blocks computed as their bytes land, in stream order.
 
-    The stream is (layer, part, block) over ``layers``. With ``per_layer`` each (layer,
-    block) has its own hash (layer-wise transfers); otherwise each block's hash runs over
-    all its parts in (layer, part) order, exactly :func:`block_checksums`' order. Hashing
-    right after each chunk lands reads it from cache instead of a second pass over DRAM.
+    The stream is (layer, part, block) over ``layers``: each part arrives whole before the next
+    begins, so one hash state (the part landing) and a digest per part suffice. With
+    ``per_layer`` each (layer, block) has its own checksum (layer-wise transfers); otherwise
+    each block's covers all its parts, exactly :func:`block_checksums`. Hashing right after
+    each chunk lands reads it from cache instead of a second pass over DRAM.
 
     :meth:`advance` hashes the destination pool's own memory (host pools); :meth:`consume`
     hashes the next bytes of the stream from wherever they are (a staging slot). For a
@@ -111,12 +115,12 @@ class StreamVerifier:
         self.host = views is not None
         self.per_layer = per_layer
         self.total = self.part * self.nb * len(self.planes)
-        self._num_hashes = self.nb * len(layers) if per_layer else self.nb
         self.reset()
 
     def reset(self) -> None:
         """Start over (a retried transfer resends the stream from its first byte)."""
-        self.hashers = [xxhash.xxh3_64() for _ in range(self._num_hashes)]
+        self._pd = [0] * (self.nb * len(self.planes))   # each stream part's xxh3-64, in stream order
+        self._cur = xxhash.xxh3_64()                     # the part landing now
         self._i = 0      # first part not fully hashed
         self._done = 0   # stream bytes hashed
 
@@ -124,9 +128,18 @@ class StreamVerifier:
     def started(self) -> bool:
         return self._done > 0
 
-    def _hasher(self, i: int) -> "xxhash.xxh3_64":
-        j, k = divmod(i, self.nb)
-        return self.hashers[(j // self.nparts) * self.nb + k if self.per_layer else k]
+    def _piece(self, i: int, lo: int, data: Any) -> None:
+        """Bytes ``data`` of stream part ``i`` from its byte ``lo``: a whole part hashed at once,
+        else into the state of the part landing, its digest taken once the part is whole."""
+        hi = lo + len(data)
+        if lo == 0 and hi == self.part:
+            self._pd[i] = xxhash.xxh3_64_intdigest(data)
+            return
+        if lo == 0:
+            self._cur.reset()
+        self._cur.update(data)
+        if hi == self.part:
+            self._pd[i] = self._cur.intdigest()
 
     def _feed(self, i: int, lo: int, hi: int) -> None:
         """Hash bytes [lo, hi) of stream part ``i``."""
@@ -134,22 +147,20 @@ class StreamVerifier:
         view, base, stride = self.planes[j]
         assert view is not None
         off = base + self.ids[k] * stride
-        self._hasher(i).update(view[off + lo:off + hi])
+        self._piece(i, lo, view[off + lo:off + hi])
 
     def _feed_whole(self, i: int, end: int) -> None:
         """Hash whole parts ``i..end-1``: the common case, one C call per part, plane by plane
         with the per-plane lookups hoisted out of the loop."""
-        n, nb, ids, hashers, planes = self.part, self.nb, self.ids, self.hashers, self.planes
-        per_layer, nparts = self.per_layer, self.nparts
+        n, nb, ids, planes, pd, digest = self.part, self.nb, self.ids, self.planes, self._pd, xxhash.xxh3_64_intdigest
         while i < end:
             j, k0 = divmod(i, nb)
             view, base, stride = planes[j]
             assert view is not None
             k1 = min(nb, k0 + end - i)
-            first = (j // nparts) * nb if per_layer else 0
             for k in range(k0, k1):
                 off = base + ids[k] * stride
-                hashers[first + k].update(view[off:off + n])
+                pd[j * nb + k] = digest(view[off:off + n])
             i += k1 - k0
 
     def consume(self, data: memoryview) -> None:
@@ -158,7 +169,7 @@ class StreamVerifier:
         while pos < end:
             i = pos // n
             k = min(end, (i + 1) * n) - pos
-            self._hasher(i).update(data[pos - self._done:pos - self._done + k])
+            self._piece(i, pos - i * n, data[pos - self._done:pos - self._done + k])
             pos += k
         self._i, self._done = end // n, end
 
@@ -193,4 +204,10 @@ class StreamVerifier:
         return self._done == self.total
 
     def digests(self) -> list[int]:
-        return [h.intdigest() for h in self.hashers]
+        """The checksums (:func:`combine` of each block's, or each (layer, block)'s, part digests)."""
+        nb, pd = self.nb, self._pd
+        if self.per_layer:
+            npart = self.nparts
+            return [combine([pd[(layer * npart + p) * nb + k] for p in range(npart)])
+                    for layer in range(len(self.planes) // npart) for k in range(nb)]
+        return [combine(pd[k::nb]) for k in range(nb)]

@@ -59,7 +59,7 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "RateGuard", "PacedSender", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
-VERSION = 5     # 5: CRELEASES (a version 4 peer would drop the connection on it)
+VERSION = 6     # 5: CRELEASES (a version 4 peer would drop the connection on it); 6: per-part checksums
 HEADER = struct.Struct("!2sBBIQ")
 MAX_CONTROL = 16 << 20
 IOV_MAX = 1024

@@ -9,9 +9,8 @@
  * stored to the destination and accumulated from the same registers (AVX2, or AVX-512F in one
  * register where the CPU has it: half the instructions, which decides the speed once the bytes
  * are in cache), so the copy costs
- * no second read of the bytes and its loads and stores overlap the hash's arithmetic. A stripe
- * split between two pieces is assembled from the bytes just written. Everything but the fused
- * stripe loop is xxHash's own code (XXH_INLINE_ALL: private to this file).
+ * no second read of the bytes and its loads and stores overlap the hash's arithmetic. Everything
+ * but the fused stripe loop is xxHash's own code (XXH_INLINE_ALL: private to this file).
  */
 #define XXH_INLINE_ALL
 #include "xxhash.h"
@@ -220,77 +219,51 @@ int kvb_copy_hash_fused(void) {
 #endif
 }
 
-/* One stripe assembled elsewhere (scalar: a few per block at most). */
-static void stripe_scalar(uint64_t *acc, const unsigned char *p, size_t k) {
-    XXH3_accumulate_512_scalar(acc, p, XXH3_kSecret + (k % STRIPES_PER_BLOCK) * 8);
-    if (k % STRIPES_PER_BLOCK == STRIPES_PER_BLOCK - 1)
-        XXH3_scrambleAcc_scalar(acc, XXH3_kSecret + SECRET_SCRAMBLE);
+#define COMBINE_BATCH 128
+
+uint64_t kvb_combine(const uint64_t *pd, size_t np, size_t step) {
+    unsigned char buf[8 * COMBINE_BATCH];
+    if (np <= COMBINE_BATCH) {
+        for (size_t i = 0; i < np; i++)
+            XXH_writeLE64(buf + 8 * i, pd[i * step]);
+        return XXH3_64bits(buf, 8 * np);
+    }
+    XXH3_state_t st;
+    XXH3_INITSTATE(&st);
+    XXH3_64bits_reset(&st);
+    for (size_t i = 0; i < np;) {
+        size_t m = np - i < COMBINE_BATCH ? np - i : COMBINE_BATCH;
+        for (size_t q = 0; q < m; q++)
+            XXH_writeLE64(buf + 8 * q, pd[(i + q) * step]);
+        XXH3_64bits_update(&st, buf, 8 * m);
+        i += m;
+    }
+    return XXH3_64bits_digest(&st);
 }
 
-uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part, int level, int stream) {
-    const size_t len = np * part;
+uint64_t kvb_copy_hash(char *dst, const char *src, size_t len, int level, int stream) {
     if (level > kvb_copy_hash_fused())
         level = kvb_copy_hash_fused();
     if (len <= 240 || level <= 0) {   /* xxHash's short paths need the whole input */
-        XXH3_state_t st;
-        XXH3_64bits_reset(&st);
-        for (size_t j = 0; j < np; j++) {
-            memmove(dst[j], src[j], part);
-            XXH3_64bits_update(&st, dst[j], part);
-        }
-        return XXH3_64bits_digest(&st);
+        memmove(dst, src, len);
+        return XXH3_64bits(dst, len);
     }
 #ifdef KVB_AVX2
     XXH_ALIGN(64) uint64_t acc[8] = XXH3_INIT_ACC;
-    const size_t R = (len - 1) / STRIPE;               /* stripes accumulated in order */
-    unsigned char tmp[STRIPE];
-    size_t k = 0, pend = 0;                            /* stripes done; bytes of a split one in tmp */
-    int streamed = 0;
-    for (size_t j = 0; j < np; j++) {
-        const char *s = src[j];
-        char *d = dst[j];
-        size_t n = part;
-        if (pend) {                                    /* the rest of a stripe begun in the last piece */
-            size_t m = STRIPE - pend < n ? STRIPE - pend : n;
-            memmove(d, s, m);
-            memcpy(tmp + pend, d, m);
-            pend += m, s += m, d += m, n -= m;
-            if (pend == STRIPE) {
-                stripe_scalar(acc, tmp, k++);
-                pend = 0;
-            }
-        }
-        size_t whole = n / STRIPE;
-        if (whole > R - k)
-            whole = R - k;
-        if (whole) {
-            int wide = level >= 2 && len >= WIDE_FROM;
-            int nt = stream && ((uintptr_t)d & (wide ? 63 : 31)) == 0;
-            streamed |= nt;
-            if (wide)
-                stripes_avx512(acc, d, s, whole, k, nt);
-            else
-                stripes_avx2(acc, d, s, whole, k, nt);
-            k += whole, s += whole * STRIPE, d += whole * STRIPE, n -= whole * STRIPE;
-        }
-        if (n) {                                       /* under a stripe, or past the last one */
-            memmove(d, s, n);
-            if (k < R) {
-                memcpy(tmp + pend, d, n);
-                pend += n;
-            }
-        }
-    }
-    if (streamed)
+    const size_t whole = (len - 1) / STRIPE;           /* stripes accumulated in order */
+    int wide = level >= 2 && len >= WIDE_FROM;
+    int nt = stream && ((uintptr_t)dst & (wide ? 63 : 31)) == 0;
+    if (wide)
+        stripes_avx512(acc, dst, src, whole, 0, nt);
+    else
+        stripes_avx2(acc, dst, src, whole, 0, nt);
+    size_t done = whole * STRIPE;
+    memmove(dst + done, src + done, len - done);       /* the tail: under a stripe, or a whole last one */
+    if (nt)
         _mm_sfence();                                  /* the streamed stores before anything after */
     /* the last 64 bytes of the input, from where they landed */
-    size_t need = STRIPE;
-    for (size_t j = np; j-- > 0 && need;) {
-        size_t m = need < part ? need : part;
-        memcpy(tmp + need - m, dst[j] + part - m, m);
-        need -= m;
-    }
-    XXH3_accumulate_512_scalar(acc, tmp, XXH3_kSecret + XXH_SECRET_DEFAULT_SIZE - STRIPE - XXH_SECRET_LASTACC_START);
+    XXH3_accumulate_512_scalar(acc, (const unsigned char *)dst + len - STRIPE,
+                               XXH3_kSecret + XXH_SECRET_DEFAULT_SIZE - STRIPE - XXH_SECRET_LASTACC_START);
     return XXH3_mergeAccs(acc, XXH3_kSecret + XXH_SECRET_MERGEACCS_START, (uint64_t)len * XXH_PRIME64_1);
 #else
     return 0;   /* unreachable: kvb_copy_hash_fused() is 0 */

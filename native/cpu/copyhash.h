@@ -1,17 +1,22 @@
-/* kvbridge._kvcopy: copy `np` pieces of `part` bytes each (src[j] -> dst[j], in order) and return
- * the xxh3-64 of their concatenation as it landed, equal to the `xxhash` package's xxh3_64.
- * Where the CPU has AVX2 and the whole is over 240 bytes, one pass: each 64-byte stripe is
- * loaded once, stored and hashed from the same registers (one 512-bit register where the CPU
- * has AVX-512F, `level` is 2 and the whole is 16 KiB or more; else two 256-bit ones). Otherwise (or at level 0)
- * memmove and then xxHash's streaming update, piece by piece. A piece copied into itself (src == dst) is fine; pieces
- * that partly overlap are the caller's to avoid. */
+/* kvbridge._kvcopy: copy `len` bytes (src -> dst) and return the xxh3-64 of them as they landed,
+ * equal to the `xxhash` package's xxh3_64. Where the CPU has AVX2 and `len` is over 240 bytes,
+ * one pass: each 64-byte stripe is loaded once, stored and hashed from the same registers (one
+ * 512-bit register where the CPU has AVX-512F, `level` is 2 and `len` is 16 KiB or more; else two
+ * 256-bit ones). Otherwise (or at level 0) memmove and then xxHash. A copy into itself
+ * (src == dst) is fine; a partly overlapping one is the caller's to avoid. */
 #ifndef KVB_COPYHASH_H
 #define KVB_COPYHASH_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-uint64_t kvb_copy_hash(char *const *dst, const char *const *src, size_t np, size_t part, int level, int stream);
+uint64_t kvb_copy_hash(char *dst, const char *src, size_t len, int level, int stream);
+
+/* kvbridge's checksum of a block (or of one layer of it) from its parts' own xxh3-64 digests:
+ * the xxh3-64 of those digests, each as 8 little-endian bytes, in (layer, part) order --
+ * pd[0], pd[step], pd[2 * step], ...: `np` of them (0: the xxh3-64 of no bytes). Each part is
+ * hashed on its own, so the parts of one block can be copied and hashed on two threads. */
+uint64_t kvb_combine(const uint64_t *pd, size_t np, size_t step);
 
 /* With `stream` (kvb_copy_hash) or always (kvb_stream_copy): stores that go past the caches
  * (x86-64 with AVX2; each piece's 32- or 64-byte-aligned run, fenced before returning), for

@@ -1,20 +1,23 @@
-/* kvbridge._kvcopy: block copies and xxh3-64 block checksums in one pass over the bytes.
+/* kvbridge._kvcopy: block copies and block checksums in one pass over the bytes.
+ *
+ * A block's checksum (kvbridge.integrity): the xxh3-64 of its parts' own xxh3-64 digests, each
+ * as 8 little-endian bytes, in (layer, part) order (kvb_combine, copyhash.h).
  *
  * A pool's memory is described by *planes*: one per (layer, part) in canonical order, each
  * three int64 values (address of block 0's part, stride between blocks, end address of the
  * buffer). Block b's part in plane p is the `part` bytes at base_p + b * stride_p.
  *
  *   hash_blocks(planes, ids, part, group) -> list[int]
- *       xxh3-64 of each block over `group` consecutive planes, group-major: with
+ *       the checksum of each block over `group` consecutive planes, group-major: with
  *       group == number of planes, one checksum per block (kvbridge.integrity.block_checksums);
  *       with group == parts per layer, one per (layer, block) (layer_checksums).
  *   copy_blocks(dst_planes, dst_ids, src_planes, src_ids, part, hash) -> list[int] | None
  *       (`hash`: 0 none, 1 the fastest path, 2 the chunked path even where FUSED, 3 the one
  *       pass with AVX2 even where AVX-512 runs -- for the tests and bench/copyhash.py, which
  *       compare them)
- *       copy every block's parts from src to dst, plane by plane; with `hash`, also the xxh3-64
+ *       copy every block's parts from src to dst, plane by plane; with `hash`, also the checksum
  *       of each block's bytes *as they landed in dst*: where FUSED (x86-64 with AVX2: 1; with
- *       AVX-512F: 2), in one
+ *       AVX-512F: 2), each part in one
  *       pass -- each 64-byte stripe loaded once, stored and hashed from the same registers
  *       (copyhash.c), as fast as the copy alone; elsewhere chunk by chunk, each chunk hashed
  *       while it is still in cache (each byte is read from memory once).
@@ -24,7 +27,7 @@
  *       ids in the order given -- then `tail` zero bytes: a small reply built in one buffer.
  *   scatter_blocks(dst_planes, dst_ids, src, offset, part, hash) -> list[int] | None
  *       the reverse: wire-ordered bytes of `src` (any buffer) from `offset` into the blocks;
- *       with `hash`, the xxh3-64 of each block as it landed (as copy_blocks).
+ *       with `hash`, the checksum of each block as it landed (as copy_blocks).
  *
  *   read_small(fd, frame, rid, nbytes, dst_planes, dst_ids, part, hash, claimed) -> tuple
  *       tcp:// small reads in one call: send `frame` on socket `fd`, take the reply to request
@@ -74,7 +77,7 @@
  *   recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
  *       tcp:// reads too large for read_small: a DATA reply's block bytes (wire order) received
  *       straight into the blocks, recvmsg over a window of up to 1,024 parts / 4 MiB, each
- *       block's xxh3-64 fed with every piece right after it landed (with `hash`); the GIL
+ *       part's xxh3-64 fed with every piece right after it landed (with `hash`); the GIL
  *       released for each receive, `cancel.is_set()` asked between them. Code 0: all landed;
  *       1: the peer closed first; 2: cancelled (with the bytes received so far).
  *   shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between)
@@ -94,7 +97,7 @@
  * Every address is checked against its plane before anything is read or written: an id
  * outside [0, (end - base - part) / stride] raises ValueError. The GIL is released for
  * transfers of 64 KiB and more. xxHash (BSD-2-Clause, native/cpu/xxhash/) is built in with
- * its x86 runtime dispatch, so the checksums equal the `xxhash` package's xxh3_64.
+ * its x86 runtime dispatch, so each part's digest equals the `xxhash` package's xxh3_64.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -123,11 +126,14 @@
 #define CHUNK (64 * 1024)
 #endif          /* copy then hash this much at a time: it stays in L2 */
 #define NOGIL_BYTES (64 * 1024)    /* release the GIL for transfers at least this large */
-/* Copies of at least PAR_BYTES in PAR_MIN_BLOCKS blocks or more are shared with the helper
- * thread where one is configured (helper.h), whole blocks at a time (at most PAR_MAX_UNITS
- * units). One block is never split: see README, "Large shm reads of many blocks". */
-#define PAR_BYTES (8 * 1024 * 1024)
-#define PAR_MIN_BLOCKS 4
+/* Copies of at least PAR_BYTES in two parts or more are shared with the helper thread where one
+ * is configured (helper.h), in units of whole parts (PAR_UNIT_BYTES or more each, at most
+ * PAR_MAX_UNITS units): a block's checksum combines its parts' own (kvb_combine), so the parts
+ * of one block may land on two threads. */
+#ifndef PAR_BYTES
+#define PAR_BYTES (1024 * 1024)
+#endif
+#define PAR_UNIT_BYTES (64 * 1024)
 #define PAR_MAX_UNITS 4096
 
 typedef struct {
@@ -259,8 +265,7 @@ static PyObject *hash_blocks(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     Py_ssize_t n = 0;
     int64_t *ids = NULL;
-    XXH64_hash_t *d = NULL;
-    XXH3_state_t *st = NULL;
+    XXH64_hash_t *d = NULL, *pd = NULL;
     if (group <= 0 || pl.n % group) {
         PyErr_SetString(PyExc_ValueError, "group must divide the number of planes");
         goto done;
@@ -270,8 +275,8 @@ static PyObject *hash_blocks(PyObject *self, PyObject *args) {
         goto done;
     Py_ssize_t ngroups = pl.n / group;
     d = PyMem_Malloc((size_t)(ngroups * n > 0 ? ngroups * n : 1) * sizeof(XXH64_hash_t));
-    st = XXH3_createState();
-    if (d == NULL || st == NULL) {
+    pd = PyMem_Malloc((size_t)group * sizeof(XXH64_hash_t));
+    if (d == NULL || pd == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -279,87 +284,74 @@ static PyObject *hash_blocks(PyObject *self, PyObject *args) {
     PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
     for (Py_ssize_t g = 0; g < ngroups; g++) {
         for (Py_ssize_t k = 0; k < n; k++) {
-            XXH3_64bits_reset(st);
-            for (Py_ssize_t j = g * group; j < (g + 1) * group; j++) {
-                const plane_t *p = &pl.p[j];
-                XXH3_64bits_update(st, (const void *)(uintptr_t)(p->base + ids[k] * p->stride), (size_t)part);
+            for (Py_ssize_t j = 0; j < group; j++) {
+                const plane_t *p = &pl.p[g * group + j];
+                pd[j] = XXH3_64bits((const void *)(uintptr_t)(p->base + ids[k] * p->stride), (size_t)part);
             }
-            d[g * n + k] = XXH3_64bits_digest(st);
+            d[g * n + k] = kvb_combine(pd, (size_t)group, 1);
         }
     }
     if (ts)
         PyEval_RestoreThread(ts);
     res = digest_list(d, ngroups * n);
 done:
-    if (st)
-        XXH3_freeState(st);
+    PyMem_Free(pd);
     PyMem_Free(d);
     PyMem_Free(ids);
     PyMem_Free(pl.p);
     return res;
 }
 
-/* copy_core's work, shared with the helper thread (helper.h) when it is large: block k's parts
- * copied (and hashed into d[k]) by copy_one on whichever thread claimed it, with that thread's
- * own scratch (`who`: 0 the caller, 1 the helper). */
+/* copy_core's work, shared with the helper thread (helper.h) when it is large: part u of the
+ * copy (block u / np's part in plane u % np) copied, and hashed into pd[u], by copy_part on
+ * whichever thread claimed it, with that thread's own scratch (`who`: 0 the caller, 1 the
+ * helper); a unit is `per` such parts in order. */
 typedef struct {
     const planes_t *dp, *sp;
     const int64_t *did, *sid;
     int64_t part;
     int hash;
     int stream;                      /* stores past the caches (kvb_stream_from) */
-    Py_ssize_t per;                  /* blocks per unit */
-    Py_ssize_t n;
-    XXH64_hash_t *d;
-    char **dps[2];                   /* one block's parts, for the one-pass copy and hash */
-    const char **sps[2];
+    int fused;                       /* one pass per part (kvb_copy_hash) */
+    Py_ssize_t per;                  /* parts per unit */
+    Py_ssize_t total;                /* parts: blocks x planes */
+    XXH64_hash_t *pd;                /* each part's digest, block-major */
     XXH3_state_t *st[2];
 } copyjob_t;
 
-static void copy_one(copyjob_t *c, Py_ssize_t k, int who) {
+static void copy_part(copyjob_t *c, Py_ssize_t u, int who) {
     const planes_t *dp = c->dp, *sp = c->sp;
+    Py_ssize_t k = u / dp->n, j = u % dp->n;
     int64_t part = c->part;
-    if (c->dps[who] != NULL) {
-        char **dps = c->dps[who];
-        const char **sps = c->sps[who];
-        int fused = 1;
-        for (Py_ssize_t j = 0; j < dp->n; j++) {
-            dps[j] = (char *)(uintptr_t)(dp->p[j].base + c->did[k] * dp->p[j].stride);
-            sps[j] = (const char *)(uintptr_t)(sp->p[j].base + c->sid[k] * sp->p[j].stride);
-            if (dps[j] != sps[j] && dps[j] < sps[j] + part && sps[j] < dps[j] + part)
-                fused = 0;
-        }
-        if (fused) {
-            c->d[k] = kvb_copy_hash(dps, sps, (size_t)dp->n, (size_t)part, c->hash == 3 ? 1 : 2, c->stream);
-            return;
-        }
+    char *dst = (char *)(uintptr_t)(dp->p[j].base + c->did[k] * dp->p[j].stride);
+    const char *src = (const char *)(uintptr_t)(sp->p[j].base + c->sid[k] * sp->p[j].stride);
+    int apart = dst == src || dst >= src + part || src >= dst + part;     /* not partly overlapping */
+    if (c->hash && c->fused && apart) {
+        c->pd[u] = kvb_copy_hash(dst, src, (size_t)part, c->hash == 3 ? 1 : 2, c->stream);
+        return;
+    }
+    if (!c->hash && c->stream && apart) {
+        kvb_stream_copy(dst, src, (size_t)part);
+        return;
     }
     XXH3_state_t *st = c->st[who];
     if (c->hash)
         XXH3_64bits_reset(st);
-    for (Py_ssize_t j = 0; j < dp->n; j++) {
-        char *dst = (char *)(uintptr_t)(dp->p[j].base + c->did[k] * dp->p[j].stride);
-        const char *src = (const char *)(uintptr_t)(sp->p[j].base + c->sid[k] * sp->p[j].stride);
-        if (!c->hash && c->stream && (dst == src || dst >= src + part || src >= dst + part)) {
-            kvb_stream_copy(dst, src, (size_t)part);
-            continue;
-        }
-        for (int64_t off = 0; off < part; off += CHUNK) {
-            size_t m = (size_t)(part - off < CHUNK ? part - off : CHUNK);
-            memmove(dst + off, src + off, m);   /* a block read into itself overlaps */
-            if (c->hash)
-                XXH3_64bits_update(st, dst + off, m);
-        }
+    for (int64_t off = 0; off < part; off += CHUNK) {
+        size_t m = (size_t)(part - off < CHUNK ? part - off : CHUNK);
+        memmove(dst + off, src + off, m);   /* a block read into itself overlaps */
+        if (c->hash)
+            XXH3_64bits_update(st, dst + off, m);
     }
     if (c->hash)
-        c->d[k] = XXH3_64bits_digest(st);
+        c->pd[u] = XXH3_64bits_digest(st);
 }
 
 static void copy_unit(void *ctx, size_t u, int who) {
     copyjob_t *c = ctx;
-    Py_ssize_t k = (Py_ssize_t)u * c->per, end = k + c->per < c->n ? k + c->per : c->n;
-    for (; k < end; k++)
-        copy_one(c, k, who);
+    Py_ssize_t q = (Py_ssize_t)u * c->per, end = q + c->per < c->total ? q + c->per : c->total;
+    for (; q < end; q++)
+        copy_part(c, q, who);
 }
 
 /* 1 where the bytes this copy lands may depend on the order of its blocks: a destination byte
@@ -447,68 +439,69 @@ static int order_matters(const planes_t *dp, const int64_t *did, const planes_t 
 }
 
 /* The copy loop of copy_blocks and scatter_blocks: block sid[k] of each source plane j to
- * block did[k] of destination plane j; with `hash`, the xxh3-64 of each destination block as
- * it landed -- in one pass per block (kvb_copy_hash) where FUSED and no part of the block
- * partly overlaps its source, else in CHUNK pieces, each hashed after its copy. Addresses were
- * checked by the callers. A copy of kvb_stream_from() bytes or more stores past the caches
- * (copyhash.h). Returns the digest list (None where they equal `expect`, see
- * digests_unless), None unhashed, or NULL with an exception set. Copies of PAR_BYTES or more in PAR_MIN_BLOCKS blocks or more
- * are shared with the helper thread (copy_unit) unless order_matters. */
+ * block did[k] of destination plane j; with `hash`, each destination block's checksum as it
+ * landed (kvb_combine of its parts' xxh3-64) -- each part in one pass (kvb_copy_hash) where
+ * FUSED and the part does not partly overlap its source, else in CHUNK pieces, each hashed
+ * after its copy. Addresses were checked by the callers. A copy of kvb_stream_from() bytes or
+ * more stores past the caches (copyhash.h). Returns the digest list (None where they equal
+ * `expect`, see digests_unless), None unhashed, or NULL with an exception set. Copies of
+ * PAR_BYTES or more in two parts or more are shared with the helper thread (copy_unit), parts
+ * at a time, unless order_matters. */
 static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_t *sp, const int64_t *sid,
                            Py_ssize_t n, int64_t part, int hash, PyObject *expect) {
     PyObject *res = NULL;
-    copyjob_t c = {dp, sp, did, sid, part, hash, 0, 1, n, NULL, {NULL, NULL}, {NULL, NULL}, {NULL, NULL}};
+    copyjob_t c = {dp, sp, did, sid, part, hash, 0, 0, 1, n * dp->n, NULL, {NULL, NULL}};
     double total = (double)part * (double)n * (double)dp->n;
     c.stream = total >= (double)kvb_stream_from();
-    int shared = total >= PAR_BYTES && n >= PAR_MIN_BLOCKS && kvb_par_on() &&   /* whole blocks to the helper */
+    c.fused = (hash == 1 || hash == 3) && kvb_copy_hash_fused() && part > 240;
+    int shared = total >= PAR_BYTES && c.total >= 2 && kvb_par_on() &&
                  order_matters(dp, did, sp, sid, n, part) == 0;              /* unless it lands in block order */
     int nt = shared ? 2 : 1;
+    XXH64_hash_t *d = NULL;
     if (hash) {
-        c.d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
-        for (int w = 0; w < nt; w++)
+        c.pd = PyMem_Malloc((size_t)(c.total ? c.total : 1) * sizeof(XXH64_hash_t));
+        d = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(XXH64_hash_t));
+        for (int w = 0; w < nt; w++)           /* for parts that partly overlap their source, too */
             c.st[w] = XXH3_createState();
-        if (c.d == NULL || c.st[0] == NULL || (shared && c.st[1] == NULL)) {
+        if (c.pd == NULL || d == NULL || c.st[0] == NULL || (shared && c.st[1] == NULL)) {
             PyErr_NoMemory();
             goto done;
-        }
-    }
-    /* one pass per block (copyhash.c) where the CPU allows and no part partly overlaps itself */
-    if ((hash == 1 || hash == 3) && kvb_copy_hash_fused() && part * dp->n > 240) {
-        for (int w = 0; w < nt; w++) {
-            c.dps[w] = PyMem_Malloc((size_t)dp->n * sizeof(char *));
-            c.sps[w] = PyMem_Malloc((size_t)dp->n * sizeof(const char *));
-            if (c.dps[w] == NULL || c.sps[w] == NULL) {
-                PyErr_NoMemory();
-                goto done;
-            }
         }
     }
     int nogil = total >= NOGIL_BYTES;
     PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
     if (shared) {
-        c.per = (n + PAR_MAX_UNITS - 1) / PAR_MAX_UNITS;
-        size_t units = (size_t)((n + c.per - 1) / c.per);
+        /* units of PAR_UNIT_BYTES or more (one part at least), PAR_MAX_UNITS at most */
+        Py_ssize_t per = (Py_ssize_t)((PAR_UNIT_BYTES + part - 1) / (part > 0 ? part : 1));
+        Py_ssize_t cap = (c.total + PAR_MAX_UNITS - 1) / PAR_MAX_UNITS;
+        c.per = per > cap ? per : cap;
+        if (c.per > (c.total + 1) / 2)
+            c.per = (c.total + 1) / 2;                                       /* two units at least */
+        if (c.per < 1)
+            c.per = 1;
+        size_t units = (size_t)((c.total + c.per - 1) / c.per);
         kvb_par_run(&c, units, units / 2, copy_unit);
     } else {
-        for (Py_ssize_t k = 0; k < n; k++)
-            copy_one(&c, k, 0);
+        for (Py_ssize_t u = 0; u < c.total; u++)
+            copy_part(&c, u, 0);
     }
+    if (hash)
+        for (Py_ssize_t k = 0; k < n; k++)
+            d[k] = kvb_combine(c.pd + k * dp->n, (size_t)dp->n, 1);
     if (ts)
         PyEval_RestoreThread(ts);
     if (hash) {
-        res = digests_unless(c.d, n, expect);
+        res = digests_unless(d, n, expect);
     } else {
         res = Py_None;
         Py_INCREF(res);
     }
 done:
-    for (int w = 0; w < 2; w++) {
+    for (int w = 0; w < 2; w++)
         if (c.st[w])
             XXH3_freeState(c.st[w]);
-        PyMem_Free(c.dps[w]);
-        PyMem_Free((void *)c.sps[w]);
-    }
-    PyMem_Free(c.d);
+    PyMem_Free(c.pd);
+    PyMem_Free(d);
     return res;
 }
 
@@ -669,7 +662,7 @@ done:
 #define HEAD_LEN 16     /* !2sBBIQ: magic "KB", version, kind, request id, length */
 #define FENCE_LEN 16    /* !QQ */
 #define TRAILER_LEN 4   /* !BBH: status, two zero bytes */
-#define WIRE_VERSION 5
+#define WIRE_VERSION 6
 #define KIND_DATA 2
 #define READ_SMALL_MAX (1 << 20)
 
@@ -1075,14 +1068,15 @@ done:
 
 /* The parts of blocks `ids` (n of them) in wire order -- plane by plane, the blocks in order --
  * received from `fd` straight into them (recvmsg over RECV_IOV iovecs, about RECV_WINDOW bytes
- * at a time), each block's state in `st` (NULL: no hashing) fed with every piece right after
- * it landed, the GIL released meanwhile. Between receives: `cancel.is_set()` (cancel not
+ * at a time), the landing part's state `st` (NULL: no hashing) fed with every piece right
+ * after it landed and each part's digest put in pd[i] (stream part i), the GIL released meanwhile. Between receives: `cancel.is_set()` (cancel not
  * Py_None), and `deadline` (CLOCK_MONOTONIC ns; 0: none): past it, the receive ends -- each
  * receive is bounded by the socket's SO_RCVTIMEO, so a peer trickling bytes overruns it by
  * one such timeout at most. 0 all received, 1 the peer closed, 2 cancelled, 3 the deadline
  * passed; -1 with an exception set. `*received`: the bytes received. */
 static int recv_parts(int fd, const planes_t *dpp, const int64_t *ids, Py_ssize_t n, int64_t part,
-                      XXH3_state_t *st, struct iovec *iov, PyObject *cancel, int64_t deadline, long long *out) {
+                      XXH3_state_t *st, XXH64_hash_t *pd, struct iovec *iov, PyObject *cancel, int64_t deadline,
+                      long long *out) {
     const planes_t dp = *dpp;
     Py_ssize_t nparts = n * dp.n;           /* stream part i: plane i / n, block ids[i % n] */
     Py_ssize_t i = 0;                       /* first part not wholly received */
@@ -1115,12 +1109,16 @@ static int recv_parts(int fd, const planes_t *dpp, const int64_t *ids, Py_ssize_
                 int64_t c = part - off < left ? part - off : left;
                 if (st != NULL) {
                     const plane_t *p = &dp.p[i / n];
-                    XXH3_64bits_update(&st[i % n], (const char *)(uintptr_t)(p->base + ids[i % n] * p->stride) + off,
+                    if (off == 0)
+                        XXH3_64bits_reset(st);
+                    XXH3_64bits_update(st, (const char *)(uintptr_t)(p->base + ids[i % n] * p->stride) + off,
                                        (size_t)c);
                 }
                 off += c;
                 left -= c;
                 if (off == part) {
+                    if (st != NULL)
+                        pd[i] = XXH3_64bits_digest(st);
                     i++;
                     off = 0;
                 }
@@ -1173,25 +1171,23 @@ static int recv_hashed(int fd, const planes_t *dp, const int64_t *ids, Py_ssize_
     *digests = NULL;
     *received = 0;
     XXH3_state_t *st = NULL;
+    XXH64_hash_t *pd = NULL;
     struct iovec *iov = PyMem_Malloc(RECV_IOV * sizeof(struct iovec));
     int code = -1;
     if (iov == NULL) {
         PyErr_NoMemory();
         goto out;
     }
-    if (hash) {                             /* one state per block, in one aligned allocation */
-        size_t bytes = ((size_t)(n ? n : 1) * sizeof(XXH3_state_t) + 63) & ~(size_t)63;
-        st = aligned_alloc(64, bytes);
-        if (st == NULL) {
+    if (hash) {                             /* the state of the part landing; each part's digest */
+        st = aligned_alloc(64, (sizeof(XXH3_state_t) + 63) & ~(size_t)63);
+        pd = PyMem_Malloc((size_t)(n * dp->n > 0 ? n * dp->n : 1) * sizeof(XXH64_hash_t));
+        if (st == NULL || pd == NULL) {
             PyErr_NoMemory();
             goto out;
         }
-        for (Py_ssize_t k = 0; k < n; k++) {
-            XXH3_INITSTATE(&st[k]);
-            XXH3_64bits_reset(&st[k]);
-        }
+        XXH3_INITSTATE(st);
     }
-    code = recv_parts(fd, dp, ids, n, part, st, iov, cancel, deadline, received);
+    code = recv_parts(fd, dp, ids, n, part, st, pd, iov, cancel, deadline, received);
     if (code != 0)
         goto out;
     if (!hash) {
@@ -1204,14 +1200,15 @@ static int recv_hashed(int fd, const planes_t *dp, const int64_t *ids, Py_ssize_
         code = -1;
         goto out;
     }
-    for (Py_ssize_t b = 0; b < n; b++)
-        d[b] = XXH3_64bits_digest(&st[b]);
+    for (Py_ssize_t b = 0; b < n; b++)      /* stream part j * n + b: block b's part in plane j */
+        d[b] = kvb_combine(pd + b, (size_t)dp->n, (size_t)n);
     *digests = digest_list(d, n);
     PyMem_Free(d);
     if (*digests == NULL)
         code = -1;
 out:
     free(st);
+    PyMem_Free(pd);
     PyMem_Free(iov);
     return code;
 }

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
+import xxhash
 
 from kvbridge import KVLayout, KVPool
+
+
+def checksum_of(parts: Iterable[bytes]) -> int:
+    """A block's checksum spelled out, independently of kvbridge: the xxh3-64 of its parts'
+    xxh3-64 digests, each as 8 little-endian bytes, in (layer, part) order."""
+    return xxhash.xxh3_64_intdigest(b"".join(xxhash.xxh3_64_intdigest(bytes(p)).to_bytes(8, "little")
+                                             for p in parts))
 
 LAYOUTS = {
     "kv_first": KVLayout(3, 2, 16, 4, "float16", "kv_first", "NHD", 0, 1),

@@ -1,5 +1,5 @@
 """kvbridge.blockcopy: the C extension and its Python twin give the same copies and the same
-checksums as xxhash over each block's parts, refuse addresses outside their planes, and a
+checksums as the definition spelled out with xxhash (each part's xxh3-64, combined), refuse addresses outside their planes, and a
 whole fetch works with the extension switched off."""
 
 from __future__ import annotations
@@ -12,28 +12,27 @@ import textwrap
 
 import pytest
 import torch
-import xxhash
 
 from kvbridge import KVPool, blockcopy
 from kvbridge.blockcopy import planes, py_copy_blocks, py_gather_blocks, py_hash_blocks, py_scatter_blocks
 from kvbridge.integrity import block_checksums, layer_checksums
 
-from ._pools import LAYOUTS, filled
+from ._pools import LAYOUTS, checksum_of, filled
 
 pytestmark = pytest.mark.timeout(60)
 
 
 def _by_hand(pool: KVPool, ids: list[int], layers: range) -> list[int]:
-    """The checksum's definition, spelled out: xxh3-64 over each block's parts, (layer, part) order."""
+    """The checksum's definition, spelled out: each part's xxh3-64 in (layer, part) order, combined."""
     L = pool.layout
     out = []
     for b in ids:
-        h = xxhash.xxh3_64()
+        parts = []
         for layer in layers:
             for part in range(L.num_parts):
                 buf, off, n = L.segment(layer, b, part, pool.num_blocks)
-                h.update(pool.host_views()[buf][off:off + n])
-        out.append(h.intdigest())
+                parts.append(pool.host_views()[buf][off:off + n])
+        out.append(checksum_of(parts))
     return out
 
 
@@ -85,16 +84,16 @@ def _raw_planes(tensors: list[torch.Tensor], part: int, nblocks: int) -> bytes:
 
 
 # parts around the stripe (64), the short-input limit (240) and the block (1,024) of xxh3, and
-# odd ones whose stripes straddle two parts
+# odd sizes
 PARTS = [1, 37, 63, 64, 65, 80, 100, 120, 239, 240, 241, 1000, 1024, 1025, 4096, 4097, 65536 + 7]
 
 
 @pytest.mark.parametrize("part", PARTS)
 def test_one_pass_copy_and_hash_equals_xxhash_for_every_shape(part):
     """Copies with a hash take one pass where ``_kvcopy.FUSED`` (each 64-byte stripe loaded once,
-    stored and hashed): the digest of every shape -- one to five parts, stripes split between
-    parts, the last stripe overlapping, a block copied onto itself -- is xxhash's xxh3_64 of the
-    bytes, and the bytes land; so do the chunked path (hash=2), which runs where FUSED is 0, and
+    stored and hashed): the checksum of every shape -- one to five parts, the last stripe
+    overlapping, a block copied onto itself -- is the definition's (each part's xxhash xxh3_64,
+    combined), and the bytes land; so do the chunked path (hash=2), which runs where FUSED is 0, and
     the AVX2 pass (hash=3), which runs where FUSED is 1 (hash=1 takes the AVX-512 one where FUSED is 2)."""
     if not blockcopy.NATIVE:
         pytest.skip("the extension is not built")
@@ -114,15 +113,14 @@ def test_one_pass_copy_and_hash_equals_xxhash_for_every_shape(part):
                 wire = b"".join(bytes(srcs[j][b * part:(b + 1) * part].numpy()) for j in range(nplanes) for b in sid)
                 got = blockcopy.scatter_blocks(dp, did, bytearray(wire), 0, part, True)
             for k, (s_, d_) in enumerate(zip(sid, did)):
-                sent = b"".join(bytes(t[s_ * part:(s_ + 1) * part].numpy()) for t in srcs)
+                parts = [bytes(t[s_ * part:(s_ + 1) * part].numpy()) for t in srcs]
                 landed = b"".join(bytes(t[d_ * part:(d_ + 1) * part].numpy()) for t in dsts)
-                assert landed == sent, (fn, nplanes, k)
-                assert got[k] == xxhash.xxh3_64_intdigest(sent), (fn, nplanes, k)
+                assert landed == b"".join(parts), (fn, nplanes, k)
+                assert got[k] == checksum_of(parts), (fn, nplanes, k)
         before = b"".join(bytes(t.numpy()) for t in srcs)
         got = blockcopy.copy_blocks(sp, [1, 0], sp, [1, 0], part, True)     # onto itself
         assert b"".join(bytes(t.numpy()) for t in srcs) == before
-        assert got == [xxhash.xxh3_64_intdigest(b"".join(bytes(t[b * part:(b + 1) * part].numpy()) for t in srcs))
-                       for b in (1, 0)]
+        assert got == [checksum_of(bytes(t[b * part:(b + 1) * part].numpy()) for t in srcs) for b in (1, 0)]
 
 
 def test_one_pass_copy_is_taken_where_the_cpu_allows():
@@ -153,7 +151,7 @@ def test_one_pass_copy_of_parts_that_partly_overlap_takes_the_chunked_path():
     dst = blockcopy.pack_planes([(base, part, base + 3 * part)])
     got = blockcopy.copy_blocks(dst, [0], src, [0], part, True)
     assert bytes(buf[:part].numpy()) == want
-    assert got == [xxhash.xxh3_64_intdigest(want)]
+    assert got == [checksum_of([want])]
 
 
 @pytest.fixture
@@ -174,7 +172,7 @@ def test_streamed_copies_land_the_same_bytes_and_digests(streaming, part):
     """Copies at or above ``stream_from`` store past the caches: every shape -- parts under and
     over a stripe, destinations off a 32- and 64-byte boundary (their head and tail stored the
     usual way), a block copied onto itself, parts that partly overlap their source -- lands the
-    same bytes and the same xxh3-64 as xxhash, hashed (one pass: hash=1 and 3) and not."""
+    same bytes and the same checksums as the definition, hashed (one pass: hash=1 and 3) and not."""
     g = torch.Generator().manual_seed(part)
     rnd = random.Random(part)
     for nplanes in (1, 3):
@@ -189,11 +187,11 @@ def test_streamed_copies_land_the_same_bytes_and_digests(streaming, part):
                     t.zero_()
                 got = blockcopy.copy_blocks(dp, did, sp, sid, part, mode)
                 for k, (s_, d_) in enumerate(zip(sid, did)):
-                    sent = b"".join(bytes(t[5 + s_ * part:5 + (s_ + 1) * part].numpy()) for t in srcs)
+                    parts = [bytes(t[5 + s_ * part:5 + (s_ + 1) * part].numpy()) for t in srcs]
                     landed = b"".join(bytes(t[skew + d_ * part:skew + (d_ + 1) * part].numpy()) for t in dsts)
-                    assert landed == sent, (nplanes, skew, mode, k)
+                    assert landed == b"".join(parts), (nplanes, skew, mode, k)
                     if mode:
-                        assert got[k] == xxhash.xxh3_64_intdigest(sent), (nplanes, skew, mode, k)
+                        assert got[k] == checksum_of(parts), (nplanes, skew, mode, k)
                 for t in dsts:      # the bytes around the blocks were never written
                     assert not t[:skew].any() and not t[skew + 3 * part:].any(), (nplanes, skew, mode)
     buf = torch.randint(0, 256, (3 * part,), dtype=torch.uint8, generator=g)

@@ -1,7 +1,7 @@
-"""Large copies of many blocks shared with the extension's helper thread
-(``blockcopy.copy_threads``): the same bytes and the same xxh3 digests as one thread, for
-every shape that takes the shared path and every one that must not (fewer than four blocks,
-under 8 MiB, one thread); a helper that sleeps, wakes late or is busy with another thread's
+"""Copies of 1 MiB or more shared with the extension's helper thread, parts at a time
+(``blockcopy.copy_threads``): the same bytes and the same checksums as one thread, for every
+shape that takes the shared path (the two parts of one block among them) and every one that
+must not (one part, under 1 MiB, one thread); a helper that sleeps, wakes late or is busy with another thread's
 copy changes nothing; a copy whose bytes depend on its blocks' order (blocks moved within one
 buffer, a destination named twice) stays on the calling thread; the helper blocks every signal;
 a forked child starts its own, also when the fork came during another thread's copy; bad
@@ -22,6 +22,8 @@ import xxhash
 
 from kvbridge import blockcopy
 from waiting import in_threads
+
+from ._pools import checksum_of
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(not blockcopy.NATIVE, reason="the extension is not built: copies run in Python")]
@@ -48,20 +50,20 @@ def _shape(nblocks: int, nplanes: int, part: int, seed: int):
 
 def _check(srcs, dsts, part, sid, did, got, hashed):
     for k, (s, d) in enumerate(zip(sid, did)):
-        sent = b"".join(bytes(t[s * part:(s + 1) * part].numpy()) for t in srcs)
+        parts = [bytes(t[s * part:(s + 1) * part].numpy()) for t in srcs]
         landed = b"".join(bytes(t[d * part:(d + 1) * part].numpy()) for t in dsts)
-        assert landed == sent, k
+        assert landed == b"".join(parts), k
         if hashed:
-            assert got[k] == xxhash.xxh3_64_intdigest(sent), k
+            assert got[k] == checksum_of(parts), k
     if not hashed:
         assert got is None
 
 
-# (blocks, planes, part): shared -- four blocks of 8 MiB in all, odd parts, an odd number of
-# blocks, more blocks than units (two per unit); never shared -- one block of 16 MiB, three of
-# 12 MiB, many blocks under 8 MiB
+# (blocks, planes, part): shared -- 8 MiB in four blocks, odd parts, an odd number of blocks,
+# more parts than units, one block's two parts (16 MiB, and just over 1 MiB), tiny parts;
+# never shared -- one block of one 16 MiB part, 672 KiB in 21 parts
 SHAPES = [(4, 2, MiB), (4, 1, 2 * MiB + 64), (9, 3, 333 * 1000), (5000, 2, 1024), (1, 2, 8 * MiB),
-          (3, 2, 2 * MiB), (7, 3, 64 * 1024), (5000, 2, 128)]
+          (1, 2, 512 * 1024 + 64), (3, 2, 2 * MiB), (5000, 2, 128), (1, 1, 16 * MiB), (7, 3, 32 * 1024)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -78,8 +80,8 @@ def test_shared_copies_land_the_bytes_and_their_digests(shape, threads):
             t.zero_()
         got = blockcopy.copy_blocks(dp, did, sp, sid, part, mode)
         _check(srcs, dsts, part, sid, did, got, mode != 0)
-    if sys.platform == "linux":      # offered to the helper exactly where promised: 8 MiB+, 4+ blocks
-        shared = threads == 2 and nblocks >= 4 and nblocks * nplanes * part >= 8 * MiB
+    if sys.platform == "linux":      # offered to the helper exactly where promised: 1 MiB+, 2+ parts
+        shared = threads == 2 and nblocks * nplanes >= 2 and nblocks * nplanes * part >= MiB
         assert blockcopy.copy_threads()["jobs"] - jobs == (4 if shared else 0)
 
 
@@ -101,9 +103,9 @@ def test_the_helper_takes_part_and_one_thread_means_none():
         blockcopy.copy_blocks(dp, ids, sp, ids, MiB, 1)
     assert blockcopy.copy_threads()["jobs"] == before["jobs"]         # one thread: nothing offered
     blockcopy.copy_threads(2, 1000)
-    one = _shape(1, 2, 8 * MiB, seed=6)
+    one = _shape(1, 1, 8 * MiB, seed=6)
     blockcopy.copy_blocks(one[3], [0], one[2], [0], 8 * MiB, 1)
-    assert blockcopy.copy_threads()["jobs"] == before["jobs"]         # one block: never split
+    assert blockcopy.copy_threads()["jobs"] == before["jobs"]         # one part: never split
     deadline = time.monotonic() + 20
     while blockcopy.copy_threads()["helper_units"] == before["helper_units"]:
         assert time.monotonic() < deadline, "the helper never took part in an 8 MiB copy of four blocks"
@@ -120,8 +122,8 @@ def test_a_helper_that_sleeps_between_copies_or_wakes_late_changes_nothing():
     blockcopy.copy_threads(2, 0)
     part, ids = 256 * 1024, list(range(16))
     srcs, dsts, sp, dp = _shape(16, 2, part, seed=9)
-    want = [xxhash.xxh3_64_intdigest(bytes(srcs[0][b * part:(b + 1) * part].numpy()) +
-                                     bytes(srcs[1][b * part:(b + 1) * part].numpy())) for b in ids]
+    want = [checksum_of([bytes(srcs[0][b * part:(b + 1) * part].numpy()),
+                         bytes(srcs[1][b * part:(b + 1) * part].numpy())]) for b in ids]
     for i in range(200):
         dsts[i % 2].zero_()
         assert blockcopy.copy_blocks(dp, ids, sp, ids, part, 1) == want, i
@@ -135,8 +137,8 @@ def test_copies_from_several_threads_at_once():
     def worker(seed: int) -> None:
         part, ids = MiB, [0, 1, 2, 3]
         srcs, dsts, sp, dp = _shape(4, 2, part, seed=seed)
-        want = [xxhash.xxh3_64_intdigest(bytes(srcs[0][b * part:(b + 1) * part].numpy()) +
-                                         bytes(srcs[1][b * part:(b + 1) * part].numpy())) for b in ids]
+        want = [checksum_of([bytes(srcs[0][b * part:(b + 1) * part].numpy()),
+                             bytes(srcs[1][b * part:(b + 1) * part].numpy())]) for b in ids]
         for _ in range(15):
             for t in dsts:
                 t.zero_()
@@ -160,7 +162,7 @@ def test_blocks_that_partly_overlap_their_source():
         got = blockcopy.copy_blocks(blockcopy.pack_planes([(base, stride, end)]), ids,
                                     blockcopy.pack_planes([(base + 4096, stride, end)]), ids, part, mode)
         assert [bytes(buf[b * stride:b * stride + part].numpy()) for b in ids] == want
-        assert got == ([xxhash.xxh3_64_intdigest(w) for w in want] if mode else None)
+        assert got == ([checksum_of([w]) for w in want] if mode else None)
 
 
 def test_blocks_moved_within_one_buffer_land_in_order():
@@ -196,7 +198,7 @@ def test_blocks_moved_within_one_buffer_land_in_order():
     got = blockcopy.copy_blocks(pl, [0, 1, 2, 3], pl, [8, 9, 10, 11], part, 1)
     assert blockcopy.copy_threads()["jobs"] == jobs + 1                  # offered to the helper
     assert [bytes(far[b * part:(b + 1) * part].numpy()) for b in range(4)] == want
-    assert got == [xxhash.xxh3_64_intdigest(w) for w in want]
+    assert got == [checksum_of([w]) for w in want]
 
 
 @pytest.mark.parametrize("case", ["one block named twice", "blocks that overlap one another"])
@@ -297,7 +299,8 @@ def test_a_forked_child_starts_its_own_helper(tmp_path):
     script = _BUFFERS + textwrap.dedent("""
         import xxhash
         order = [3, 2, 1, 0]
-        want = [xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part]) for b in order]
+        want = [xxhash.xxh3_64_intdigest(xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part]).to_bytes(8, "little"))
+                for b in order]                  # one part per block: the checksum of its one digest
         moved = b"".join(src.raw[b * part:(b + 1) * part] for b in order)
         def checked_copy():
             assert blockcopy.copy_blocks(dp, ids, sp, order, part, 1) == want
