@@ -11,7 +11,11 @@ alike:
 - ``copy+hash (AVX2)``: the same one pass with AVX2 registers (where ``FUSED`` is 2; where it is 1
   this is the row above again);
 - ``copy then hash``: the same with the chunked path (copy 64 KiB, hash it while in cache);
-- ``hash``: ``hash_blocks`` of the block alone.
+- ``hash``: ``hash_blocks`` of the block alone;
+- ``copy+hash, 2 parts`` / ``..., 2 threads``: the same bytes as a block of two parts (K and V
+  halves, as a one-layer KV block is), copied and hashed on the calling thread alone, then with
+  the extension's helper thread (``copy_threads(2)``: from 1 MiB, each part on its own thread;
+  a block's checksum combines its parts' digests, ``kvbridge.integrity.combine``).
 
 Each row's ratio is memmove's median time over the row's (higher is better). With
 ``--evict``, a 4 MiB copy runs before every timed call, so each starts with its bytes out of
@@ -42,14 +46,26 @@ def main(argv: Any = None) -> dict[str, Any]:
     ap.add_argument("--out", default="/tmp/kvbridge-bench/copyhash.json")
     args = ap.parse_args(argv)
     from kvbridge import _kvcopy
-    from kvbridge.blockcopy import copy_blocks, hash_blocks, pack_planes
+    from kvbridge.blockcopy import copy_blocks, copy_threads, hash_blocks, pack_planes
 
     ev_src, ev_dst = host_buffer(4 * MiB, seed=5), host_buffer(4 * MiB, value=0)
+    before = copy_threads()
     rows: list[dict[str, Any]] = []
     for size in [int(x) for x in args.sizes.split(",")]:
         src, dst = host_buffer(size, seed=1), host_buffer(size, value=0)
         sp = pack_planes([(src.data_ptr(), size, src.data_ptr() + size)])
         dp = pack_planes([(dst.data_ptr(), size, dst.data_ptr() + size)])
+        half = size // 2
+        sp2 = pack_planes([(src.data_ptr(), half, src.data_ptr() + half),
+                           (src.data_ptr() + half, half, src.data_ptr() + size)])
+        dp2 = pack_planes([(dst.data_ptr(), half, dst.data_ptr() + half),
+                           (dst.data_ptr() + half, half, dst.data_ptr() + size)])
+
+        def two_parts(threads: int) -> Callable[[], Any]:
+            def run() -> Any:
+                copy_threads(threads, before["spin_us"])
+                return copy_blocks(dp2, [0], sp2, [0], half, 1)
+            return run
         modes: dict[str, Callable[[], Any]] = {
             "memmove": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), size),
             "copy": lambda: copy_blocks(dp, [0], sp, [0], size, 0),
@@ -57,6 +73,8 @@ def main(argv: Any = None) -> dict[str, Any]:
             "copy+hash (AVX2)": lambda: copy_blocks(dp, [0], sp, [0], size, 3),
             "copy then hash": lambda: copy_blocks(dp, [0], sp, [0], size, 2),
             "hash": lambda: hash_blocks(sp, [0], size, 1),
+            "copy+hash, 2 parts": two_parts(1),
+            "copy+hash, 2 parts, 2 threads": two_parts(2),
         }
         iters = max(20, min(4000, (64 * MiB) // size))
         samples: dict[str, list[float]] = {m: [] for m in modes}
@@ -79,6 +97,9 @@ def main(argv: Any = None) -> dict[str, Any]:
         if (want != copy_blocks(dp, [0], sp, [0], size, 2) or want != copy_blocks(dp, [0], sp, [0], size, 3)
                 or want != hash_blocks(sp, [0], size, 1)):
             raise AssertionError(f"{fmt_size(size)}: the paths disagree")
+        if two_parts(1)() != two_parts(2)():
+            raise AssertionError(f"{fmt_size(size)}: one and two threads disagree")
+        copy_threads(before["threads"], before["spin_us"])
         for name in names:
             ratios = [m / t for m, t in zip(samples["memmove"], samples[name])]
             rows.append({"size": size, "mode": name, "us": summarize([t * 1e6 for t in samples[name]]),
@@ -89,8 +110,8 @@ def main(argv: Any = None) -> dict[str, Any]:
         q = r["ratio"]
         md.append(f"| {fmt_size(r['size'])} | {r['mode']} | {r['us']['median']:.2f} | "
                   f"{q['median']:.2f} [{q['min']:.2f}–{q['max']:.2f}] |")
-    data = {"fused": _kvcopy.FUSED, "evict": args.evict, "reps": args.reps, "machine": platform.machine(),
-            "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "rows": rows}
+    data = {"fused": _kvcopy.FUSED, "evict": args.evict, "copy_threads": before, "reps": args.reps,
+            "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg": os.getloadavg(), "rows": rows}
     emit("\n".join(md) + "\n", data, args.out)
     return data
 

@@ -450,7 +450,7 @@ class Bench(LatencyRuns):
 
     def markdown(self) -> str:
         ct = copy_threads()
-        lines = [f"Copies of 8 MiB or more in four blocks or more on {ct['threads']} thread(s) "
+        lines = [f"Copies of 1 MiB or more in two parts or more on {ct['threads']} thread(s) "
                  f"(`--copy-threads`); the helper took part in {ct['helped']} of {ct['jobs']} shared copies, "
                  f"{ct['helper_units']} of their {ct['units']} units.", "",
                  "| size / shape | transport | kvbridge GB/s (median) | ceiling GB/s (median) | "
@@ -522,7 +522,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--no-mooncake", action="store_true",
                     help="skip the Mooncake Transfer Engine peer row even if mooncake is installed")
     ap.add_argument("--copy-threads", type=int, default=None, choices=(1, 2),
-                    help="threads that share a copy of 8 MiB or more in four blocks or more (default: "
+                    help="threads that share a copy of 1 MiB or more in two parts or more (default: "
                     "kvbridge's, 2 where this process may run on two CPUs)")
     ap.add_argument("--transports", default=None, help="comma-separated subset of tcp,shm,ucx (default: all "
                     "available)")

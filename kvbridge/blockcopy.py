@@ -22,7 +22,8 @@ part in plane ``p`` is ``part`` bytes at ``base_p + b * stride_p`` (see
   ``read_small`` (extension only): a tcp:// small read's request sent, its reply received,
   checked and landed in one call; ``serve_small`` (extension only): the sender's side, a whole
   small read of an indexed handle checked, copied out, validated and answered in one call;
-  ``shm_read`` (extension only): an shm:// one-sided read -- table and generations checked,
+  ``shm_read`` (extension only; ``shm_fetch``: with the destination's ids, generations and
+  landing marks as ``fetch_whole`` takes them): an shm:// one-sided read -- table and generations checked,
   blocks copied (and hashed), both checked again -- in one call; ``recv_blocks`` (extension
   only): a tcp:// reply's block bytes received straight into whole blocks, each block hashed as
   its pieces land, in one call (see ``native/cpu/kvcopy.c``).
@@ -115,14 +116,15 @@ def copy_threads(threads: Optional[int] = None, spin_us: Optional[int] = None) -
 
     ``threads`` 2 (the default where this process may run on two CPUs or more, by its affinity
     and its cgroup's CPU quota (:func:`cpu_quota`), or
-    ``KVBRIDGE_COPY_THREADS``) lets one helper thread take whole blocks of every copy of 8 MiB
-    or more in four blocks or more (shm's one-sided read, :func:`copy_blocks`): the calling
-    thread copies the first half, the helper the second from its start and the caller the
-    rest from its end until they meet; 1 copies on the calling thread alone. One block is never
-    split. ``spin_us`` (``KVBRIDGE_COPY_SPIN_US``, default 50) is how long the helper polls for
-    the next copy before it sleeps. Returns the settings and counters: ``threads``,
-    ``spin_us``, ``jobs`` (copies offered to the helper), ``helped`` (those it took part in),
-    ``units`` (their pieces) and ``helper_units`` (the pieces the helper ran)."""
+    ``KVBRIDGE_COPY_THREADS``) lets one helper thread take whole parts of every copy of 1 MiB
+    or more in two parts or more (shm's one-sided read, :func:`copy_blocks`), the parts of one
+    block among them (its checksum combines its parts' digests): the calling thread copies the
+    first half, the helper the second from its start and the caller the rest from its end until
+    they meet; 1 copies on the calling thread alone. ``spin_us`` (``KVBRIDGE_COPY_SPIN_US``,
+    default 50) is how long the helper polls for the next copy before it sleeps. Returns the
+    settings and counters: ``threads``, ``spin_us``, ``jobs`` (copies offered to the helper),
+    ``helped`` (those it took part in), ``units`` (their pieces) and ``helper_units`` (the
+    pieces the helper ran)."""
     if _native is None:
         if threads not in (None, 1):
             raise ValueError("copy_threads: no native extension here; copies run on the calling thread")
@@ -327,6 +329,9 @@ serve_small = _native.serve_small if NATIVE else None
 serve_next = _native.serve_next if NATIVE else None
 # shm:// one-sided reads in one call; without the extension shm.py takes the same steps in Python
 shm_read = _native.shm_read if NATIVE else None
+# the receiver's usual shm:// fetch in one call (ids, landing marks, the one-sided read held to
+# the destination's generations, checksums); without it the receiver takes the same steps
+shm_fetch = _native.shm_fetch if NATIVE else None
 # tcp:// large reads received straight into whole blocks (hashed as they land) in one call;
 # without the extension tcp.py's receive loop runs (recv_iter and the stream verifier)
 recv_blocks = _native.recv_blocks if NATIVE else None

@@ -14,19 +14,20 @@ import select
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
 
 from ..blockcopy import copy_blocks, planes
+from ..blockcopy import shm_fetch as _shm_fetch
 from ..blockcopy import shm_read as _shm_read
-from ..errors import ConfigError, ProtocolError, StaleHandle, TransferCancelled
+from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle, TransferCancelled
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..pool import KVPool, peer_cred, peer_segment, retired_during
-from .base import Spans, Transport
+from .base import Fallback, Spans, Transport, unverified
 from .deadline import WATCHDOG
 from .shm_server import _path_of
 from .shmcopy import copy_into
-from .shmtable import SenderMap
+from .shmtable import ONE_SIDED, SenderMap
 from .sockets import MAX_PEERS, SocketClient
 from .wire import Kind, decode_error, encode_request, recv_exact
 
@@ -234,6 +235,46 @@ class OneSidedReads(Transport):
             dst.digests = None
             raise StaleHandle("blocks were freed during the copy; bytes discarded")
         return nbytes if self._alive(url, m) else None
+
+    def fetch_whole(self, url: str, handle: KVHandle, pool: KVPool, dst: Any,
+                    verify: bool) -> Optional[Union[Literal[True], Fallback]]:
+        """The usual fetch from a sender already mapped, whatever its size, in one C call
+        (``blockcopy.shm_fetch``): the destination ids checked, their generations taken, the
+        blocks marked as landing, then :meth:`_shm_read`'s checks and copy held to them. None
+        where nothing was done (not mapped, another geometry, no extension, the sender found
+        gone, ids or marks the long way explains); True, or a ``Fallback`` as tcp's."""
+        m = self._senders.get(url)
+        if m is None or not ONE_SIDED or _shm_fetch is None or not pool.is_host:
+            return None
+        lane = m.lane
+        if lane is None or lane[0] is not pool or lane[1] is not pool.buffers:
+            try:
+                lane = self._lane(m, pool)
+            except KVBridgeError:          # a closed pool: the long way says so
+                return None
+        if not lane[2] or (time.monotonic() >= m.poll_after and not self._alive(url, m)):
+            return None
+        after = self.after_copy
+        try:
+            out = _shm_fetch(m.native, handle.to_bytes(), handle.block_ids, handle.generations, lane[2], dst,
+                             handle.checksums if verify else None, lane[3], pool._landing,
+                             None if after is None else (lambda: after(handle)))
+        except ValueError as exc:
+            try:
+                len(m.view), len(m.gens), len(m.tview)
+            except ValueError:            # released: this reader is closing the mapping
+                return None
+            raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
+        if out is None or out is True:
+            return out
+        code, gens, sums = out
+        if code == 0:                     # a checksum differs: the pipeline refetches
+            return gens, None, (len(gens) * lane[4], unverified(sums, handle, True))
+        if code == 1:                     # not vouched for, nothing written: MAP/DONE
+            return gens, None, None
+        if code == 2:
+            return gens, StaleHandle("blocks were freed during the copy; bytes discarded"), None
+        return gens, retired_during(handle.request_id), None
 
     def _read_native(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans) -> Optional[int]:
         """:meth:`_read_one_sided` of a whole handle into whole blocks of the same geometry in one

@@ -1289,16 +1289,143 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
  *   2  the source changed during the copy: the bytes landed are not the handle's;
  *   3  a destination block's generation is not the caller's snapshot after the copy (checked
  *      before 2: freed or reused since the caller began). */
+typedef struct {                /* the reader's view of one sender (shm_map) */
+    Py_buffer tb, gb, pin;
+    Py_ssize_t nslots;
+    long long part;
+    planes_t sp;
+} shmmap_t;
+
+/* `mapping` parsed, its buffers held (shm_unmap releases them): 0, or -1 with an exception set */
+static int shm_map(PyObject *mapobj, shmmap_t *m) {
+    PyObject *tobj, *gobj, *spobj, *pinobj;
+    memset(m, 0, sizeof *m);
+    if (!PyTuple_Check(mapobj)) {
+        PyErr_SetString(PyExc_TypeError, "shm_read: the mapping must be a tuple");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(mapobj, "OnOOLO", &tobj, &m->nslots, &gobj, &spobj, &m->part, &pinobj))
+        return -1;
+    if (PyObject_GetBuffer(pinobj, &m->pin, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (PyObject_GetBuffer(tobj, &m->tb, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(gobj, &m->gb, PyBUF_SIMPLE) < 0)
+        return -1;
+    if (m->nslots <= 0 || (m->nslots & (m->nslots - 1)) || m->nslots > (m->tb.len - TABLE_HEAD) / TABLE_SLOT) {
+        PyErr_SetString(PyExc_ValueError, "shm_read: a table of nslots (a power of two) slots expected");
+        return -1;
+    }
+    return get_planes(spobj, &m->sp);
+}
+
+static void shm_unmap(shmmap_t *m) {
+    PyMem_Free(m->sp.p);
+    if (m->gb.obj)
+        PyBuffer_Release(&m->gb);
+    if (m->tb.obj)
+        PyBuffer_Release(&m->tb);
+    if (m->pin.obj)
+        PyBuffer_Release(&m->pin);
+}
+
+/* The handle's generations `wantobj` (ns of them) into want[]: 1; 0 where one is past u32 (no
+ * block ever holds it: not vouched for); -1 with an exception set */
+static int shm_wants(PyObject *wantobj, Py_ssize_t ns, uint32_t *want) {
+    PyObject *wt = PySequence_Tuple(wantobj);
+    if (wt == NULL)
+        return -1;
+    int ok = 1;
+    if (PyTuple_GET_SIZE(wt) != ns) {
+        PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
+        ok = -1;
+    }
+    for (Py_ssize_t k = 0; k < ns && ok == 1; k++) {
+        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(wt, k));
+        if (v == (unsigned long long)-1 && PyErr_Occurred())
+            ok = -1;
+        else if (v > 0xFFFFFFFFull)
+            ok = 0;
+        else
+            want[k] = (uint32_t)v;
+    }
+    Py_DECREF(wt);
+    return ok;
+}
+
+/* 1 when the pool's generation list `gens` holds snap[k] at ids[k] for every k; 0 otherwise; -1 on error */
+static int same_snap(PyObject *gens, const int64_t *ids, Py_ssize_t n, const uint64_t *snap) {
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (ids[k] >= PyList_GET_SIZE(gens))
+            return 0;
+        unsigned long long a = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(gens, ids[k]));
+        if (a == (unsigned long long)-1 && PyErr_Occurred())
+            return -1;
+        if (a != snap[k])
+            return 0;
+    }
+    return 1;
+}
+
+/* shm_read's steps on parsed arguments (and shm_fetch's): 1. the handle live in the table and
+ * its blocks `sid` at generations `want`; 2. the copy into `did` of `dp` (hashed, compared with
+ * `expect`: copy_core); `between`; 3. the destination's generations (the pool's list `dlive`
+ * against `dwant`, a sequence, or `snap`, an array; neither where dlive is NULL), then the slot
+ * and the source generations again. The code (0..3, see shm_read; *digests set for 0), or -1
+ * with an exception set. */
+static int shm_copy(const shmmap_t *m, const char *raw, Py_ssize_t rawlen, const int64_t *sid, const uint32_t *want,
+                    const planes_t *dp, const int64_t *did, Py_ssize_t n, int hash, PyObject *expect,
+                    PyObject *dlive, PyObject *dwant, const uint64_t *snap, PyObject *between, PyObject **digests) {
+    *digests = NULL;
+    unsigned char dg[16];
+    kvb_blake2b(dg, sizeof dg, raw, (size_t)rawlen);
+    const unsigned char *table = m->tb.buf, *gens = m->gb.buf;
+    Py_ssize_t nblocks = m->gb.len / 4, nslots = m->nslots;
+    uint32_t home = ((uint32_t)dg[0] | (uint32_t)dg[1] << 8 | (uint32_t)dg[2] << 16 | (uint32_t)dg[3] << 24) &
+                    (uint32_t)(nslots - 1);
+    const unsigned char *slot = NULL;
+    uint32_t seq = 0;
+    for (int k = 0; k < TABLE_PROBE && slot == NULL; k++) {
+        const unsigned char *sl = table + TABLE_HEAD + (Py_ssize_t)((home + (uint32_t)k) & (uint32_t)(nslots - 1)) * TABLE_SLOT;
+        uint32_t s = load32(sl);
+        if ((s & 1) && memcmp(sl + 8, dg, 16) == 0 && load32(sl) == s) {
+            slot = sl;
+            seq = s;
+        }
+    }
+    if (slot == NULL || !gens_hold(gens, nblocks, sid, want, n))
+        return 1;
+    PyObject *got = copy_core(dp, did, &m->sp, sid, n, m->part, hash, expect);
+    if (got == NULL)
+        return -1;
+    if (between != Py_None) {
+        PyObject *r = PyObject_CallNoArgs(between);
+        if (r == NULL) {
+            Py_DECREF(got);
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    int mine = dlive == NULL ? 1 : snap != NULL ? same_snap(dlive, did, n, snap) : same_gens(dlive, did, n, dwant);
+    if (mine < 0) {
+        Py_DECREF(got);
+        return -1;
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    int code = !mine ? 3 : (load32(slot) != seq || !gens_hold(gens, nblocks, sid, want, n)) ? 2 : 0;
+    if (code == 0)
+        *digests = got;
+    else
+        Py_DECREF(got);
+    return code;
+}
+
 static PyObject *shm_read(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *mapobj, *tobj, *gobj, *idobj, *wantobj, *dpobj, *didobj, *spobj, *pinobj, *expect, *dgobj, *between;
-    Py_ssize_t nslots, rawlen;
+    PyObject *mapobj, *idobj, *wantobj, *dpobj, *didobj, *expect, *dgobj, *between;
+    Py_ssize_t rawlen;
     const char *raw;
-    long long part;
     int hash;
     if (!PyArg_ParseTuple(args, "O!y#OOOOpOOO", &PyTuple_Type, &mapobj, &raw, &rawlen, &idobj, &wantobj, &dpobj,
-                          &didobj, &hash, &expect, &dgobj, &between) ||
-        !PyArg_ParseTuple(mapobj, "OnOOLO", &tobj, &nslots, &gobj, &spobj, &part, &pinobj))
+                          &didobj, &hash, &expect, &dgobj, &between))
         return NULL;
     PyObject *dlive = NULL, *dwant = NULL;
     if (dgobj != Py_None) {
@@ -1309,32 +1436,21 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         dlive = PyTuple_GET_ITEM(dgobj, 0);
         dwant = PyTuple_GET_ITEM(dgobj, 1);
     }
-    Py_buffer tb = {0}, gb = {0}, pin = {0};
-    planes_t dp = {NULL, 0}, sp = {NULL, 0};
+    shmmap_t m;
+    planes_t dp = {NULL, 0};
     int64_t *did = NULL, *sid = NULL;
     uint32_t *want = NULL;
-    PyObject *res = NULL, *digests = NULL, *wt = NULL;
-    if (PyObject_GetBuffer(pinobj, &pin, PyBUF_SIMPLE) < 0)
-        return NULL;
-    if (PyObject_GetBuffer(tobj, &tb, PyBUF_SIMPLE) < 0 || PyObject_GetBuffer(gobj, &gb, PyBUF_SIMPLE) < 0)
+    PyObject *res = NULL, *digests = NULL;
+    if (shm_map(mapobj, &m) < 0 || get_planes(dpobj, &dp) < 0)
         goto done;
-    if (nslots <= 0 || (nslots & (nslots - 1)) || nslots > (tb.len - TABLE_HEAD) / TABLE_SLOT) {
-        PyErr_SetString(PyExc_ValueError, "shm_read: a table of nslots (a power of two) slots expected");
-        goto done;
-    }
-    if (get_planes(dpobj, &dp) < 0 || get_planes(spobj, &sp) < 0)
-        goto done;
-    if (dp.n != sp.n) {
+    if (dp.n != m.sp.n) {
         PyErr_SetString(PyExc_ValueError, "source and destination have different numbers of planes");
         goto done;
     }
     Py_ssize_t nd = 0, ns = 0;
-    if ((did = get_ids(didobj, &dp, part, &nd)) == NULL || (sid = get_ids(idobj, &sp, part, &ns)) == NULL)
+    if ((did = get_ids(didobj, &dp, m.part, &nd)) == NULL || (sid = get_ids(idobj, &m.sp, m.part, &ns)) == NULL)
         goto done;
-    wt = PySequence_Tuple(wantobj);
-    if (wt == NULL)
-        goto done;
-    if (nd != ns || PyTuple_GET_SIZE(wt) != ns) {
+    if (nd != ns) {
         PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
         goto done;
     }
@@ -1358,72 +1474,116 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t k = 0; k < ns; k++) {
-        unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(wt, k));
-        if (v == (unsigned long long)-1 && PyErr_Occurred())
-            goto done;
-        if (v > 0xFFFFFFFFull) {                  /* no block ever holds it: not vouched for */
-            res = Py_BuildValue("(iO)", 1, Py_None);
-            goto done;
-        }
-        want[k] = (uint32_t)v;
-    }
-    /* 1. live in the table, exactly these bytes; every block still the handle's */
-    unsigned char dg[16];
-    kvb_blake2b(dg, sizeof dg, raw, (size_t)rawlen);
-    const unsigned char *table = tb.buf, *gens = gb.buf;
-    Py_ssize_t nblocks = gb.len / 4;
-    uint32_t home = ((uint32_t)dg[0] | (uint32_t)dg[1] << 8 | (uint32_t)dg[2] << 16 | (uint32_t)dg[3] << 24) &
-                    (uint32_t)(nslots - 1);
-    const unsigned char *slot = NULL;
-    uint32_t seq = 0;
-    for (int k = 0; k < TABLE_PROBE && slot == NULL; k++) {
-        const unsigned char *sl = table + TABLE_HEAD + (Py_ssize_t)((home + (uint32_t)k) & (uint32_t)(nslots - 1)) * TABLE_SLOT;
-        uint32_t s = load32(sl);
-        if ((s & 1) && memcmp(sl + 8, dg, 16) == 0 && load32(sl) == s) {
-            slot = sl;
-            seq = s;
-        }
-    }
-    if (slot == NULL || !gens_hold(gens, nblocks, sid, want, ns)) {
-        res = Py_BuildValue("(iO)", 1, Py_None);
+    int w = shm_wants(wantobj, ns, want);
+    if (w < 0)
         goto done;
-    }
-    /* 2. copy */
-    digests = copy_core(&dp, did, &sp, sid, nd, part, hash, expect);
-    if (digests == NULL)
-        goto done;
-    if (between != Py_None) {
-        PyObject *r = PyObject_CallNoArgs(between);
-        if (r == NULL)
-            goto done;
-        Py_DECREF(r);
-    }
-    /* 3. the destination still this read's; the same slot sequence and generations after the
-     *    copy: no byte came from a reuse */
-    int mine = dlive == NULL ? 1 : same_gens(dlive, did, nd, dwant);
-    if (mine < 0)
-        goto done;
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    if (!mine)
-        res = Py_BuildValue("(iO)", 3, Py_None);
-    else if (load32(slot) != seq || !gens_hold(gens, nblocks, sid, want, ns))
-        res = Py_BuildValue("(iO)", 2, Py_None);
-    else
-        res = Py_BuildValue("(iO)", 0, digests);
+    int code = w == 0 ? 1 : shm_copy(&m, raw, rawlen, sid, want, &dp, did, nd, hash, expect, dlive, dwant, NULL,
+                                     between, &digests);
+    if (code >= 0)
+        res = Py_BuildValue("(iO)", code, code == 0 ? digests : Py_None);
 done:
     Py_XDECREF(digests);
-    Py_XDECREF(wt);
     PyMem_Free(want);
     PyMem_Free(did);
     PyMem_Free(sid);
     PyMem_Free(dp.p);
-    PyMem_Free(sp.p);
-    if (gb.obj)
-        PyBuffer_Release(&gb);
-    if (tb.obj)
-        PyBuffer_Release(&tb);
-    PyBuffer_Release(&pin);
+    shm_unmap(&m);
+    return res;
+}
+
+/* shm_fetch(mapping, raw, ids, want, dst_planes, dst_ids, sums, gens, marks, between)
+ *     -> None | True | (code, gens, digests)
+ * The receiver's usual fetch over shm:// -- all of an unleased raw handle into whole blocks of
+ * a host pool of the sender's geometry -- in one call, as fetch_whole does over tcp: the
+ * destination ids checked (n distinct ints of the pool: kvb_ids_take) and their generations in
+ * the pool's list `gens` taken, the blocks marked as landing (`marks`), then shm_read's steps
+ * (hashed where `sums`, the handle's checksums, is a tuple; None: unverified) held to that
+ * snapshot (`between`: as shm_read's).
+ *   None:  nothing read, nothing marked: the ids are not such ids, or one is landing already
+ *          -- the long way says which.
+ *   True:  landed, its checksums equal to `sums`, the generations unchanged; marks undone.
+ *   (code, gens, digests): it did not end so; the marks are the caller's to undo. code as
+ *          shm_read's (0: a checksum differs, digests: each block's as it landed; 1: nothing
+ *          written; 2, 3: the bytes landed are not the handle's); gens: the snapshot taken.
+ * Any exception undoes the marks first. */
+static PyObject *shm_fetch(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *mapobj, *idobj, *wantobj, *dpobj, *didobj, *sums, *gens, *marks, *between;
+    Py_ssize_t rawlen;
+    const char *raw;
+    if (!PyArg_ParseTuple(args, "O!y#OOOOOO!O!O", &PyTuple_Type, &mapobj, &raw, &rawlen, &idobj, &wantobj, &dpobj,
+                          &didobj, &sums, &PyList_Type, &gens, &PyByteArray_Type, &marks, &between))
+        return NULL;
+    shmmap_t m;
+    planes_t dp = {NULL, 0};
+    int64_t *did = NULL, *sid = NULL;
+    uint64_t *snap = NULL;
+    uint32_t *want = NULL;
+    PyObject *res = NULL, *digests = NULL;
+    int marked = 0;
+    Py_ssize_t n = PyList_CheckExact(didobj) || PyTuple_CheckExact(didobj) ? PySequence_Fast_GET_SIZE(didobj) : -1;
+    if (shm_map(mapobj, &m) < 0 || get_planes(dpobj, &dp) < 0)
+        goto done;
+    Py_ssize_t ns = 0;
+    if ((sid = get_ids(idobj, &m.sp, m.part, &ns)) == NULL)
+        goto done;
+    if (n != ns || dp.n != m.sp.n || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n)))
+        goto refuse;
+    did = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    snap = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    want = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+    if (did == NULL || snap == NULL || want == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int took = kvb_ids_take(didobj, gens, n, did, snap);
+    if (took < 0)
+        goto done;
+    if (!took)
+        goto refuse;
+    int64_t hi = -1;
+    for (Py_ssize_t k = 0; k < n; k++)
+        hi = did[k] > hi ? did[k] : hi;
+    if (n && !ids_fit(&dp, m.part, hi))
+        goto refuse;
+    int w = shm_wants(wantobj, n, want);
+    if (w < 0)
+        goto done;
+    int mk = kvb_marks(marks, did, n, 1);
+    if (mk <= 0)
+        goto refuse;
+    marked = 1;
+    int code = w == 0 ? 1 : shm_copy(&m, raw, rawlen, sid, want, &dp, did, n, sums != Py_None, sums, gens, NULL,
+                                     snap, between, &digests);
+    if (code < 0)
+        goto done;
+    if (code == 0 && digests == Py_None) {
+        kvb_marks(marks, did, n, 0);
+        marked = 0;
+        res = Py_NewRef(Py_True);
+        goto done;
+    }
+    PyObject *snaplist = PyList_New(n);
+    if (snaplist == NULL)
+        goto done;
+    for (Py_ssize_t k = 0; k < n; k++)
+        PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(snap[k]));
+    res = Py_BuildValue("(iNO)", code, snaplist, code == 0 ? digests : Py_None);
+    if (res != NULL)
+        marked = 0;                              /* the caller's now */
+    goto done;
+refuse:
+    res = Py_NewRef(Py_None);
+done:
+    if (marked)                                  /* an exception: nothing is the caller's */
+        kvb_marks(marks, did, n, 0);
+    Py_XDECREF(digests);
+    PyMem_Free(want);
+    PyMem_Free(snap);
+    PyMem_Free(did);
+    PyMem_Free(sid);
+    PyMem_Free(dp.p);
+    shm_unmap(&m);
     return res;
 }
 
@@ -1471,6 +1631,13 @@ static PyObject *copy_threads(PyObject *self, PyObject *args, PyObject *kw) {
 
 /* stream_from([n]) -> int: the copy size from which copies stream past the caches (copyhash.h);
  * with n (>= 0), set first -- 0 restores the default (twice the L2, or KVBRIDGE_STREAM_FROM) */
+/* wake_helper() -> None: a sleeping helper thread polls for a job again (kvb_par_wake). */
+static PyObject *wake_helper(PyObject *self, PyObject *args) {
+    (void)self, (void)args;
+    kvb_par_wake();
+    Py_RETURN_NONE;
+}
+
 static PyObject *stream_from(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t n = -1;
@@ -1720,9 +1887,16 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"shm_fetch", shm_fetch, METH_VARARGS,
+     "shm_fetch(mapping, raw, ids, want, dst_planes, dst_ids, sums, gens, marks, between) -> None | True | (code, gens, "
+     "digests): the receiver's usual shm:// fetch in one call: destination ids checked, generations taken, blocks "
+     "marked, shm_read's checks and copy held to that snapshot (see kvcopy.c)"},
+    {"wake_helper", wake_helper, METH_NOARGS,
+     "wake_helper() -> None: wake the copy helper thread if it sleeps, so that it polls for a copy again "
+     "(for a caller about to make a copy large enough to share)"},
     {"copy_threads", (PyCFunction)(void (*)(void))copy_threads, METH_VARARGS | METH_KEYWORDS,
      "copy_threads(threads=None, spin_us=None) -> (threads, spin_us, jobs, helped, units, helper_units): the "
-     "threads that share a copy of 8 MiB or more in four blocks or more (1, or 2: one helper), how long the "
+     "threads that share a copy of 1 MiB or more in two parts or more (1, or 2: one helper), how long the "
      "helper polls for the next job before it sleeps; copies offered to the helper, those it took part in, "
      "their units, the helper's units"},
     {"stream_from", stream_from, METH_VARARGS,

@@ -1,6 +1,7 @@
 """Smoke run of ``python -m bench.copyhash`` (a verified copy against the copy alone): two sizes,
 one repetition; every mode is timed for every size, and the bench itself fails if the one-pass
-paths (AVX-512 where there is one, AVX2) and the chunked path disagree with ``hash_blocks``."""
+paths (AVX-512 where there is one, AVX2) and the chunked path disagree with ``hash_blocks``, or
+a block of two parts hashes differently on one thread and on two."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def test_copyhash_times_every_mode(tmp_path: Path, evict: bool) -> None:
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["evict"] is evict
-    modes = {"memmove", "copy", "copy+hash", "copy+hash (AVX2)", "copy then hash", "hash"}
+    modes = {"memmove", "copy", "copy+hash", "copy+hash (AVX2)", "copy then hash", "hash", "copy+hash, 2 parts",
+             "copy+hash, 2 parts, 2 threads"}
     for size in (4096, 1048577):
         rows = {r["mode"]: r for r in got["rows"] if r["size"] == size}
         assert set(rows) == modes

@@ -1,6 +1,6 @@
 """kvbridge.blockcopy: the C extension and its Python twin give the same copies and the same
-checksums as the definition spelled out with xxhash (each part's xxh3-64, combined), refuse addresses outside their planes, and a
-whole fetch works with the extension switched off."""
+checksums as the definition spelled out with xxhash (each part's xxh3-64, combined), refuse
+addresses outside their planes, and a whole fetch works with the extension switched off."""
 
 from __future__ import annotations
 

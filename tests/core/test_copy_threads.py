@@ -18,7 +18,6 @@ import time
 
 import pytest
 import torch
-import xxhash
 
 from kvbridge import blockcopy
 from waiting import in_threads
@@ -299,8 +298,9 @@ def test_a_forked_child_starts_its_own_helper(tmp_path):
     script = _BUFFERS + textwrap.dedent("""
         import xxhash
         order = [3, 2, 1, 0]
-        want = [xxhash.xxh3_64_intdigest(xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part]).to_bytes(8, "little"))
-                for b in order]                  # one part per block: the checksum of its one digest
+        # one part per block: the checksum of its one digest
+        want = [xxhash.xxh3_64_intdigest(xxhash.xxh3_64_intdigest(src.raw[b * part:(b + 1) * part])
+                                         .to_bytes(8, "little")) for b in order]
         moved = b"".join(src.raw[b * part:(b + 1) * part] for b in order)
         def checked_copy():
             assert blockcopy.copy_blocks(dp, ids, sp, order, part, 1) == want

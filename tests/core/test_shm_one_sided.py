@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Timeout
-from kvbridge.errors import Action, IntegrityError, RetryableError, StaleHandle
+from kvbridge.errors import Action, IntegrityError, PoolError, RetryableError, StaleHandle
 from kvbridge.transports.shmtable import ONE_SIDED
 from kvbridge.transports.wire import Kind
 
@@ -407,3 +407,48 @@ def test_full_table_falls_back_to_map(monkeypatch: pytest.MonkeyPatch) -> None:
         assert 0 < got["MAP"] < 120 and got["MAP"] == got["DONE"], got
     finally:
         p.close()
+
+
+def test_a_mapped_fetch_is_one_call_and_its_refusals_go_the_long_way(pair: Pair,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once mapped, fetch takes ``fetch_whole`` (``blockcopy.shm_fetch``: ids, generations,
+    landing marks, the read and its comparisons in one C call), never ``read_small``; the
+    destination ids it does not take (a block named twice, one outside the pool, one already
+    landing) come back None with nothing marked, and the long way refuses them as before."""
+    from kvbridge import blockcopy
+    if blockcopy.shm_fetch is None:
+        pytest.skip("the extension is not built")
+    src, dst = [9, 2, 14, 5], [1, 3, 5, 7]
+    assert pair.rcv.fetch(pair.publish(src), dst).ok              # maps the sender
+    calls: Counter[str] = Counter()
+    whole = pair.tr.fetch_whole
+
+    def counted_whole(*a: Any, **k: Any) -> Any:
+        out = whole(*a, **k)
+        calls["whole " + repr(out if out is None or out is True else "fallback")] += 1
+        return out
+
+    def no_read_small(*a: Any, **k: Any) -> Any:
+        calls["read_small"] += 1
+        return None
+    monkeypatch.setattr(pair.tr, "fetch_whole", counted_whole)
+    monkeypatch.setattr(pair.tr, "read_small", no_read_small)
+    for _ in range(5):
+        res = pair.rcv.fetch(pair.publish(src), dst)
+        assert res.ok, res.error
+    assert calls == Counter({"whole True": 5}), calls
+    assert not any(pair.dst._landing)                             # every mark undone
+    assert pair.dst.block(0, 3)[0].view(-1).view(torch.uint8).tolist() == \
+        pair.src.block(0, 2)[0].view(-1).view(torch.uint8).tolist()
+    calls.clear()
+    for bad, why in (([1, 1, 5, 7], "duplicate"), ([1, 3, 5, 99], "99")):
+        with pytest.raises(PoolError, match=why):
+            pair.rcv.fetch(pair.publish(src), bad)
+    pair.dst._land([5])                                           # another transfer lands in block 5
+    try:
+        with pytest.raises(PoolError, match="5"):
+            pair.rcv.fetch(pair.publish(src), dst)
+    finally:
+        pair.dst._landed([5])
+    assert calls["whole None"] == 3 and calls["whole True"] == 0, calls
+    assert not any(pair.dst._landing)
