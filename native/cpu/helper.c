@@ -205,15 +205,6 @@ alone:
     return 0;
 }
 
-void kvb_par_wake(void) {
-#ifdef KVB_PAR
-    if (kvb_par_on() && H.started && __atomic_load_n(&H.sleeping, __ATOMIC_SEQ_CST)) {
-        __atomic_add_fetch(&H.bell, 1, __ATOMIC_SEQ_CST);
-        syscall(SYS_futex, &H.bell, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
-    }
-#endif
-}
-
 int kvb_par_config(int threads, long spin_us) {
     if (threads < 1 || threads > 2 || spin_us < 0 || spin_us > 100000)
         return -1;

@@ -20,10 +20,6 @@ typedef void (*kvb_unit_fn)(void *ctx, size_t u, int on_helper);
 /* Returns how many units the helper ran. */
 size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run);
 
-/* Wake a sleeping helper so that it polls for a job for `spin_us` again: for a caller about to
- * post one a few microseconds from now (its wake-up then overlaps the caller's preparations). */
-void kvb_par_wake(void);
-
 /* 1 where a job may be shared now (configured on; Linux). */
 int kvb_par_on(void);
 

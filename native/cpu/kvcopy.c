@@ -1631,13 +1631,6 @@ static PyObject *copy_threads(PyObject *self, PyObject *args, PyObject *kw) {
 
 /* stream_from([n]) -> int: the copy size from which copies stream past the caches (copyhash.h);
  * with n (>= 0), set first -- 0 restores the default (twice the L2, or KVBRIDGE_STREAM_FROM) */
-/* wake_helper() -> None: a sleeping helper thread polls for a job again (kvb_par_wake). */
-static PyObject *wake_helper(PyObject *self, PyObject *args) {
-    (void)self, (void)args;
-    kvb_par_wake();
-    Py_RETURN_NONE;
-}
-
 static PyObject *stream_from(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t n = -1;
@@ -1887,6 +1880,10 @@ done:
 }
 
 static PyMethodDef methods[] = {
+    {"shm_fetch", shm_fetch, METH_VARARGS,
+     "shm_fetch(mapping, raw, ids, want, dst_planes, dst_ids, sums, gens, marks, between) -> None | True | (code, gens, "
+     "digests): the receiver's usual shm:// fetch in one call: destination ids checked, generations taken, blocks "
+     "marked, shm_read's checks and copy held to that snapshot (see kvcopy.c)"},
     {"shm_fetch", shm_fetch, METH_VARARGS,
      "shm_fetch(mapping, raw, ids, want, dst_planes, dst_ids, sums, gens, marks, between) -> None | True | (code, gens, "
      "digests): the receiver's usual shm:// fetch in one call: destination ids checked, generations taken, blocks "
