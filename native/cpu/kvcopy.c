@@ -1884,13 +1884,6 @@ static PyMethodDef methods[] = {
      "shm_fetch(mapping, raw, ids, want, dst_planes, dst_ids, sums, gens, marks, between) -> None | True | (code, gens, "
      "digests): the receiver's usual shm:// fetch in one call: destination ids checked, generations taken, blocks "
      "marked, shm_read's checks and copy held to that snapshot (see kvcopy.c)"},
-    {"shm_fetch", shm_fetch, METH_VARARGS,
-     "shm_fetch(mapping, raw, ids, want, dst_planes, dst_ids, sums, gens, marks, between) -> None | True | (code, gens, "
-     "digests): the receiver's usual shm:// fetch in one call: destination ids checked, generations taken, blocks "
-     "marked, shm_read's checks and copy held to that snapshot (see kvcopy.c)"},
-    {"wake_helper", wake_helper, METH_NOARGS,
-     "wake_helper() -> None: wake the copy helper thread if it sleeps, so that it polls for a copy again "
-     "(for a caller about to make a copy large enough to share)"},
     {"copy_threads", (PyCFunction)(void (*)(void))copy_threads, METH_VARARGS | METH_KEYWORDS,
      "copy_threads(threads=None, spin_us=None) -> (threads, spin_us, jobs, helped, units, helper_units): the "
      "threads that share a copy of 1 MiB or more in two parts or more (1, or 2: one helper), how long the "
