@@ -7,7 +7,9 @@
  * compare-and-swap each (FREE -> MINE by the caller, FREE -> TAKEN by the helper,
  * which stops at the first unit it cannot claim: the caller's, from the end). After a job the
  * helper polls for the next one for `spin_us` (with the CPU's pause instruction), then sleeps
- * on a futex; a caller wakes it only when it sleeps. The helper blocks every signal, and a
+ * on a futex; a caller wakes it only when it sleeps. A helper that takes a job later than its
+ * caller's `late_ns` after it was posted leaves it to the caller (a job of few large units: the
+ * caller would otherwise wait for the helper's last unit past the time it needed alone). The helper blocks every signal, and a
  * forked child starts without one (a new one is started there on its first shared job). */
 #define _GNU_SOURCE
 #include "helper.h"
@@ -45,9 +47,10 @@ static struct {
     int sleeping, job;
     void *ctx;
     size_t n, from, did;
+    long long start_by;         /* CLOCK_MONOTONIC ns past which the helper leaves the job alone; 0: none */
     kvb_unit_fn run;
     unsigned char state[MAX_UNITS];
-} H = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, IDLE, NULL, 0, 0, 0, NULL, {0}};
+} H = {PTHREAD_MUTEX_INITIALIZER, 0, 0, 0, 0, 0, IDLE, NULL, 0, 0, 0, 0, NULL, {0}};
 
 static void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -92,6 +95,11 @@ static void *helper_main(void *arg) {
         if (!__atomic_compare_exchange_n(&H.job, &expect, RUNNING, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
             continue;                                   /* taken back by its caller */
         size_t did = 0;
+        if (H.start_by && now_ns() > H.start_by) {     /* too late to help: the caller is well into it */
+            H.did = 0;
+            ST(&H.job, FINISHED);
+            continue;
+        }
         for (size_t u = H.from; u < H.n; u++) {
             unsigned char f = FREE;
             if (!__atomic_compare_exchange_n(&H.state[u], &f, TAKEN, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
@@ -160,7 +168,7 @@ int kvb_par_on(void) {
 #endif
 }
 
-size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run) {
+size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, long long late_ns) {
 #ifdef KVB_PAR
     if (from == 0)
         from = 1;
@@ -171,6 +179,7 @@ size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run) {
         }
         memset(H.state, FREE, n);
         H.ctx = ctx, H.n = n, H.from = from, H.run = run, H.did = 0;
+        H.start_by = late_ns > 0 ? now_ns() + late_ns : 0;
         __atomic_store_n(&H.job, POSTED, __ATOMIC_SEQ_CST);
         __atomic_add_fetch(&H.bell, 1, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(&H.sleeping, __ATOMIC_SEQ_CST))

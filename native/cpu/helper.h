@@ -17,8 +17,9 @@
 
 typedef void (*kvb_unit_fn)(void *ctx, size_t u, int on_helper);
 
-/* Returns how many units the helper ran. */
-size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run);
+/* Returns how many units the helper ran. `late_ns` > 0: a helper that takes the job more than
+ * that long after it was posted runs none of it (0: it takes what is left, however late). */
+size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, long long late_ns);
 
 /* 1 where a job may be shared now (configured on; Linux). */
 int kvb_par_on(void);

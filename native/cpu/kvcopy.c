@@ -134,6 +134,7 @@
 #define PAR_BYTES (1024 * 1024)
 #endif
 #define PAR_UNIT_BYTES (64 * 1024)
+#define PAR_NS_PER_KIB 100.0       /* a copy and hash, roughly (10 GB/s): the helper's lateness budget */
 #define PAR_MAX_UNITS 4096
 
 typedef struct {
@@ -480,7 +481,9 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
         if (c.per < 1)
             c.per = 1;
         size_t units = (size_t)((c.total + c.per - 1) / c.per);
-        kvb_par_run(&c, units, units / 2, copy_unit);
+        /* a helper later than a quarter of the caller's own share (at PAR_NS_PER_KIB) leaves it */
+        double share = (double)(units / 2) * (double)c.per * (double)part;
+        kvb_par_run(&c, units, units / 2, copy_unit, (long long)(share / 1024.0 * PAR_NS_PER_KIB / 4));
     } else {
         for (Py_ssize_t u = 0; u < c.total; u++)
             copy_part(&c, u, 0);
