@@ -7,7 +7,8 @@
  * compare-and-swap each (FREE -> MINE by the caller, FREE -> TAKEN by the helper,
  * which stops at the first unit it cannot claim: the caller's, from the end). After a job the
  * helper polls for the next one for `spin_us` (with the CPU's pause instruction), then sleeps
- * on a futex; a caller wakes it only when it sleeps. A helper that takes a job later than its
+ * on a futex; a caller wakes it only when it sleeps, and only for a job worth it (`wake`: else
+ * the job is shared only with a helper already polling). A helper that takes a job later than its
  * caller's `late_ns` after it was posted leaves it to the caller (a job of few large units: the
  * caller would otherwise wait for the helper's last unit past the time it needed alone). The helper blocks every signal, and a
  * forked child starts without one (a new one is started there on its first shared job). */
@@ -168,10 +169,12 @@ int kvb_par_on(void) {
 #endif
 }
 
-size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, long long late_ns) {
+size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, long long late_ns, int wake) {
 #ifdef KVB_PAR
     if (from == 0)
         from = 1;
+    if (!wake && (!H.started || __atomic_load_n(&H.sleeping, __ATOMIC_SEQ_CST)))
+        goto alone;                                     /* not worth waking it for */
     if (kvb_par_on() && n >= 2 && n <= MAX_UNITS && from < n && pthread_mutex_trylock(&H.mu) == 0) {
         if (!ensure_started()) {
             pthread_mutex_unlock(&H.mu);

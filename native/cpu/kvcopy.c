@@ -126,13 +126,16 @@
 #define CHUNK (64 * 1024)
 #endif          /* copy then hash this much at a time: it stays in L2 */
 #define NOGIL_BYTES (64 * 1024)    /* release the GIL for transfers at least this large */
-/* Copies of at least PAR_BYTES in two parts or more are shared with the helper thread where one
- * is configured (helper.h), in units of whole parts (PAR_UNIT_BYTES or more each, at most
- * PAR_MAX_UNITS units): a block's checksum combines its parts' own (kvb_combine), so the parts
- * of one block may land on two threads. */
+/* Copies (and hashes) of at least PAR_BYTES in two parts or more are shared with the helper
+ * thread where one is configured (helper.h), in units of whole parts (PAR_UNIT_BYTES or more
+ * each, at most PAR_MAX_UNITS units): a block's checksum combines its parts' own (kvb_combine),
+ * so the parts of one block may land on two threads. Under PAR_WAKE_BYTES only a helper already
+ * polling takes part: waking one (a system call, and on a VM the other vCPU's wake-up) measured
+ * costlier than the help for a 1 MiB block in busy spells of the Zen 1 VM (README). */
 #ifndef PAR_BYTES
 #define PAR_BYTES (1024 * 1024)
 #endif
+#define PAR_WAKE_BYTES (8 * 1024 * 1024)
 #define PAR_UNIT_BYTES (64 * 1024)
 #define PAR_NS_PER_KIB 100.0       /* a copy and hash, roughly (10 GB/s): the helper's lateness budget */
 #define PAR_MAX_UNITS 4096
@@ -254,6 +257,46 @@ static PyObject *digests_unless(const XXH64_hash_t *d, Py_ssize_t n, PyObject *e
     return digest_list(d, n);
 }
 
+/* A job of `total` parts of `part` bytes shared with the helper: `*per` parts per unit
+ * (PAR_UNIT_BYTES or more, one part at least, PAR_MAX_UNITS units at most, two at least);
+ * `*late`, the time past which a helper leaves the job: a quarter of the caller's own share at
+ * PAR_NS_PER_KIB. Returns the number of units. */
+static size_t par_plan(Py_ssize_t total, int64_t part, Py_ssize_t *per, long long *late) {
+    Py_ssize_t p = (Py_ssize_t)((PAR_UNIT_BYTES + part - 1) / (part > 0 ? part : 1));
+    Py_ssize_t cap = (total + PAR_MAX_UNITS - 1) / PAR_MAX_UNITS;
+    p = p > cap ? p : cap;
+    if (p > (total + 1) / 2)
+        p = (total + 1) / 2;
+    if (p < 1)
+        p = 1;
+    size_t units = (size_t)((total + p - 1) / p);
+    double share = (double)(units / 2) * (double)p * (double)part;
+    *per = p;
+    *late = (long long)(share / 1024.0 * PAR_NS_PER_KIB / 4);
+    return units;
+}
+
+/* hash_blocks' work, shared like copy_core's: part u is plane (u / group / n) * group + u % group
+ * of block ids[u / group % n], its digest put in pd[u] (group-major, block, plane). */
+typedef struct {
+    const planes_t *pl;
+    const int64_t *ids;
+    Py_ssize_t n, group, per, total;
+    int64_t part;
+    XXH64_hash_t *pd;
+} hashjob_t;
+
+static void hash_unit(void *ctx, size_t u, int who) {
+    (void)who;
+    hashjob_t *h = ctx;
+    Py_ssize_t q = (Py_ssize_t)u * h->per, end = q + h->per < h->total ? q + h->per : h->total;
+    for (; q < end; q++) {
+        Py_ssize_t gk = q / h->group, j = q % h->group;
+        const plane_t *p = &h->pl->p[(gk / h->n) * h->group + j];
+        h->pd[q] = XXH3_64bits((const void *)(uintptr_t)(p->base + h->ids[gk % h->n] * p->stride), (size_t)h->part);
+    }
+}
+
 static PyObject *hash_blocks(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *pobj, *idobj;
@@ -275,23 +318,26 @@ static PyObject *hash_blocks(PyObject *self, PyObject *args) {
     if (ids == NULL)
         goto done;
     Py_ssize_t ngroups = pl.n / group;
+    hashjob_t h = {&pl, ids, n, group, 1, pl.n * n, part, NULL};
     d = PyMem_Malloc((size_t)(ngroups * n > 0 ? ngroups * n : 1) * sizeof(XXH64_hash_t));
-    pd = PyMem_Malloc((size_t)group * sizeof(XXH64_hash_t));
+    pd = h.pd = PyMem_Malloc((size_t)(h.total > 0 ? h.total : 1) * sizeof(XXH64_hash_t));
     if (d == NULL || pd == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    int nogil = (double)part * (double)n * (double)pl.n >= NOGIL_BYTES;
+    double total = (double)part * (double)n * (double)pl.n;
+    int nogil = total >= NOGIL_BYTES;
     PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
-    for (Py_ssize_t g = 0; g < ngroups; g++) {
-        for (Py_ssize_t k = 0; k < n; k++) {
-            for (Py_ssize_t j = 0; j < group; j++) {
-                const plane_t *p = &pl.p[g * group + j];
-                pd[j] = XXH3_64bits((const void *)(uintptr_t)(p->base + ids[k] * p->stride), (size_t)part);
-            }
-            d[g * n + k] = kvb_combine(pd, (size_t)group, 1);
-        }
+    if (total >= PAR_BYTES && h.total >= 2 && kvb_par_on()) {      /* the parts shared with the helper */
+        long long late;
+        size_t units = par_plan(h.total, part, &h.per, &late);
+        kvb_par_run(&h, units, units / 2, hash_unit, late, total >= PAR_WAKE_BYTES);
+    } else {
+        h.per = h.total;                                           /* one unit: all of it, here */
+        hash_unit(&h, 0, 0);
     }
+    for (Py_ssize_t gk = 0; gk < ngroups * n; gk++)
+        d[gk] = kvb_combine(pd + gk * group, (size_t)group, 1);
     if (ts)
         PyEval_RestoreThread(ts);
     res = digest_list(d, ngroups * n);
@@ -472,18 +518,9 @@ static PyObject *copy_core(const planes_t *dp, const int64_t *did, const planes_
     int nogil = total >= NOGIL_BYTES;
     PyThreadState *ts = nogil ? PyEval_SaveThread() : NULL;
     if (shared) {
-        /* units of PAR_UNIT_BYTES or more (one part at least), PAR_MAX_UNITS at most */
-        Py_ssize_t per = (Py_ssize_t)((PAR_UNIT_BYTES + part - 1) / (part > 0 ? part : 1));
-        Py_ssize_t cap = (c.total + PAR_MAX_UNITS - 1) / PAR_MAX_UNITS;
-        c.per = per > cap ? per : cap;
-        if (c.per > (c.total + 1) / 2)
-            c.per = (c.total + 1) / 2;                                       /* two units at least */
-        if (c.per < 1)
-            c.per = 1;
-        size_t units = (size_t)((c.total + c.per - 1) / c.per);
-        /* a helper later than a quarter of the caller's own share (at PAR_NS_PER_KIB) leaves it */
-        double share = (double)(units / 2) * (double)c.per * (double)part;
-        kvb_par_run(&c, units, units / 2, copy_unit, (long long)(share / 1024.0 * PAR_NS_PER_KIB / 4));
+        long long late;
+        size_t units = par_plan(c.total, part, &c.per, &late);
+        kvb_par_run(&c, units, units / 2, copy_unit, late, total >= PAR_WAKE_BYTES);
     } else {
         for (Py_ssize_t u = 0; u < c.total; u++)
             copy_part(&c, u, 0);
