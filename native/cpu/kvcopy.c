@@ -1458,6 +1458,42 @@ static int shm_copy(const shmmap_t *m, const char *raw, Py_ssize_t rawlen, const
     return code;
 }
 
+/* What one shm_read or shm_fetch call holds: the mapping, the destination planes, the source
+ * ids (checked against the mapped pool), and the arrays it fills; shm_end frees them all. */
+typedef struct {
+    shmmap_t m;
+    planes_t dp;
+    int64_t *did, *sid;
+    uint32_t *want;
+    uint64_t *snap;
+    PyObject *digests;
+    Py_ssize_t ns;                  /* source ids */
+} shmcall_t;
+
+static int shm_begin(shmcall_t *c, PyObject *mapobj, PyObject *dpobj, PyObject *idobj) {
+    memset(c, 0, sizeof *c);
+    if (shm_map(mapobj, &c->m) < 0 || get_planes(dpobj, &c->dp) < 0)
+        return -1;
+    if ((c->sid = get_ids(idobj, &c->m.sp, c->m.part, &c->ns)) == NULL)
+        return -1;
+    c->want = PyMem_Malloc((size_t)(c->ns ? c->ns : 1) * sizeof(uint32_t));
+    if (c->want == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void shm_end(shmcall_t *c) {
+    Py_XDECREF(c->digests);
+    PyMem_Free(c->want);
+    PyMem_Free(c->snap);
+    PyMem_Free(c->did);
+    PyMem_Free(c->sid);
+    PyMem_Free(c->dp.p);
+    shm_unmap(&c->m);
+}
+
 static PyObject *shm_read(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *mapobj, *idobj, *wantobj, *dpobj, *didobj, *expect, *dgobj, *between;
@@ -1476,19 +1512,16 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         dlive = PyTuple_GET_ITEM(dgobj, 0);
         dwant = PyTuple_GET_ITEM(dgobj, 1);
     }
-    shmmap_t m;
-    planes_t dp = {NULL, 0};
-    int64_t *did = NULL, *sid = NULL;
-    uint32_t *want = NULL;
-    PyObject *res = NULL, *digests = NULL;
-    if (shm_map(mapobj, &m) < 0 || get_planes(dpobj, &dp) < 0)
+    shmcall_t c;
+    PyObject *res = NULL;
+    if (shm_begin(&c, mapobj, dpobj, idobj) < 0)
         goto done;
-    if (dp.n != m.sp.n) {
+    if (c.dp.n != c.m.sp.n) {
         PyErr_SetString(PyExc_ValueError, "source and destination have different numbers of planes");
         goto done;
     }
-    Py_ssize_t nd = 0, ns = 0;
-    if ((did = get_ids(didobj, &dp, m.part, &nd)) == NULL || (sid = get_ids(idobj, &m.sp, m.part, &ns)) == NULL)
+    Py_ssize_t nd = 0, ns = c.ns;
+    if ((c.did = get_ids(didobj, &c.dp, c.m.part, &nd)) == NULL)
         goto done;
     if (nd != ns) {
         PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
@@ -1509,25 +1542,15 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
             }
         }
     }
-    want = PyMem_Malloc((size_t)(ns ? ns : 1) * sizeof(uint32_t));
-    if (want == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    int w = shm_wants(wantobj, ns, want);
+    int w = shm_wants(wantobj, ns, c.want);
     if (w < 0)
         goto done;
-    int code = w == 0 ? 1 : shm_copy(&m, raw, rawlen, sid, want, &dp, did, nd, hash, expect, dlive, dwant, NULL,
-                                     between, &digests);
+    int code = w == 0 ? 1 : shm_copy(&c.m, raw, rawlen, c.sid, c.want, &c.dp, c.did, nd, hash, expect, dlive, dwant,
+                                     NULL, between, &c.digests);
     if (code >= 0)
-        res = Py_BuildValue("(iO)", code, code == 0 ? digests : Py_None);
+        res = Py_BuildValue("(iO)", code, code == 0 ? c.digests : Py_None);
 done:
-    Py_XDECREF(digests);
-    PyMem_Free(want);
-    PyMem_Free(did);
-    PyMem_Free(sid);
-    PyMem_Free(dp.p);
-    shm_unmap(&m);
+    shm_end(&c);
     return res;
 }
 
@@ -1554,51 +1577,42 @@ static PyObject *shm_fetch(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!y#OOOOOO!O!O", &PyTuple_Type, &mapobj, &raw, &rawlen, &idobj, &wantobj, &dpobj,
                           &didobj, &sums, &PyList_Type, &gens, &PyByteArray_Type, &marks, &between))
         return NULL;
-    shmmap_t m;
-    planes_t dp = {NULL, 0};
-    int64_t *did = NULL, *sid = NULL;
-    uint64_t *snap = NULL;
-    uint32_t *want = NULL;
-    PyObject *res = NULL, *digests = NULL;
+    shmcall_t c;
+    PyObject *res = NULL;
     int marked = 0;
     Py_ssize_t n = PyList_CheckExact(didobj) || PyTuple_CheckExact(didobj) ? PySequence_Fast_GET_SIZE(didobj) : -1;
-    if (shm_map(mapobj, &m) < 0 || get_planes(dpobj, &dp) < 0)
+    if (shm_begin(&c, mapobj, dpobj, idobj) < 0)
         goto done;
-    Py_ssize_t ns = 0;
-    if ((sid = get_ids(idobj, &m.sp, m.part, &ns)) == NULL)
-        goto done;
-    if (n != ns || dp.n != m.sp.n || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n)))
+    if (n != c.ns || c.dp.n != c.m.sp.n || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n)))
         goto refuse;
-    did = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
-    snap = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
-    want = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
-    if (did == NULL || snap == NULL || want == NULL) {
+    c.did = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int64_t));
+    c.snap = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint64_t));
+    if (c.did == NULL || c.snap == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    int took = kvb_ids_take(didobj, gens, n, did, snap);
+    int took = kvb_ids_take(didobj, gens, n, c.did, c.snap);
     if (took < 0)
         goto done;
     if (!took)
         goto refuse;
     int64_t hi = -1;
     for (Py_ssize_t k = 0; k < n; k++)
-        hi = did[k] > hi ? did[k] : hi;
-    if (n && !ids_fit(&dp, m.part, hi))
+        hi = c.did[k] > hi ? c.did[k] : hi;
+    if (n && !ids_fit(&c.dp, c.m.part, hi))
         goto refuse;
-    int w = shm_wants(wantobj, n, want);
+    int w = shm_wants(wantobj, n, c.want);
     if (w < 0)
         goto done;
-    int mk = kvb_marks(marks, did, n, 1);
-    if (mk <= 0)
+    if (kvb_marks(marks, c.did, n, 1) <= 0)
         goto refuse;
     marked = 1;
-    int code = w == 0 ? 1 : shm_copy(&m, raw, rawlen, sid, want, &dp, did, n, sums != Py_None, sums, gens, NULL,
-                                     snap, between, &digests);
+    int code = w == 0 ? 1 : shm_copy(&c.m, raw, rawlen, c.sid, c.want, &c.dp, c.did, n, sums != Py_None, sums, gens,
+                                     NULL, c.snap, between, &c.digests);
     if (code < 0)
         goto done;
-    if (code == 0 && digests == Py_None) {
-        kvb_marks(marks, did, n, 0);
+    if (code == 0 && c.digests == Py_None) {
+        kvb_marks(marks, c.did, n, 0);
         marked = 0;
         res = Py_NewRef(Py_True);
         goto done;
@@ -1607,8 +1621,8 @@ static PyObject *shm_fetch(PyObject *self, PyObject *args) {
     if (snaplist == NULL)
         goto done;
     for (Py_ssize_t k = 0; k < n; k++)
-        PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(snap[k]));
-    res = Py_BuildValue("(iNO)", code, snaplist, code == 0 ? digests : Py_None);
+        PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(c.snap[k]));
+    res = Py_BuildValue("(iNO)", code, snaplist, code == 0 ? c.digests : Py_None);
     if (res != NULL)
         marked = 0;                              /* the caller's now */
     goto done;
@@ -1616,14 +1630,8 @@ refuse:
     res = Py_NewRef(Py_None);
 done:
     if (marked)                                  /* an exception: nothing is the caller's */
-        kvb_marks(marks, did, n, 0);
-    Py_XDECREF(digests);
-    PyMem_Free(want);
-    PyMem_Free(snap);
-    PyMem_Free(did);
-    PyMem_Free(sid);
-    PyMem_Free(dp.p);
-    shm_unmap(&m);
+        kvb_marks(marks, c.did, n, 0);
+    shm_end(&c);
     return res;
 }
 
