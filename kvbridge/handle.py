@@ -42,6 +42,8 @@ MAX_BLOCKS = 1 << 20
 _HEAD = struct.Struct("!3sBB")
 _FIXED = struct.Struct("!16s16s8sIIQQQ")  # handle id, token, layout hash, num_tokens, nblocks, epoch, fence, expiry
 _LEASE_FIXED = struct.calcsize("!QQQ")      # its last three fields (epoch, fence, expiry) are the lease's
+_NO_LEASE_FIXED = bytes(_LEASE_FIXED)
+_NO_LEASE_TEXT = b"\x00\x00\x00\x00"         # lease id and lease URL, both empty
 _WIDTH_CODE = {1: "B", 2: "H", 4: "I"}
 FLAG_LAYERWISE = 1
 FLAG_RESERVATION = 2
@@ -152,6 +154,7 @@ class KVHandle:
     reservation: bool = False        # push mode: names destination blocks the holder may write
     _raw: Optional[bytes] = field(default=None, init=False, repr=False, compare=False)
     _digest: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+    _lease_span: Optional[tuple[int, int]] = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # refused where the handle is made -- inside KVSender.publish's undo of a refused publish --
@@ -235,12 +238,15 @@ class KVHandle:
         if raw is None:
             return self._body("", "", 0, 0, 0)
         fixed_end = _HEAD.size + _FIXED.size
-        r = _Reader(raw, fixed_end, len(raw) - MAC_LEN)
-        r.take(r.u16()), r.take(r.u16())                     # request id, codec
-        p = r.pos
-        r.take(r.u16()), r.take(r.u16())                     # lease id, lease URL
-        return b"".join((raw[:fixed_end - _LEASE_FIXED], bytes(_LEASE_FIXED), raw[fixed_end:p], _text(""), _text(""),
-                         raw[r.pos:r.end]))
+        span = self._lease_span                              # where from_bytes found the lease's text fields
+        if span is None:
+            r = _Reader(raw, fixed_end, len(raw) - MAC_LEN)
+            r.take(r.u16()), r.take(r.u16())                 # request id, codec
+            p = r.pos
+            r.take(r.u16()), r.take(r.u16())                 # lease id, lease URL
+            span = (p, r.pos)
+        return b"".join((raw[:fixed_end - _LEASE_FIXED], _NO_LEASE_FIXED, raw[fixed_end:span[0]], _NO_LEASE_TEXT,
+                         raw[span[1]:len(raw) - MAC_LEN]))
 
     def signed(self, key: bytes) -> "KVHandle":
         body = self.body()
@@ -276,7 +282,10 @@ class KVHandle:
         if n > MAX_BLOCKS:
             raise BadHandle(f"handle names {n} blocks, over the {MAX_BLOCKS} limit")
         r = _Reader(data, _HEAD.size + _FIXED.size, len(data) - MAC_LEN)
-        request_id, codec, lease_id, lease_url = r.text(), r.text(), r.text(), r.text()
+        request_id, codec = r.text(), r.text()
+        lease_at = r.pos
+        lease_id, lease_url = r.text(), r.text()
+        lease_span = (lease_at, r.pos)
         urls = tuple(r.text() for _ in range(r.u8()))
         wb, wg, has_sum = r.take(3)
         if wb not in _WIDTH_CODE or wg not in _WIDTH_CODE or has_sum not in (0, 1):
@@ -290,6 +299,7 @@ class KVHandle:
                 codec, token, lease_id, lease_url, epoch, fence, expiry, data[-MAC_LEN:],
                 layerwise=bool(flags & FLAG_LAYERWISE), reservation=bool(flags & FLAG_RESERVATION))
         object.__setattr__(h, "_raw", data)
+        object.__setattr__(h, "_lease_span", lease_span)
         if key is not None:
             h.verify(key)
         return h
