@@ -70,4 +70,5 @@ def test_publishing_among_many_live_handles_does_not_make_the_sweeper_scan_them(
             snd.publish(f"b{i}", [i % 16], 4, ttl=3600.0)
         spent = _thread_cpu(sweeper.native_id) - before
         assert snd.num_live == 18_000
-        assert spent < 0.005, f"the sweeper spent {spent * 1e3:.0f} ms of CPU during 3,000 publishes"
+        # about 30 ms when it scanned; 2-4 ms here since, 6 ms once in a CI run on a loaded machine
+        assert spent < 0.012, f"the sweeper spent {spent * 1e3:.0f} ms of CPU during 3,000 publishes"
