@@ -235,17 +235,11 @@ class ShmTransport(OneSidedReads):
     def read_small(self, url: str, handle: KVHandle, pool: KVPool, block_ids: list[int], verify: bool,
                    gens: list[int]) -> Optional[tuple[int, Optional[list[int]]]]:
         """The one-sided read of a whole handle from a sender already mapped (any size: it sends
-        nothing); None where it cannot vouch for the read (then :meth:`read` and MAP/DONE)."""
+        nothing), where :meth:`fetch_whole` did not take it (another geometry, no extension);
+        None where it cannot vouch for the read (then :meth:`read` and MAP/DONE)."""
         m = self._senders.get(url)
         if m is None or not ONE_SIDED or handle.layerwise or handle.codec != "raw":
             return None
-        lane = m.lane
-        if lane is None or lane[0] is not pool or lane[1] is not pool.buffers:
-            lane = self._lane(m, pool)
-        if lane[2] and len(block_ids) == len(handle.block_ids):
-            done, sums = self._shm_read(url, m, handle, lane, block_ids, verify, handle.checksums if verify else None,
-                                        gens)
-            return (len(block_ids) * lane[4], sums) if done else None
         if not pool.is_host:
             return None
         dst = Spans(pool, None, block_ids)

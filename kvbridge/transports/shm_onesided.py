@@ -55,6 +55,24 @@ def _blockwise(m: SenderMap, pool: KVPool, dst_ids: Sequence[int], n: int) -> bo
 Lane = tuple[Any, Any, bytes, list[int], int]
 LIVENESS_EVERY = 0.001   # seconds between two checks that a one-sided reader's sender is alive
 
+def _released(m: SenderMap) -> bool:
+    """Whether this reader released the mapping (it is closing it) -- what a ValueError from the
+    one-call read means then, rather than a read outside the mapped pools."""
+    try:
+        len(m.view), len(m.gens), len(m.tview)
+    except ValueError:
+        return True
+    return False
+
+
+def _changed(code: int, handle: KVHandle) -> KVBridgeError:
+    """The one-call read's codes 2 (the source changed under the copy) and 3 (a destination
+    block was freed or retired meanwhile) as errors."""
+    if code == 2:
+        return StaleHandle("blocks were freed during the copy; bytes discarded")
+    return retired_during(handle.request_id)
+
+
 class OneSidedReads(Transport):
     """OPEN once per sender, then reads with no message. The state below is set up by
     :meth:`ShmTransport.__init__ <kvbridge.transports.shm.ShmTransport>`."""
@@ -260,9 +278,7 @@ class OneSidedReads(Transport):
                              handle.checksums if verify else None, lane[3], pool._landing,
                              None if after is None else (lambda: after(handle)))
         except ValueError as exc:
-            try:
-                len(m.view), len(m.gens), len(m.tview)
-            except ValueError:            # released: this reader is closing the mapping
+            if _released(m):              # the long way says so
                 return None
             raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
         if out is None or out is True:
@@ -272,9 +288,7 @@ class OneSidedReads(Transport):
             return gens, None, (len(gens) * lane[4], unverified(sums, handle, True))
         if code == 1:                     # not vouched for, nothing written: MAP/DONE
             return gens, None, None
-        if code == 2:
-            return gens, StaleHandle("blocks were freed during the copy; bytes discarded"), None
-        return gens, retired_during(handle.request_id), None
+        return gens, _changed(code, handle), None
 
     def _read_native(self, url: str, m: SenderMap, handle: KVHandle, dst: Spans) -> Optional[int]:
         """:meth:`_read_one_sided` of a whole handle into whole blocks of the same geometry in one
@@ -300,32 +314,25 @@ class OneSidedReads(Transport):
         return lane
 
     def _shm_read(self, url: str, m: SenderMap, handle: KVHandle, lane: Lane,
-                  block_ids: Sequence[int], want: bool, expect: Optional[tuple[int, ...]] = None,
-                  dst_gens: Optional[list[int]] = None) -> tuple[bool, Optional[list[int]]]:
+                  block_ids: Sequence[int], want: bool) -> tuple[bool, Optional[list[int]]]:
         """``blockcopy.shm_read``: the handle live in the table and its generations as issued,
         the copy into ``block_ids`` of the lane's pool (hashed as it lands when ``want``), both
-        again -- one C call. (True, the digests -- None unhashed, or equal to ``expect`` where
-        given) once read; (False, None) where it cannot vouch for the read (nothing written, or
-        the sender is gone: MAP/DONE then answers); StaleHandle where the blocks changed
-        meanwhile; with ``dst_gens`` (the destination blocks' generations as the caller began),
-        PoolError where one is not as it began after the copy."""
+        again -- one C call. (True, the digests, or None unhashed) once read; (False, None)
+        where it cannot vouch for the read (nothing written, or the sender is gone: MAP/DONE
+        then answers); StaleHandle where the blocks changed meanwhile."""
         after = self.after_copy
         # the lane holds the pool's buffers across the C call, as the mapping's view is pinned there
         assert _shm_read is not None
         try:
             code, sums = _shm_read(m.native, handle.to_bytes(), handle.block_ids, handle.generations,
-                                   lane[2], block_ids, want, expect, None if dst_gens is None else (lane[3], dst_gens),
+                                   lane[2], block_ids, want, None, None,
                                    None if after is None else (lambda: after(handle)))
         except ValueError as exc:
-            try:
-                len(m.view), len(m.gens), len(m.tview)
-            except ValueError:            # released: this reader is closing the mapping
+            if _released(m):
                 raise ProtocolError("the sender's mapping was closed by this reader") from None
             raise ProtocolError(f"one-sided read outside the mapped pools: {exc}") from None
-        if code == 2:
-            raise StaleHandle("blocks were freed during the copy; bytes discarded")
-        if code == 3:
-            raise retired_during(handle.request_id)
+        if code >= 2:
+            raise _changed(code, handle)
         if code == 1 or (time.monotonic() >= m.poll_after and not self._alive(url, m)):
             return False, None
         return True, sums
