@@ -55,6 +55,7 @@ from .reservations import ReservationDesk
 from .stores import LeasesArg, StoreCache
 from .transfer import FetchResult, Transfer, Workers
 from .transports.base import ReadOp, Server, Transport, WriteGrant
+from .transports.wire import CLAIM_ME
 from .transports.registry import get_transport_class, scheme_of
 
 __all__ = ["KVReceiver", "FetchResult", "HandleLike"]
@@ -247,9 +248,11 @@ class KVReceiver(ReceiverPipeline):
         h = handle
         pool = self.pool
         if (indices is not None or type(h) is not KVHandle or self.secret is not None
-                or h.lease_id or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
+                or h.reservation or h.layerwise or h.codec != "raw" or not h.urls
                 or h.layout_hash != pool.layout.compat_hash or h.handle_id in self._released or self._closed):
             return self._fetch_job(self._prepare(handle, dst_block_ids, indices, release))
+        if h.lease_id:
+            return self._fetch_leased(h, dst_block_ids, release)
         url = h.urls[0]
         t0 = time.perf_counter()
         tr = self._by_url.get(url) or self.transport(url)
@@ -282,6 +285,39 @@ class KVReceiver(ReceiverPipeline):
             return self._fetched(tr, url, h, dst, release, t0)
         finally:
             pool._landed(dst)
+
+    def _fetch_leased(self, h: KVHandle, dst_block_ids: Sequence[int], release: bool) -> FetchResult:
+        """The usual leased fetch: where the transport has :meth:`Transport.fetch_claimed` (tcp),
+        the read asks the owner to claim as it serves and lands in one C call, as an unleased
+        one; the pipeline's end (:meth:`_settle`: validate-after-read, the release through the
+        owner) follows, or its retries from where the read stands."""
+        url = h.urls[0]
+        tr = self._by_url.get(url) or self.transport(url)
+        if (not tr.claims_on_read or h.lease_id != h.lease_digest() or self._releaser.releasing(h.lease_id)):
+            return self._fetch_job(self._prepare(h, dst_block_ids, None, release))    # it says what is wrong
+        t0, since = time.perf_counter(), time.monotonic()    # since: before the claim is sent
+        store = self.lease_store(h)
+        me = CLAIM_ME(self.claimer, self.claim_ttl)
+        got = tr.fetch_claimed(url, h, self.pool, dst_block_ids, self.verify and bool(h.checksums), me)
+        if got is None:
+            return self._fetch_job(self._prepare(h, dst_block_ids, None, release))
+        served, quick = got
+        dst = list(dst_block_ids)
+        landed = quick is True
+        j = _Job(h, dst, None, release, FetchResult(h, dst), store,
+                 self.pool.generations(dst) if landed else quick[0], since=since)   # type: ignore[index]
+        j.t0, j.claim = t0, me
+        if served is not None:
+            j.served_by = url
+            self._learn_claim(j, served)
+        if landed:
+            j.res.attempts, j.res.nbytes = 1, len(dst) * self.pool.layout.block_nbytes
+            return self._settle(j)
+        _, failed, arrived = quick                           # type: ignore[misc]
+        try:
+            return self._pull(None, j, failed=failed, landed=arrived)
+        finally:
+            self.pool._landed(dst)
 
     def _fetched(self, tr: Transport, url: str, h: KVHandle, dst: list[int], release: bool,
                  t0: float) -> FetchResult:

@@ -428,6 +428,14 @@ class Transport(abc.ABC):
         left for the caller to undo. Raises only what no retry can help (a signal's error)."""
         return None
 
+    def fetch_claimed(self, url: str, handle: KVHandle, pool: "KVPool", dst: Any, verify: bool,
+                      claim: Claim) -> Optional[tuple[Optional[Claim], Union[Literal[True], Fallback]]]:
+        """:meth:`fetch_whole` for a leased handle, the read asking its owner to claim the lease
+        as it serves it (``claim``: :func:`~kvbridge.transports.wire.CLAIM_ME`): None where
+        nothing was done; else the claim the reply says the read was served under (None where
+        no reply said so) and the outcome as :meth:`fetch_whole`'s."""
+        return None
+
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
         """Read the ready layers of a layer-wise (or coded) handle from ``first`` (below

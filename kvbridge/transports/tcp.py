@@ -43,7 +43,7 @@ from .base import Chunk, Fallback, ReadOp, Server, Spans, SpansFor, Transport, u
 from .sockets import SocketClient, SocketServer, client_for, connector
 from .staging import RingPool, recv_staged, send_staged
 from .wire import (FENCE, HEADER, LAYERS, MAGIC, TRAILER, VERSION, Kind, Vouch, check_trailer, decode_error,
-                   decode_layers, encode_request, pack, recv_exact, recv_iter, send_iter, unpack_header)
+                   decode_layers, encode_claim, encode_request, pack, recv_exact, recv_iter, send_iter, unpack_header)
 
 if TYPE_CHECKING:
     from ..pool import KVPool
@@ -211,7 +211,7 @@ def _small_refused(sock: socket.socket, code: int, reply: bytes, rid: int, nbyte
         _refuse_small(sock, raw, len(raw), rid, want, what)
     claimed = _claim_of(bytes(raw[HEADER.size:HEADER.size + FENCE.size]), claim)
     check_trailer(bytes(raw[-TRAILER.size:]), claimed or claim, what)     # the reply's last bytes taken
-    raise ProtocolError(f"{what}: the reply was refused but its fence and trailer pass")   # not reached
+    raise ProtocolError(f"{what}: the sender served a leased read without its claim")   # the one case left
 
 
 def _refuse_small(sock: socket.socket, buf: bytearray, got: int, rid: int, want: int, what: str) -> NoReturn:
@@ -297,6 +297,17 @@ class TCPTransport(Transport):
 
     def fetch_whole(self, url: str, handle: KVHandle, pool: KVPool, dst: Any,
                     verify: bool) -> Optional[Union[Literal[True], Fallback]]:
+        got = self._whole(url, handle, pool, dst, verify, None)
+        return None if got is None else got[1]
+
+    def fetch_claimed(self, url: str, handle: KVHandle, pool: KVPool, dst: Any, verify: bool,
+                      claim: Claim) -> Optional[tuple[Optional[Claim], Union[Literal[True], Fallback]]]:
+        return self._whole(url, handle, pool, dst, verify, claim)
+
+    def _whole(self, url: str, handle: KVHandle, pool: KVPool, dst: Any, verify: bool,
+               claim: Optional[Claim]) -> Optional[tuple[Optional[Claim], Union[Literal[True], Fallback]]]:
+        """The usual fetch in one C call (``blockcopy.fetch_whole``), leased (``claim``: the
+        owner claims as it serves) or not; the claim the reply reported, and the outcome."""
         layout = pool.layout
         nbytes = handle.num_blocks * layout.block_nbytes   # the C call refuses dst of another count
         if blockcopy.fetch_whole is None or not pool.is_host:
@@ -309,11 +320,18 @@ class TCPTransport(Transport):
         except KVBridgeError:                              # a closed pool, no connection: the long way says so
             return None
         start = time.monotonic()
+        fence = bytearray(FENCE.size)
         try:
-            riders = client.riders(nbytes > SMALL_READ) if client._pending else b""
-            out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
-                                        layout.part_nbytes, handle.checksums if verify else None,
-                                        pool.live_generations, pool._landing, client.deadline(nbytes + 4096, 0.0))
+            riders = client.riders(nbytes > SMALL_READ) if client._pending or client._claimed else b""
+            deadline = client.deadline(nbytes + 4096, 0.0)
+            sums = handle.checksums if verify else None
+            if claim is None:
+                out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
+                                            layout.part_nbytes, sums, pool.live_generations, pool._landing, deadline)
+            else:
+                out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
+                                            layout.part_nbytes, sums, pool.live_generations, pool._landing, deadline,
+                                            encode_claim(claim), fence)
         except BaseException:                              # a signal: the connection may hold half a reply
             client.drop(sock)
             raise
@@ -324,17 +342,21 @@ class TCPTransport(Transport):
             except OSError:
                 client.drop(sock)
                 return None
-        if out is None or out is True:
+        if out is None:
             client.give_back(sock)
-            return out
+            return None
+        served = None if claim is None or not any(fence) else _claim_of(bytes(fence), claim)
+        if out is True:
+            client.give_back(sock)
+            return served, True
         code, gens, detail = out
         what = "read " + url
         if code == 0:                                      # a checksum differs: the pipeline refetches
             client.give_back(sock)
-            return gens, None, (nbytes, unverified(detail, handle, True))
+            return served, (gens, None, (nbytes, unverified(detail, handle, True)))
         if code == 4:                                      # a destination block was retired meanwhile
             client.give_back(sock)
-            return gens, retired_during(handle.request_id), None
+            return served, (gens, retired_during(handle.request_id), None)
         if code == 5:
             sock.close()
             failed = client.cut_error(what)
@@ -343,12 +365,12 @@ class TCPTransport(Transport):
                 if code == 6:
                     raise detail
                 client.arm(sock, nbytes, start)        # an ERROR body read here: held to the same deadline
-                _small_refused(sock, code, detail, rid, nbytes, what, None)
+                _small_refused(sock, code, detail, rid, nbytes, what, claim)
             except Exception as exc:
                 failed = client.fail(sock, exc, f"read from {url}")
         if not pool.same_generations(dst, gens):           # a retry would land in blocks no longer the fetch's
             failed = retired_during(handle.request_id)
-        return gens, failed, None
+        return served, (gens, failed, None)
 
     @staticmethod
     def _small(client: SocketClient, url: str, payload: bytes, pool: KVPool, block_ids: list[int], nbytes: int,

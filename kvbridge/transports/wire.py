@@ -54,9 +54,9 @@ from ..lease.base import Claim
 
 __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER", "MAX_CONTROL", "pack",
            "unpack_header", "encode_request", "decode_request", "encode_layers", "decode_layers", "LAYERS", "FENCE",
-           "CLAIM_ME", "TRAILER", "Vouch", "encode_trailer", "check_trailer", "vouch_of", "settle_vouch",
-           "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error", "Budget",
-           "RateGuard", "PacedSender", "MAX_RELEASES", "encode_releases", "decode_releases"]
+           "CLAIM_ME", "encode_claim", "TRAILER", "Vouch", "encode_trailer", "check_trailer", "vouch_of",
+           "settle_vouch", "encode_error", "decode_error", "recv_exact", "recv_scatter", "send_all", "map_os_error",
+           "Budget", "RateGuard", "PacedSender", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
 VERSION = 6     # 5: CRELEASES (a version 4 peer would drop the connection on it); 6: per-part checksums
@@ -220,6 +220,12 @@ class Request(NamedTuple):
     sums: bytes = b""                    # WRITE / WDONE: packed per-(layer, block) checksums
 
 
+def encode_claim(claim: Claim) -> bytes:
+    """A request's claim field: ``u64 epoch | u64 counter | u16 len | claimer``."""
+    c = claim.claimer.encode("utf-8")
+    return _CLAIM.pack(claim.epoch, claim.counter, len(c)) + c
+
+
 def encode_request(ticket: bytes, indices: Optional[Sequence[int]] = None, claim: Optional[Claim] = None,
                    layers: Optional[tuple[int, int]] = None, *, last: bool = False,
                    nbytes: Optional[int] = None, sums: bytes = b"") -> bytes:
@@ -235,8 +241,7 @@ def encode_request(ticket: bytes, indices: Optional[Sequence[int]] = None, claim
     if layers is not None:
         parts.append(struct.pack("!HH", *layers))
     if claim is not None:
-        c = claim.claimer.encode("utf-8")
-        parts += [_CLAIM.pack(claim.epoch, claim.counter, len(c)), c]
+        parts.append(encode_claim(claim))
     if nbytes is not None:
         parts += [struct.pack("!QI", nbytes, len(sums) // 8), sums]
     return b"".join(parts)

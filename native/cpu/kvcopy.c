@@ -61,10 +61,10 @@
  *       frame, or -1 with nothing sent; used: that frame's bytes; received: bytes now in `buf`,
  *       -2 on the socket's timeout, -3 when the peer closed; count: reads answered).
  *
- *   fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout)
+ *   fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout[, claim, fence])
  *            -> None | True | (code, gens, detail)
- *       the receiver's usual tcp:// fetch (a whole unleased raw handle into whole host blocks)
- *       in one call: the destination ids checked (dstids.c) and their generations taken, the
+ *       the receiver's usual tcp:// fetch (a whole raw handle into whole host blocks; leased:
+ *       the owner asked to claim as it serves, the fence it reports written to `fence`) in one call: the destination ids checked (dstids.c) and their generations taken, the
  *       blocks marked as landing in the pool's `marks`, the READ for handle bytes `ticket`
  *       built and sent (deferred releases `extra` behind it), the reply taken by its deadline
  *       (`timeout` seconds: no watchdog) -- up to 64 KiB of blocks into a private buffer and
@@ -1005,6 +1005,7 @@ static PyObject *serve_small(PyObject *self, PyObject *args) {
 }
 
 #define KIND_READ 1
+#define F_CLAIM 2     /* a request flag: the claim field follows (wire.F_CLAIM) */
 
 /* serve_next(fd, buf, table, id_offset, gens, planes, part, pool, pinned, served) -> (served, used, received, count)
  * The sender's frame loop for the usual reads, in C: receives on socket `fd` into `buf` (a
@@ -1692,7 +1693,7 @@ static PyObject *stream_from(PyObject *self, PyObject *args) {
 /* ------------------------------------------------------------------ the usual tcp fetch */
 #define FETCH_STACK 256   /* request frames up to this many bytes are built on the stack */
 
-/* fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout)
+/* fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout[, claim, fence])
  *
  * The receiver's usual fetch -- all of an unleased raw handle into whole host blocks -- in one
  * call: the destination ids checked and their generations taken, the blocks marked as landing
@@ -1714,7 +1715,13 @@ static PyObject *stream_from(PyObject *self, PyObject *args) {
  *          the reply's bytes; of a large reply, those besides its blocks); 4: a destination block's generation changed (detail: None);
  *          5: the deadline passed (detail: the bytes so far); 6: a send or receive failed
  *          (detail: the OSError). `gens`: the snapshot taken.
- * Any other exception (a signal's) undoes the marks first. */
+ * Any other exception (a signal's) undoes the marks first.
+ *
+ * Leased (optional `claim`, `fence`): `claim` is the request's claim field as the wire encodes it
+ * (u64 epoch, u64 counter, u16 length, claimer: CLAIM_ME asks the owner to claim as it serves),
+ * sent with flag F_CLAIM; `fence`, a bytearray of 16, receives the reply's fence once its header
+ * passed (zeros before): the claim the read was served under, for every outcome but None. A
+ * reply's fence of zeros on a leased read, or any other on an unleased one, is code 2. */
 #define FETCH_BUFFERED (64 * 1024)   /* replies with up to this many block bytes: one receive, then a copy */
 
 static PyObject *fetch_whole(PyObject *self, PyObject *args) {
@@ -1724,10 +1731,12 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     unsigned long rid;
     long long nbytes, part;
     double timeout;
-    PyObject *dpobj, *idobj, *sums, *gens, *marks, *detail = NULL;
-    if (!PyArg_ParseTuple(args, "iy*ky*LOOLOOO!d", &fd, &ticket, &rid, &extra, &nbytes, &dpobj, &idobj, &part,
-                          &sums, &gens, &PyByteArray_Type, &marks, &timeout))
+    Py_buffer claim = {0};
+    PyObject *dpobj, *idobj, *sums, *gens, *marks, *fence = Py_None, *detail = NULL;
+    if (!PyArg_ParseTuple(args, "iy*ky*LOOLOOO!d|y*O", &fd, &ticket, &rid, &extra, &nbytes, &dpobj, &idobj, &part,
+                          &sums, &gens, &PyByteArray_Type, &marks, &timeout, &claim, &fence))
         return NULL;
+    int leased = claim.buf != NULL;
     PyObject *res = NULL;
     char *buf = NULL, *frame = NULL, stack[FETCH_STACK];
     int64_t *ids = NULL;
@@ -1736,8 +1745,12 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     int marked = 0;
     Py_ssize_t n = PyList_CheckExact(idobj) || PyTuple_CheckExact(idobj) ? PySequence_Fast_GET_SIZE(idobj) : -1;
     if (n < 0 || nbytes < 0 || nbytes > ((int64_t)1 << 50) || !PyList_CheckExact(gens)
-            || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n)))
+            || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n))
+            || (leased && (!PyByteArray_CheckExact(fence) || PyByteArray_GET_SIZE(fence) != FENCE_LEN
+                           || claim.len < 18 || claim.len > 18 + 0xFFFF)))
         goto refuse;
+    if (leased)
+        memset(PyByteArray_AS_STRING(fence), 0, FENCE_LEN);
     if (get_planes(dpobj, &dp) < 0)
         goto done;
     if ((double)part * (double)n * (double)dp.n != (double)nbytes)
@@ -1762,8 +1775,9 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     if (m <= 0)
         goto refuse;
     marked = 1;
-    /* the frame: header, u32 ticket length, ticket, flags 0 (a whole unleased read), extra */
-    Py_ssize_t plen = 4 + ticket.len + 1, flen = HEAD_LEN + plen + extra.len;
+    /* the frame: header, u32 ticket length, ticket, flags (0: a whole unleased read; F_CLAIM and
+     * the claim: a whole leased one), extra */
+    Py_ssize_t plen = 4 + ticket.len + 1 + (leased ? claim.len : 0), flen = HEAD_LEN + plen + extra.len;
     frame = flen <= FETCH_STACK ? stack : PyMem_Malloc((size_t)flen);
     int large = nbytes > FETCH_BUFFERED;        /* its blocks received straight into place */
     Py_ssize_t total = HEAD_LEN + FENCE_LEN + (Py_ssize_t)nbytes + TRAILER_LEN;
@@ -1782,7 +1796,9 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     put_be(f + 8, (uint64_t)plen, 8);
     put_be(f + HEAD_LEN, (uint64_t)ticket.len, 4);
     memcpy(f + HEAD_LEN + 4, ticket.buf, (size_t)ticket.len);
-    f[HEAD_LEN + 4 + ticket.len] = 0;
+    f[HEAD_LEN + 4 + ticket.len] = leased ? F_CLAIM : 0;
+    if (leased)
+        memcpy(f + HEAD_LEN + 4 + ticket.len + 1, claim.buf, (size_t)claim.len);
     memcpy(f + HEAD_LEN + plen, extra.buf, (size_t)extra.len);
     int64_t deadline = mono_ns() + (int64_t)(timeout * 1e9);
     int code = 0, late;
@@ -1816,10 +1832,13 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
         }
     }
     had = want;
-    if (be64(h + HEAD_LEN) || be64(h + HEAD_LEN + 8)) {   /* a fence on an unleased read */
+    int fenced = be64(h + HEAD_LEN) || be64(h + HEAD_LEN + 8);
+    if (fenced != leased) {                    /* a fence on an unleased read, none on a leased one */
         code = 2;
         goto fallback;
     }
+    if (leased)
+        memcpy(PyByteArray_AS_STRING(fence), h + HEAD_LEN, FENCE_LEN);
     PyObject *digests;
     if (large) {
         long long received;
@@ -1918,6 +1937,8 @@ done:
         kvb_marks(marks, ids, n, 0);
     PyBuffer_Release(&ticket);
     PyBuffer_Release(&extra);
+    if (leased)
+        PyBuffer_Release(&claim);
     if (frame != stack)
         PyMem_Free(frame);
     PyMem_Free(buf);
@@ -1953,7 +1974,7 @@ static PyMethodDef methods[] = {
      "read_small(fd, frame, rid, nbytes, dst_planes, dst_ids, part, hash, claimed) -> (code, ...): a tcp small "
      "read's request sent and its reply taken and landed in one call"},
     {"fetch_whole", fetch_whole, METH_VARARGS,
-     "fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout) -> None | "
+     "fetch_whole(fd, ticket, rid, extra, nbytes, dst_planes, dst_ids, part, sums, gens, marks, timeout[, claim, fence]) -> None | "
      "True | (code, gens, detail): the receiver's usual tcp fetch in one call (see native/cpu/kvcopy.c)"},
     {"land", kvb_land, METH_VARARGS,
      "land(marks, ids, on) -> bool: landing marks set (True where none was set; nothing set otherwise) or unset"},

@@ -508,16 +508,20 @@ def test_generations_held_and_unverified() -> None:
 
 # -- the usual fetch's one C call, outcome by outcome (a socketpair as the peer) --
 def _fetch_whole(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: Any = None, before: Any = None,
-                 trickle: bool = False, timeout: float = 5.0) -> Any:
+                 trickle: bool = False, timeout: float = 5.0, leased: Any = (),
+                 asked: Optional[list[bytes]] = None) -> Any:
     """``blockcopy.fetch_whole`` into blocks ``ids`` of ``dst`` against a peer that answers
-    ``reply`` (None: closes at once; ``before(rid)`` runs as the request arrives)."""
+    ``reply`` (None: closes at once; ``before(rid)`` runs as the request arrives; ``leased``:
+    the optional (claim, fence) arguments; ``asked`` gets the request's payload)."""
     mine, theirs = socket.socketpair()
     if reply is None:
         theirs.close()
 
     def run() -> None:
         head = _take(theirs, 16)
-        _take(theirs, int.from_bytes(head[8:16], "big"))
+        payload = _take(theirs, int.from_bytes(head[8:16], "big"))
+        if asked is not None:
+            asked.append(payload)
         if before is not None:
             before()
         step = 1 if trickle else len(reply or b"")
@@ -537,10 +541,36 @@ def _fetch_whole(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: A
         set_os_timeouts(mine, 2.0)
         out = blockcopy.fetch_whole(mine.fileno(), b"ticket", 7, b"", len(BODY), planes(dst),
                                     ids if isinstance(ids, (list, tuple)) else ids, L.part_nbytes, sums,
-                                    dst.live_generations, dst._landing, timeout)
+                                    dst.live_generations, dst._landing, timeout, *leased)
     if reply is not None:
         t.join(5)
     return out
+
+
+def test_fetch_whole_leased_asks_the_owner_to_claim_and_hands_back_its_fence() -> None:
+    """Leased (``claim``, ``fence``): the READ carries the claim (CLAIM_ME) as the wire encodes
+    it; the reply's fence is written to ``fence`` whatever the outcome once its header passed;
+    a leased reply without a fence, or an unleased one with one, is code 2, nothing landed."""
+    from kvbridge.transports.wire import CLAIM_ME, decode_request, encode_claim
+    me = CLAIM_ME("rcv-1", 30.0)
+    _, dst = _pools()
+    asked: list[bytes] = []
+    fence = bytearray(b"\xff" * 16)
+    assert _fetch_whole(dst, _reply(7, fence=(3, 4)), [4, 9], leased=(encode_claim(me), fence), asked=asked) is True
+    req = decode_request(asked[0])
+    assert req.ticket == b"ticket" and req.claim == me and req.indices is None
+    assert FENCE.unpack(fence) == (3, 4) and _blocks(dst, [4, 9]) == BODY and dst.landing() == []
+    code, _, detail = _fetch_whole(dst, _reply(7, fence=(3, 4)), [4, 9], sums=(1, 2), leased=(encode_claim(me), fence))
+    assert code == 0 and FENCE.unpack(fence) == (3, 4)            # a checksum differs: the fence known still
+    dst._landed([4, 9])
+    for reply, leased in ((_reply(7), (encode_claim(me), fence)), (_reply(7, fence=(3, 4)), ())):
+        _, dst = _pools()
+        untouched = _blocks(dst, [4, 9])
+        code, _, detail = _fetch_whole(dst, reply, [4, 9], leased=leased)
+        assert code == 2 and _blocks(dst, [4, 9]) == untouched and dst.landing() == [4, 9]
+        dst._landed([4, 9])
+    for bad in ((b"short", fence), (encode_claim(me), bytearray(8)), (encode_claim(me), b"\0" * 16)):
+        assert _fetch_whole(dst, None, [4, 9], leased=bad) is None and dst.landing() == []
 
 
 def test_fetch_whole_lands_verifies_and_unmarks() -> None:

@@ -1,0 +1,140 @@
+"""The usual leased tcp fetch in one C call (``KVReceiver._fetch_leased``): the READ asks the
+owner to claim as it serves (CLAIM_ME), the reply's fence comes back with the bytes, and the
+pipeline's end follows (validate-after-read by the owner's trailer, the release through the
+owner). Every other outcome goes on in the pipeline from where the C call left it, under the
+claim the owner reported: a checksum that differs is refetched under that fence, a
+destination retired meanwhile fails and aborts the claim, a reply without a fence is refused
+and the claim the owner made is learnt and aborted. On a real Redis-protocol server."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, blockcopy
+from kvbridge.errors import ProtocolError
+from kvbridge.lease import EmbeddedRedis, LeaseState, RedisLeaseStore
+from kvbridge.transports.base import Spans
+from kvbridge.transports.tcp import TCPTransport
+from tests.lease.test_round_trips import _state
+from tests.waiting import wait_until as _wait
+
+L = KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16")
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(blockcopy.fetch_whole is None,
+                                 reason="the native extension (kvbridge._kvcopy) is not built")]
+
+
+def _filled(n: int) -> KVPool:
+    pool = KVPool.allocate(L, n, allocator="engine")
+    gen = torch.Generator().manual_seed(n)
+    for b in pool.buffers:
+        flat = b.view(-1).view(torch.uint8)
+        flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=gen))
+    return pool
+
+
+def _blocks(pool: KVPool, ids: list[int]) -> bytes:
+    return b"".join(bytes(v) for v in Spans.of_blocks(pool, ids).views())
+
+
+def _after_fetch_whole(monkeypatch: pytest.MonkeyPatch, then: Any) -> list[Any]:
+    """``blockcopy.fetch_whole`` made to return ``then(what it returned, its arguments, call
+    number)``; the arguments of each call."""
+    real, calls = blockcopy.fetch_whole, []
+    assert real is not None
+
+    def fetch_whole(*args: Any) -> Any:
+        calls.append(args)
+        return then(real(*args), args, len(calls))
+
+    monkeypatch.setattr(blockcopy, "fetch_whole", fetch_whole)
+    return calls
+
+
+def test_a_leased_fetch_is_one_c_call_and_released_through_its_owner(own_server: EmbeddedRedis,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _filled(16)
+    with RedisLeaseStore(own_server.url) as sls, RedisLeaseStore(own_server.url) as rls, \
+            KVSender(src, "tcp://127.0.0.1:0", leases=sls) as snd, KVReceiver(KVPool.allocate(L, 8), leases=rls) as rcv:
+        reads: list[int] = []
+        real_read = TCPTransport.read
+        monkeypatch.setattr(TCPTransport, "read", lambda self, *a, **k: reads.append(1) or real_read(self, *a, **k))
+        calls = _after_fetch_whole(monkeypatch, lambda got, args, n: got)
+        hs = [snd.publish(f"r{i}", [i, i + 8], 8) for i in range(6)]
+        for i, h in enumerate(hs):
+            dst = [i, 7 - i] if i != 3 else [6, 7]
+            res = rcv.fetch(h, dst)
+            assert res.ok and res.attempts == 1 and res.nbytes == 2 * L.block_nbytes, res.error
+            assert rcv.pool.landing() == [] and _blocks(rcv.pool, dst) == _blocks(src, [i, i + 8])
+        assert len(calls) == len(hs) and reads == []                  # one C call each, never the pipeline's read
+        assert all(len(args) == 14 and any(args[-1]) for args in calls)  # leased: the owner's fence came back
+        assert rcv.stats.claimed == len(hs) and rls.stats.claimed == 0   # claimed by the owner, inside the read
+        assert _wait(lambda: all(_state(sls, h.lease_id) is LeaseState.RELEASED for h in hs))
+        assert _wait(lambda: snd.num_live == 0) and rls.stats.released == 0
+
+
+def test_a_leased_fetch_whose_checksum_differs_is_refetched_under_the_owners_claim(
+        own_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _filled(8)
+    with RedisLeaseStore(own_server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
+        h = snd.publish("flip", [2, 3], 8)
+        dst = rcv.pool
+        gens = dst.generations([5, 6])
+
+        def flipped(got: Any, args: Any, n: int) -> Any:
+            assert got is True and any(args[-1])                      # landed, and the fence is known
+            dst._land([5, 6])                                         # as the C call leaves them: marked
+            return 0, gens, [h.checksums[0], h.checksums[1] ^ 1]      # as if block 1 changed in transit
+        calls = _after_fetch_whole(monkeypatch, flipped)
+        res = rcv.fetch(h, [5, 6])
+        assert len(calls) == 1 and res.ok and rcv.stats.refetches == 1 and rcv.stats.integrity_failures == 0
+        assert _blocks(dst, [5, 6]) == _blocks(src, [2, 3])
+        assert rcv.stats.claimed == 1 and dst.landing() == []         # the refetch went under the owner's claim
+        assert _wait(lambda: _state(ls, h.lease_id) is LeaseState.RELEASED)
+
+
+def test_a_destination_retired_during_a_leased_fetch_fails_it_and_aborts_the_claim(
+        own_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _filled(8)
+    with RedisLeaseStore(own_server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
+        h = snd.publish("moved", [2, 3], 8)
+        dst = rcv.pool
+        gens = dst.generations([5, 6])
+
+        def retired(got: Any, args: Any, n: int) -> Any:
+            dst._land([5, 6])
+            dst._gens[6] += 1                                         # the engine reused a destination block
+            return 4, gens, None
+        _after_fetch_whole(monkeypatch, retired)
+        res = rcv.fetch(h, [5, 6])
+        assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
+        assert res.failed_block_ids == [5, 6] and dst.landing() == [] and rcv.stats.aborted == 1
+        assert _state(ls, h.lease_id) == "A"                            # the claim the owner made, aborted
+
+
+def test_a_leased_reply_without_the_owners_fence_is_refused_and_its_claim_aborted(
+        own_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An owner that claims but serves the read without the fence (its grant's claim dropped
+    here): ProtocolError, nothing landed; the receiver claims itself to learn the fence the
+    owner took (claims are re-entrant for their claimer) and aborts it."""
+    import dataclasses
+
+    from kvbridge.sender_serving import SenderServing
+    real_open = SenderServing.open_read
+    monkeypatch.setattr(SenderServing, "open_read",
+                        lambda self, *a, **k: dataclasses.replace(real_open(self, *a, **k), claim=None))
+    src = _filled(8)
+    with RedisLeaseStore(own_server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
+        h = snd.publish("nofence", [2, 3], 8)
+        before = _blocks(rcv.pool, [5, 6])
+        res = rcv.fetch(h, [5, 6])
+        assert not res.ok and isinstance(res.error, ProtocolError) and "without its claim" in str(res.error)
+        assert _blocks(rcv.pool, [5, 6]) == before and rcv.pool.landing() == []
+        assert rcv.stats.aborted == 1 and _state(ls, h.lease_id) == "A"
