@@ -8,16 +8,17 @@ and the claim the owner made is learnt and aborted. On a real Redis-protocol ser
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import pytest
-import torch
 
-from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, blockcopy
+from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, blockcopy
 from kvbridge.errors import ProtocolError
 from kvbridge.lease import EmbeddedRedis, LeaseState, RedisLeaseStore
 from kvbridge.transports.base import Spans
 from kvbridge.transports.tcp import TCPTransport
+from tests.core._pools import filled
 from tests.lease.test_round_trips import _state
 from tests.waiting import wait_until as _wait
 
@@ -28,13 +29,14 @@ pytestmark = [pytest.mark.timeout(60),
                                  reason="the native extension (kvbridge._kvcopy) is not built")]
 
 
-def _filled(n: int) -> KVPool:
-    pool = KVPool.allocate(L, n, allocator="engine")
-    gen = torch.Generator().manual_seed(n)
-    for b in pool.buffers:
-        flat = b.view(-1).view(torch.uint8)
-        flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=gen))
-    return pool
+@contextlib.contextmanager
+def _one_handle(server: EmbeddedRedis,
+                request_id: str) -> Iterator[tuple[RedisLeaseStore, KVPool, KVReceiver, KVHandle]]:
+    """A leased sender's pool, a receiver, and a handle of blocks [2, 3] on one lease store."""
+    src = filled(L, 8, 1)
+    with RedisLeaseStore(server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
+        yield ls, src, rcv, snd.publish(request_id, [2, 3], 8)
 
 
 def _blocks(pool: KVPool, ids: list[int]) -> bytes:
@@ -55,9 +57,23 @@ def _after_fetch_whole(monkeypatch: pytest.MonkeyPatch, then: Any) -> list[Any]:
     return calls
 
 
+def _fetch_turned(monkeypatch: pytest.MonkeyPatch, rcv: KVReceiver, h: KVHandle, then: Any) -> tuple[Any, list[Any]]:
+    """``rcv.fetch(h, [5, 6])`` with its C call's outcome turned into ``then(what it returned,
+    its arguments, the generations as it began)``, the blocks marked again as the C call
+    leaves them for a fallback; the result and the calls' arguments."""
+    dst = rcv.pool
+    gens = dst.generations([5, 6])
+
+    def turned(got: Any, args: Any, n: int) -> Any:
+        dst._land([5, 6])
+        return then(got, args, gens)
+    calls = _after_fetch_whole(monkeypatch, turned)
+    return rcv.fetch(h, [5, 6]), calls
+
+
 def test_a_leased_fetch_is_one_c_call_and_released_through_its_owner(own_server: EmbeddedRedis,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    src = _filled(16)
+    src = filled(L, 16, 1)
     with RedisLeaseStore(own_server.url) as sls, RedisLeaseStore(own_server.url) as rls, \
             KVSender(src, "tcp://127.0.0.1:0", leases=sls) as snd, KVReceiver(KVPool.allocate(L, 8), leases=rls) as rcv:
         reads: list[int] = []
@@ -79,19 +95,12 @@ def test_a_leased_fetch_is_one_c_call_and_released_through_its_owner(own_server:
 
 def test_a_leased_fetch_whose_checksum_differs_is_refetched_under_the_owners_claim(
         own_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
-    src = _filled(8)
-    with RedisLeaseStore(own_server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
-            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
-        h = snd.publish("flip", [2, 3], 8)
-        dst = rcv.pool
-        gens = dst.generations([5, 6])
-
-        def flipped(got: Any, args: Any, n: int) -> Any:
+    with _one_handle(own_server, "flip") as (ls, src, rcv, h):
+        def flipped(got: Any, args: Any, gens: list[int]) -> Any:
             assert got is True and any(args[-1])                      # landed, and the fence is known
-            dst._land([5, 6])                                         # as the C call leaves them: marked
             return 0, gens, [h.checksums[0], h.checksums[1] ^ 1]      # as if block 1 changed in transit
-        calls = _after_fetch_whole(monkeypatch, flipped)
-        res = rcv.fetch(h, [5, 6])
+        res, calls = _fetch_turned(monkeypatch, rcv, h, flipped)
+        dst = rcv.pool
         assert len(calls) == 1 and res.ok and rcv.stats.refetches == 1 and rcv.stats.integrity_failures == 0
         assert _blocks(dst, [5, 6]) == _blocks(src, [2, 3])
         assert rcv.stats.claimed == 1 and dst.landing() == []         # the refetch went under the owner's claim
@@ -100,19 +109,13 @@ def test_a_leased_fetch_whose_checksum_differs_is_refetched_under_the_owners_cla
 
 def test_a_destination_retired_during_a_leased_fetch_fails_it_and_aborts_the_claim(
         own_server: EmbeddedRedis, monkeypatch: pytest.MonkeyPatch) -> None:
-    src = _filled(8)
-    with RedisLeaseStore(own_server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
-            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
-        h = snd.publish("moved", [2, 3], 8)
+    with _one_handle(own_server, "moved") as (ls, _, rcv, h):
         dst = rcv.pool
-        gens = dst.generations([5, 6])
 
-        def retired(got: Any, args: Any, n: int) -> Any:
-            dst._land([5, 6])
+        def retired(got: Any, args: Any, gens: list[int]) -> Any:
             dst._gens[6] += 1                                         # the engine reused a destination block
             return 4, gens, None
-        _after_fetch_whole(monkeypatch, retired)
-        res = rcv.fetch(h, [5, 6])
+        res, _ = _fetch_turned(monkeypatch, rcv, h, retired)
         assert not res.ok and "freed or retired during the transfer" in str(res.error), repr(res.error)
         assert res.failed_block_ids == [5, 6] and dst.landing() == [] and rcv.stats.aborted == 1
         assert _state(ls, h.lease_id) == "A"                            # the claim the owner made, aborted
@@ -129,10 +132,7 @@ def test_a_leased_reply_without_the_owners_fence_is_refused_and_its_claim_aborte
     real_open = SenderServing.open_read
     monkeypatch.setattr(SenderServing, "open_read",
                         lambda self, *a, **k: dataclasses.replace(real_open(self, *a, **k), claim=None))
-    src = _filled(8)
-    with RedisLeaseStore(own_server.url) as ls, KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
-            KVReceiver(KVPool.allocate(L, 8), leases=ls) as rcv:
-        h = snd.publish("nofence", [2, 3], 8)
+    with _one_handle(own_server, "nofence") as (ls, _, rcv, h):
         before = _blocks(rcv.pool, [5, 6])
         res = rcv.fetch(h, [5, 6])
         assert not res.ok and isinstance(res.error, ProtocolError) and "without its claim" in str(res.error)
