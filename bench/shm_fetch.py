@@ -8,8 +8,9 @@ buffers left, never from the same blocks just read by another mode:
 - ``memmove``: ``ctypes.memmove`` of the same size between two private buffers (the ceiling);
 - ``shm_read``: the one-sided read's C call alone (the handle's key computed and looked up in
   the live-handle table, the generation checks, the copy hashed as it lands, the re-check);
-- ``+ compare``: the same with the landed checksums compared with the handle's and the
-  destination blocks' generations held across the copy, in the call (as a fetch asks it);
+- ``+ compare``: the same with the landed checksums compared with the handle's in the call
+  (a fetch's one C call, ``shm_fetch``, also takes and re-checks the destination's ids,
+  generations and landing marks: the step from this row to ``fetch (keep)``);
 - ``fetch (keep)`` / ``fetch``: ``KVReceiver.fetch`` of a fresh verified handle, without and
   with its release.
 
@@ -76,12 +77,12 @@ def main(argv: Any = None) -> dict[str, Any]:
             raw, pl = h.to_bytes(), planes(pool)
 
             def c_only() -> None:
-                code, _ = shm_read(m.native, raw, h.block_ids, h.generations, pl, case.dst_ids, True, None, None, None)
+                code, _ = shm_read(m.native, raw, h.block_ids, h.generations, pl, case.dst_ids, True, None, None)
                 assert code == 0
 
             def c_compare() -> None:
                 code, sums = shm_read(m.native, raw, h.block_ids, h.generations, pl, case.dst_ids, True, h.checksums,
-                                      (pool.live_generations, pool.generations(case.dst_ids)), None)
+                                      None)
                 assert code == 0 and sums is None
 
             kept: list[KVHandle] = []

@@ -325,8 +325,7 @@ class OneSidedReads(Transport):
         assert _shm_read is not None
         try:
             code, sums = _shm_read(m.native, handle.to_bytes(), handle.block_ids, handle.generations,
-                                   lane[2], block_ids, want, None, None,
-                                   None if after is None else (lambda: after(handle)))
+                                   lane[2], block_ids, want, None, None if after is None else (lambda: after(handle)))
         except ValueError as exc:
             if _released(m):
                 raise ProtocolError("the sender's mapping was closed by this reader") from None

@@ -80,16 +80,15 @@
  *       part's xxh3-64 fed with every piece right after it landed (with `hash`); the GIL
  *       released for each receive, `cancel.is_set()` asked between them. Code 0: all landed;
  *       1: the peer closed first; 2: cancelled (with the bytes received so far).
- *   shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between)
+ *   shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, between)
  *            -> (code, digests | None)
  *       shm:// one-sided reads in one call (kvbridge/transports/shmtable.py): the handle's
  *       digest (BLAKE2b-128 of its bytes) live in the sender's table and its blocks' generations as
- *       issued, the copy (and hash), then the destination's generations, the same slot
- *       sequence and the source generations again; digests equal to `expect` come back as
- *       None. Code 0: copied and still the handle's; 1: not vouched for, nothing written; 2:
- *       the source changed during the copy, the bytes landed are not the handle's; 3: a
- *       destination block's generation is not the caller's snapshot after the copy. Loads of
- *       the table and generations are acquire loads.
+ *       issued, the copy (and hash), then the same slot sequence and the source generations
+ *       again; digests equal to `expect` come back as None. Code 0: copied and still the
+ *       handle's; 1: not vouched for, nothing written; 2: the source changed during the copy,
+ *       the bytes landed are not the handle's (shm_fetch also compares the destination's
+ *       generations: code 3). Loads of the table and generations are acquire loads.
  *   dst_snapshot(ids, gens, n) -> (ids, generations) | None   (dstids.c)
  *       a fetch's destination ids checked (n distinct ints in range) and their generations
  *       taken in one call; None where they are not such ids.
@@ -1312,7 +1311,7 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
     return 1;
 }
 
-/* shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between)
+/* shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, between)
  *     -> (code, digests | None)
  * The one-sided read of kvbridge/transports/shmtable.py in one call. `mapping` is the reader's
  * view of one sender, made once: (table, nslots, gens, src_planes, part, pin). The handle whose
@@ -1321,15 +1320,13 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
  * copied from `src_planes` (the mapped pool) into `dst_ids` of `dst_planes` (hashed as it lands
  * when `hash`), then the slot's sequence number and every generation are read again. `pin` (the
  * mapping's memoryview) is held for the call; `expect`, if a tuple, is the handle's checksums:
- * digests equal to them come back as None (copy_core); `dst_gens`, if not None, is (the
- * destination pool's generation list, the destination blocks' generations as the caller
- * began), compared after the copy; `between`, if not
- * None, is called after the copy and before the second look (tests). Codes:
+ * digests equal to them come back as None (copy_core); `between`, if not None, is called
+ * after the copy and before the second look (tests). Codes:
  *   0  copied, and nothing changed: the digests (or None);
  *   1  not vouched for (not in the table, a generation already moved): nothing was written;
  *   2  the source changed during the copy: the bytes landed are not the handle's;
- *   3  a destination block's generation is not the caller's snapshot after the copy (checked
- *      before 2: freed or reused since the caller began). */
+ *   3  (shm_fetch only) a destination block's generation is not the caller's snapshot after
+ *      the copy (checked before 2: freed or reused since the caller began). */
 typedef struct {                /* the reader's view of one sender (shm_map) */
     Py_buffer tb, gb, pin;
     Py_ssize_t nslots;
@@ -1409,12 +1406,11 @@ static int same_snap(PyObject *gens, const int64_t *ids, Py_ssize_t n, const uin
 /* shm_read's steps on parsed arguments (and shm_fetch's): 1. the handle live in the table and
  * its blocks `sid` at generations `want`; 2. the copy into `did` of `dp` (hashed, compared with
  * `expect`: copy_core); `between`; 3. the destination's generations (the pool's list `dlive`
- * against `dwant`, a sequence, or `snap`, an array; neither where dlive is NULL), then the slot
- * and the source generations again. The code (0..3, see shm_read; *digests set for 0), or -1
+ * against `snap`; not where dlive is NULL), then the slot and the source generations again. The code (0..3, see shm_read; *digests set for 0), or -1
  * with an exception set. */
 static int shm_copy(const shmmap_t *m, const char *raw, Py_ssize_t rawlen, const int64_t *sid, const uint32_t *want,
                     const planes_t *dp, const int64_t *did, Py_ssize_t n, int hash, PyObject *expect,
-                    PyObject *dlive, PyObject *dwant, const uint64_t *snap, PyObject *between, PyObject **digests) {
+                    PyObject *dlive, const uint64_t *snap, PyObject *between, PyObject **digests) {
     *digests = NULL;
     unsigned char dg[16];
     kvb_blake2b(dg, sizeof dg, raw, (size_t)rawlen);
@@ -1445,7 +1441,7 @@ static int shm_copy(const shmmap_t *m, const char *raw, Py_ssize_t rawlen, const
         }
         Py_DECREF(r);
     }
-    int mine = dlive == NULL ? 1 : snap != NULL ? same_snap(dlive, did, n, snap) : same_gens(dlive, did, n, dwant);
+    int mine = dlive == NULL ? 1 : same_snap(dlive, did, n, snap);
     if (mine < 0) {
         Py_DECREF(got);
         return -1;
@@ -1497,22 +1493,13 @@ static void shm_end(shmcall_t *c) {
 
 static PyObject *shm_read(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *mapobj, *idobj, *wantobj, *dpobj, *didobj, *expect, *dgobj, *between;
+    PyObject *mapobj, *idobj, *wantobj, *dpobj, *didobj, *expect, *between;
     Py_ssize_t rawlen;
     const char *raw;
     int hash;
-    if (!PyArg_ParseTuple(args, "O!y#OOOOpOOO", &PyTuple_Type, &mapobj, &raw, &rawlen, &idobj, &wantobj, &dpobj,
-                          &didobj, &hash, &expect, &dgobj, &between))
+    if (!PyArg_ParseTuple(args, "O!y#OOOOpOO", &PyTuple_Type, &mapobj, &raw, &rawlen, &idobj, &wantobj, &dpobj,
+                          &didobj, &hash, &expect, &between))
         return NULL;
-    PyObject *dlive = NULL, *dwant = NULL;
-    if (dgobj != Py_None) {
-        if (!PyTuple_Check(dgobj) || PyTuple_GET_SIZE(dgobj) != 2 || !PyList_Check(PyTuple_GET_ITEM(dgobj, 0))) {
-            PyErr_SetString(PyExc_TypeError, "shm_read: dst_gens must be None or (pool list, generations)");
-            return NULL;
-        }
-        dlive = PyTuple_GET_ITEM(dgobj, 0);
-        dwant = PyTuple_GET_ITEM(dgobj, 1);
-    }
     shmcall_t c;
     PyObject *res = NULL;
     if (shm_begin(&c, mapobj, dpobj, idobj) < 0)
@@ -1528,26 +1515,11 @@ static PyObject *shm_read(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "shm_read: ids, generations and destination differ in length");
         goto done;
     }
-    if (dwant != NULL) {              /* the snapshot refused before anything is written, not after */
-        if (!(PyTuple_Check(dwant) || PyList_Check(dwant)) || PySequence_Fast_GET_SIZE(dwant) != nd) {
-            PyErr_SetString(PyExc_ValueError, "shm_read: one destination generation per destination block expected");
-            goto done;
-        }
-        for (Py_ssize_t k = 0; k < nd; k++) {
-            PyObject *g = PySequence_Fast_GET_ITEM(dwant, k);
-            unsigned long long v = PyLong_Check(g) ? PyLong_AsUnsignedLongLong(g) : (unsigned long long)-1;
-            if (!PyLong_Check(g) || (v == (unsigned long long)-1 && PyErr_Occurred())) {
-                PyErr_Clear();
-                PyErr_SetString(PyExc_ValueError, "shm_read: destination generations must be ints >= 0");
-                goto done;
-            }
-        }
-    }
     int w = shm_wants(wantobj, ns, c.want);
     if (w < 0)
         goto done;
-    int code = w == 0 ? 1 : shm_copy(&c.m, raw, rawlen, c.sid, c.want, &c.dp, c.did, nd, hash, expect, dlive, dwant,
-                                     NULL, between, &c.digests);
+    int code = w == 0 ? 1 : shm_copy(&c.m, raw, rawlen, c.sid, c.want, &c.dp, c.did, nd, hash, expect, NULL, NULL,
+                                     between, &c.digests);
     if (code >= 0)
         res = Py_BuildValue("(iO)", code, code == 0 ? c.digests : Py_None);
 done:
@@ -1609,7 +1581,7 @@ static PyObject *shm_fetch(PyObject *self, PyObject *args) {
         goto refuse;
     marked = 1;
     int code = w == 0 ? 1 : shm_copy(&c.m, raw, rawlen, c.sid, c.want, &c.dp, c.did, n, sums != Py_None, sums, gens,
-                                     NULL, c.snap, between, &c.digests);
+                                     c.snap, between, &c.digests);
     if (code < 0)
         goto done;
     if (code == 0 && c.digests == Py_None) {
@@ -1993,7 +1965,7 @@ static PyMethodDef methods[] = {
      "dst_snapshot(ids, gens, n) -> (ids, their generations) as new lists, or None where the ids are not n "
      "distinct ints in [0, len(gens)) (see native/cpu/dstids.c)"},
     {"shm_read", shm_read, METH_VARARGS,
-     "shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, dst_gens, between) "
+     "shm_read(mapping, raw, ids, want, dst_planes, dst_ids, hash, expect, between) "
      "-> (code, digests): an shm one-sided read checked, copied and checked again in one call"},
     {NULL, NULL, 0, NULL},
 };
