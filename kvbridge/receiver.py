@@ -255,7 +255,9 @@ class KVReceiver(ReceiverPipeline):
             return self._fetch_leased(h, dst_block_ids, release)
         url = h.urls[0]
         t0 = time.perf_counter()
-        tr = self._by_url.get(url) or self.transport(url)
+        tr = self._by_url.get(url) or self._transport_or_none(url)
+        if tr is None:                   # no such backend here: the pipeline says so in the result
+            return self._fetch_job(self._prepare(handle, dst_block_ids, indices, release))
         verify = self.verify and bool(h.checksums)
         quick = tr.fetch_whole(url, h, pool, dst_block_ids, verify)
         if quick is True:
@@ -292,32 +294,40 @@ class KVReceiver(ReceiverPipeline):
         one; the pipeline's end (:meth:`_settle`: validate-after-read, the release through the
         owner) follows, or its retries from where the read stands."""
         url = h.urls[0]
-        tr = self._by_url.get(url) or self.transport(url)
-        if (not tr.claims_on_read or h.lease_id != h.lease_digest() or self._releaser.releasing(h.lease_id)):
+        tr = self._by_url.get(url) or self._transport_or_none(url)
+        store = None
+        if (tr is None or not tr.claims_on_read or h.lease_id != h.lease_digest()
+                or self._releaser.releasing(h.lease_id)
+                or (store := self.lease_store(h)) is None):     # leases=False: refused, never claimed
             return self._fetch_job(self._prepare(h, dst_block_ids, None, release))    # it says what is wrong
         t0, since = time.perf_counter(), time.monotonic()    # since: before the claim is sent
-        store = self.lease_store(h)
         me = CLAIM_ME(self.claimer, self.claim_ttl)
         got = tr.fetch_claimed(url, h, self.pool, dst_block_ids, self.verify and bool(h.checksums), me)
         if got is None:
             return self._fetch_job(self._prepare(h, dst_block_ids, None, release))
         served, quick = got
         dst = list(dst_block_ids)
-        landed = quick is True
-        j = _Job(h, dst, None, release, FetchResult(h, dst), store,
-                 self.pool.generations(dst) if landed else quick[0], since=since)   # type: ignore[index]
-        j.t0, j.claim = t0, me
-        if served is not None:
-            j.served_by = url
-            self._learn_claim(j, served)
-        if landed:
-            j.res.attempts, j.res.nbytes = 1, len(dst) * self.pool.layout.block_nbytes
-            return self._settle(j)
-        _, failed, arrived = quick                           # type: ignore[misc]
-        try:
+        try:                  # marked until the end: validate-after-read and the release may ask the store
+            landed = quick is True
+            j = _Job(h, dst, None, release, FetchResult(h, dst), store,
+                     self.pool.generations(dst) if landed else quick[0], since=since)   # type: ignore[index]
+            j.t0, j.claim = t0, me
+            if served is not None:
+                j.served_by = url
+                self._learn_claim(j, served)
+            if landed:
+                j.res.attempts, j.res.nbytes = 1, len(dst) * self.pool.layout.block_nbytes
+                return self._settle(j)
+            _, failed, arrived = quick                       # type: ignore[misc]
             return self._pull(None, j, failed=failed, landed=arrived)
         finally:
             self.pool._landed(dst)
+
+    def _transport_or_none(self, url: str) -> Optional[Transport]:
+        try:
+            return self.transport(url)
+        except KVBridgeError:            # an unknown scheme, a backend not installed
+            return None
 
     def _fetched(self, tr: Transport, url: str, h: KVHandle, dst: list[int], release: bool,
                  t0: float) -> FetchResult:

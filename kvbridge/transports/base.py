@@ -433,7 +433,8 @@ class Transport(abc.ABC):
         """:meth:`fetch_whole` for a leased handle, the read asking its owner to claim the lease
         as it serves it (``claim``: :func:`~kvbridge.transports.wire.CLAIM_ME`): None where
         nothing was done; else the claim the reply says the read was served under (None where
-        no reply said so) and the outcome as :meth:`fetch_whole`'s."""
+        no reply said so) and the outcome as :meth:`fetch_whole`'s -- but the marks are left
+        for the caller on True too (its validate-after-read and release come next)."""
         return None
 
     def read_layers(self, url: str, handle: KVHandle, spans_for: SpansFor, first: int, end: int,

@@ -1693,7 +1693,8 @@ static PyObject *stream_from(PyObject *self, PyObject *args) {
  * (u64 epoch, u64 counter, u16 length, claimer: CLAIM_ME asks the owner to claim as it serves),
  * sent with flag F_CLAIM; `fence`, a bytearray of 16, receives the reply's fence once its header
  * passed (zeros before): the claim the read was served under, for every outcome but None. A
- * reply's fence of zeros on a leased read, or any other on an unleased one, is code 2. */
+ * reply's fence of zeros on a leased read, or any other on an unleased one, is code 2. A leased
+ * True leaves the marks to the caller, whose validate-after-read and release come next. */
 #define FETCH_BUFFERED (64 * 1024)   /* replies with up to this many block bytes: one receive, then a copy */
 
 static PyObject *fetch_whole(PyObject *self, PyObject *args) {
@@ -1870,7 +1871,8 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
         }
     }
     Py_XDECREF(digests);
-    kvb_marks(marks, ids, n, 0);
+    if (!leased)                                 /* leased: the caller's validate-after-read and release follow */
+        kvb_marks(marks, ids, n, 0);
     marked = 0;
     res = Py_NewRef(Py_True);
     goto done;

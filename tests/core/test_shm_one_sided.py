@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Timeout
-from kvbridge.errors import Action, IntegrityError, PoolError, RetryableError, StaleHandle
+from kvbridge.errors import Action, IntegrityError, PoolError, ProtocolError, RetryableError, StaleHandle
 from kvbridge.transports.shmtable import ONE_SIDED
 from kvbridge.transports.wire import Kind
 
@@ -442,3 +442,15 @@ def test_a_mapped_fetch_is_one_call_and_its_refusals_go_the_long_way(pair: Pair,
         pair.dst._landed([5])
     assert calls["whole None"] == 3 and calls["whole True"] == 0, calls
     assert not any(pair.dst._landing)
+
+
+def test_a_mapped_fetch_naming_blocks_outside_the_senders_pool_fails_in_its_result(pair: Pair) -> None:
+    """A handle naming a source block outside the mapped pool (altered, or another pool's): the
+    one-call fetch leaves it to the long way, whose ProtocolError comes back in the result (a
+    fetch raises only for the caller's own mistakes); nothing is left marked."""
+    import dataclasses
+    assert pair.rcv.fetch(pair.publish([5]), [9]).ok              # maps the sender
+    bad = dataclasses.replace(pair.publish([2, 3]), block_ids=(2, 999))
+    res = pair.rcv.fetch(bad, [4, 5])
+    assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
+    assert pair.dst.landing() == []

@@ -17,7 +17,7 @@ import torch
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, blockcopy
 from kvbridge.blockcopy import hash_blocks, planes
-from kvbridge.errors import AccessDenied, ConnectionLost, HandleNotFound, ProtocolError, StaleHandle
+from kvbridge.errors import AccessDenied, ConfigError, ConnectionLost, HandleNotFound, ProtocolError, StaleHandle
 from kvbridge.lease import EmbeddedRedis
 from kvbridge.lease.base import Claim
 from kvbridge.transports import tcp
@@ -381,6 +381,18 @@ def test_the_usual_fetch_retries_a_sender_that_is_gone_then_fails_retryable() ->
         assert rcv.stats.retries == 2 and rcv.stats.failed == 1 and dst.landing() == []
 
 
+def test_the_usual_fetch_of_a_url_with_no_backend_here_fails_in_its_result() -> None:
+    """A handle whose URL names a scheme no backend here serves: ConfigError in the result, as
+    the pipeline gives it, not raised; nothing marked."""
+    import dataclasses
+    src, dst = _pools()
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, leases=False) as rcv:
+        h = dataclasses.replace(snd.publish("nowhere", [2, 3], 8), urls=("nosuch://x",))
+        res = rcv.fetch(h, [5, 6])
+        assert not res.ok and isinstance(res.error, ConfigError) and "nosuch" in str(res.error), repr(res.error)
+        assert dst.landing() == []
+
+
 @pytest.mark.skipif(blockcopy.fetch_whole is None, reason="the native extension (kvbridge._kvcopy) is not built")
 def test_the_usual_fetch_refetches_a_block_whose_digest_is_wrong_once(monkeypatch: pytest.MonkeyPatch) -> None:
     src, dst = _pools()
@@ -550,7 +562,8 @@ def _fetch_whole(dst: KVPool, reply: Optional[bytes], ids: Any = (4, 9), sums: A
 def test_fetch_whole_leased_asks_the_owner_to_claim_and_hands_back_its_fence() -> None:
     """Leased (``claim``, ``fence``): the READ carries the claim (CLAIM_ME) as the wire encodes
     it; the reply's fence is written to ``fence`` whatever the outcome once its header passed;
-    a leased reply without a fence, or an unleased one with one, is code 2, nothing landed."""
+    a leased reply without a fence, or an unleased one with one, is code 2, nothing landed; a
+    leased landing leaves its marks to the caller."""
     from kvbridge.transports.wire import CLAIM_ME, decode_request, encode_claim
     me = CLAIM_ME("rcv-1", 30.0)
     _, dst = _pools()
@@ -559,7 +572,9 @@ def test_fetch_whole_leased_asks_the_owner_to_claim_and_hands_back_its_fence() -
     assert _fetch_whole(dst, _reply(7, fence=(3, 4)), [4, 9], leased=(encode_claim(me), fence), asked=asked) is True
     req = decode_request(asked[0])
     assert req.ticket == b"ticket" and req.claim == me and req.indices is None
-    assert FENCE.unpack(fence) == (3, 4) and _blocks(dst, [4, 9]) == BODY and dst.landing() == []
+    assert FENCE.unpack(fence) == (3, 4) and _blocks(dst, [4, 9]) == BODY
+    assert dst.landing() == [4, 9]                                # leased: the caller's to undo after its release
+    dst._landed([4, 9])
     code, _, detail = _fetch_whole(dst, _reply(7, fence=(3, 4)), [4, 9], sums=(1, 2), leased=(encode_claim(me), fence))
     assert code == 0 and FENCE.unpack(fence) == (3, 4)            # a checksum differs: the fence known still
     dst._landed([4, 9])

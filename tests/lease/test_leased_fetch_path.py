@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, blockcopy
-from kvbridge.errors import ProtocolError
+from kvbridge.errors import AccessDenied, PoolError, ProtocolError
 from kvbridge.lease import EmbeddedRedis, LeaseState, RedisLeaseStore
 from kvbridge.transports.base import Spans
 from kvbridge.transports.tcp import TCPTransport
@@ -59,13 +59,13 @@ def _after_fetch_whole(monkeypatch: pytest.MonkeyPatch, then: Any) -> list[Any]:
 
 def _fetch_turned(monkeypatch: pytest.MonkeyPatch, rcv: KVReceiver, h: KVHandle, then: Any) -> tuple[Any, list[Any]]:
     """``rcv.fetch(h, [5, 6])`` with its C call's outcome turned into ``then(what it returned,
-    its arguments, the generations as it began)``, the blocks marked again as the C call
-    leaves them for a fallback; the result and the calls' arguments."""
+    its arguments, the generations as it began)`` (a leased landing leaves the blocks marked,
+    as a fallback does); the result and the calls' arguments."""
     dst = rcv.pool
     gens = dst.generations([5, 6])
 
     def turned(got: Any, args: Any, n: int) -> Any:
-        dst._land([5, 6])
+        assert dst.landing() == [5, 6]
         return then(got, args, gens)
     calls = _after_fetch_whole(monkeypatch, turned)
     return rcv.fetch(h, [5, 6]), calls
@@ -138,3 +138,40 @@ def test_a_leased_reply_without_the_owners_fence_is_refused_and_its_claim_aborte
         assert not res.ok and isinstance(res.error, ProtocolError) and "without its claim" in str(res.error)
         assert _blocks(rcv.pool, [5, 6]) == before and rcv.pool.landing() == []
         assert rcv.stats.aborted == 1 and _state(ls, h.lease_id) == "A"
+
+
+def test_a_receiver_without_leases_refuses_a_leased_handle_and_claims_nothing(own_server: EmbeddedRedis) -> None:
+    """``leases=False``: a leased handle is refused (AccessDenied, from the sender: the read
+    carries no claim), never read under a claim the receiver could not release."""
+    with _one_handle(own_server, "nolease") as (ls, _, _rcv, h), \
+            KVReceiver(KVPool.allocate(L, 8), leases=False) as rcv:
+        res = rcv.fetch(h, [5, 6])
+        assert not res.ok and isinstance(res.error, AccessDenied), repr(res.error)
+        assert rcv.stats.claimed == 0 and rcv.pool.landing() == []
+        assert _state(ls, h.lease_id) is LeaseState.PUBLISHED
+
+
+def test_a_leased_fetch_holds_its_destination_until_its_release_is_made(own_server: EmbeddedRedis) -> None:
+    """Where validate-after-read needs the store (a claim clock margin longer than the claim:
+    the release is made before ``fetch`` returns), the destination stays marked until it is:
+    another fetch into the same blocks meanwhile is refused, and the bytes stay the handle's."""
+    src = filled(L, 8, 1)
+    with RedisLeaseStore(own_server.url) as ls, RedisLeaseStore(own_server.url) as rls, \
+            KVSender(src, "tcp://127.0.0.1:0", leases=ls) as snd, \
+            KVSender(filled(L, 8, 7), "tcp://127.0.0.1:0", leases=False) as other, \
+            KVReceiver(KVPool.allocate(L, 8), leases=rls, clock_margin=60.0) as rcv:
+        seen: dict[str, Any] = {}
+        real = rls.release
+
+        def release(lease_id: str, claimer: str, fence: Any) -> Any:
+            seen["landing"] = rcv.pool.landing()
+            try:
+                seen["other"] = rcv.fetch(other.publish("x", [0, 1], 8), [6, 7])   # into the same blocks, meanwhile
+            except PoolError as exc:
+                seen["other"] = exc
+            return real(lease_id, claimer, fence)
+        rls.release = release                                        # type: ignore[method-assign]
+        res = rcv.fetch(snd.publish("held", [2, 3], 8), [6, 7])
+        assert res.ok and seen["landing"] == [6, 7], (res.error, seen)
+        assert isinstance(seen["other"], PoolError) and "another fetch" in str(seen["other"])
+        assert _blocks(rcv.pool, [6, 7]) == _blocks(src, [2, 3]) and rcv.pool.landing() == []
