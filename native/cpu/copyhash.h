@@ -25,8 +25,8 @@ uint64_t kvb_combine(const uint64_t *pd, size_t np, size_t step);
  * otherwise and for under 256 bytes; its pieces must not partly overlap. */
 void kvb_stream_copy(char *dst, const char *src, size_t n);
 
-/* The size (bytes, of one call's whole copy) from which copies stream: twice this core's L2
- * (sysconf; 2 MiB where it is unknown), or KVBRIDGE_STREAM_FROM (a positive integer). */
+/* The size (bytes, of one call's whole copy) from which copies stream: four times this core's
+ * L2 (sysconf; 4 MiB where it is unknown), or KVBRIDGE_STREAM_FROM (a positive integer). */
 size_t kvb_stream_from(void);
 
 /* Set it (the tests and benches); 0 goes back to the default. */

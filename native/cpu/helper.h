@@ -20,7 +20,8 @@ typedef void (*kvb_unit_fn)(void *ctx, size_t u, int on_helper);
 /* Returns how many units the helper ran. `late_ns` > 0: a helper that takes the job more than
  * that long after it was posted runs none of it (0: it takes what is left, however late).
  * `wake` 0: the job is offered only to a helper that is polling for one (not started or asleep:
- * the caller runs it alone, with no system call). */
+ * the caller runs it alone, with no system call -- but for a helper that fell asleep between
+ * that look and the post, which is woken). */
 size_t kvb_par_run(void *ctx, size_t n, size_t from, kvb_unit_fn run, long long late_ns, int wake);
 
 /* 1 where a job may be shared now (configured on; Linux). */

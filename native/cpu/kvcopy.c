@@ -70,8 +70,9 @@
  *       (`timeout` seconds: no watchdog) -- up to 64 KiB of blocks into a private buffer and
  *       then landed, more straight into the blocks (recv_blocks' loop) -- each block hashed
  *       as it lands, the checksums compared with `sums`, the generations compared again.
- *       None: nothing sent or marked; True: all held, marks undone; else the outcome for the
- *       caller's pipeline, the marks left to it (see the function).
+ *       None: nothing sent or marked; True: all held, marks undone (leased: left to the
+ *       caller); else the outcome for the caller's pipeline, the marks left to it (see the
+ *       function).
  *   land(marks, ids, on) -> bool   (dstids.c)
  *       a pool's landing marks set (where none was) or unset, atomically for Python threads.
  *   recv_blocks(fd, dst_planes, dst_ids, part, hash, cancel) -> (code, received, digests | None)
@@ -1327,6 +1328,19 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
  *   2  the source changed during the copy: the bytes landed are not the handle's;
  *   3  (shm_fetch only) a destination block's generation is not the caller's snapshot after
  *      the copy (checked before 2: freed or reused since the caller began). */
+/* A snapshot of n generations as a new list (a fallback's `gens`), or NULL with an exception set */
+static PyObject *gens_list(const uint64_t *snap, Py_ssize_t n) {
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t k = 0; out != NULL && k < n; k++) {
+        PyObject *g = PyLong_FromUnsignedLongLong(snap[k]);
+        if (g == NULL)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, k, g);
+    }
+    return out;
+}
+
 typedef struct {                /* the reader's view of one sender (shm_map) */
     Py_buffer tb, gb, pin;
     Py_ssize_t nslots;
@@ -1590,11 +1604,9 @@ static PyObject *shm_fetch(PyObject *self, PyObject *args) {
         res = Py_NewRef(Py_True);
         goto done;
     }
-    PyObject *snaplist = PyList_New(n);
+    PyObject *snaplist = gens_list(c.snap, n);
     if (snaplist == NULL)
         goto done;
-    for (Py_ssize_t k = 0; k < n; k++)
-        PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(c.snap[k]));
     res = Py_BuildValue("(iNO)", code, snaplist, code == 0 ? c.digests : Py_None);
     if (res != NULL)
         marked = 0;                              /* the caller's now */
@@ -1651,7 +1663,7 @@ static PyObject *copy_threads(PyObject *self, PyObject *args, PyObject *kw) {
 }
 
 /* stream_from([n]) -> int: the copy size from which copies stream past the caches (copyhash.h);
- * with n (>= 0), set first -- 0 restores the default (twice the L2, or KVBRIDGE_STREAM_FROM) */
+ * with n (>= 0), set first -- 0 restores the default (four times the L2, or KVBRIDGE_STREAM_FROM) */
 static PyObject *stream_from(PyObject *self, PyObject *args) {
     (void)self;
     Py_ssize_t n = -1;
@@ -1681,7 +1693,8 @@ static PyObject *stream_from(PyObject *self, PyObject *args) {
  *
  *   None:  nothing sent, nothing marked: the ids are not `n` distinct ints of the pool, the
  *          blocks do not hold `nbytes`, or one is landing already -- the long way says which.
- *   True:  landed, its checksums equal to `sums`, the generations unchanged; marks undone.
+ *   True:  landed, its checksums equal to `sums`, the generations unchanged; marks undone
+ *          (leased: left to the caller, see below).
  *   (code, gens, detail): it did not end so; the marks are the caller's to undo. code 0: a
  *          checksum differs (detail: each block's as it landed); 1, 2, 3: as read_small (detail:
  *          the reply's bytes; of a large reply, those besides its blocks); 4: a destination block's generation changed (detail: None);
@@ -1704,12 +1717,12 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     unsigned long rid;
     long long nbytes, part;
     double timeout;
-    Py_buffer claim = {0};
-    PyObject *dpobj, *idobj, *sums, *gens, *marks, *fence = Py_None, *detail = NULL;
-    if (!PyArg_ParseTuple(args, "iy*ky*LOOLOOO!d|y*O", &fd, &ticket, &rid, &extra, &nbytes, &dpobj, &idobj, &part,
+    Py_buffer claim = {0}, fence = {0};          /* fence held writable: it cannot be resized under the call */
+    PyObject *dpobj, *idobj, *sums, *gens, *marks, *detail = NULL;
+    if (!PyArg_ParseTuple(args, "iy*ky*LOOLOOO!d|y*w*", &fd, &ticket, &rid, &extra, &nbytes, &dpobj, &idobj, &part,
                           &sums, &gens, &PyByteArray_Type, &marks, &timeout, &claim, &fence))
         return NULL;
-    int leased = claim.buf != NULL;
+    int leased = claim.obj != NULL;
     PyObject *res = NULL;
     char *buf = NULL, *frame = NULL, stack[FETCH_STACK];
     int64_t *ids = NULL;
@@ -1719,11 +1732,10 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     Py_ssize_t n = PyList_CheckExact(idobj) || PyTuple_CheckExact(idobj) ? PySequence_Fast_GET_SIZE(idobj) : -1;
     if (n < 0 || nbytes < 0 || nbytes > ((int64_t)1 << 50) || !PyList_CheckExact(gens)
             || (sums != Py_None && (!PyTuple_CheckExact(sums) || PyTuple_GET_SIZE(sums) != n))
-            || (leased && (!PyByteArray_CheckExact(fence) || PyByteArray_GET_SIZE(fence) != FENCE_LEN
-                           || claim.len < 18 || claim.len > 18 + 0xFFFF)))
+            || (leased && (fence.obj == NULL || fence.len != FENCE_LEN || claim.len < 18 || claim.len > 18 + 0xFFFF)))
         goto refuse;
     if (leased)
-        memset(PyByteArray_AS_STRING(fence), 0, FENCE_LEN);
+        memset(fence.buf, 0, FENCE_LEN);
     if (get_planes(dpobj, &dp) < 0)
         goto done;
     if ((double)part * (double)n * (double)dp.n != (double)nbytes)
@@ -1811,7 +1823,7 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
         goto fallback;
     }
     if (leased)
-        memcpy(PyByteArray_AS_STRING(fence), h + HEAD_LEN, FENCE_LEN);
+        memcpy(fence.buf, h + HEAD_LEN, FENCE_LEN);
     PyObject *digests;
     if (large) {
         long long received;
@@ -1847,7 +1859,7 @@ static PyObject *fetch_whole(PyObject *self, PyObject *args) {
     for (Py_ssize_t k = 0; k < n; k++) {        /* the blocks' generations as the fetch began? */
         PyObject *g = PyList_GET_SIZE(gens) > ids[k] ? PyList_GET_ITEM(gens, ids[k]) : NULL;
         unsigned long long now = g ? PyLong_AsUnsignedLongLong(g) : 0;
-        if (g == NULL || now != snap[k]) {
+        if (g == NULL || (now == (unsigned long long)-1 && PyErr_Occurred()) || now != snap[k]) {
             PyErr_Clear();
             Py_XDECREF(digests);
             code = 4;
@@ -1892,13 +1904,11 @@ fallback: {
         } else if (code != 0) {
             detail = PyBytes_FromStringAndSize(buf, had);
         }
-        PyObject *snaplist = detail == NULL ? NULL : PyList_New(n);
+        PyObject *snaplist = detail == NULL ? NULL : gens_list(snap, n);
         if (snaplist == NULL) {
             Py_XDECREF(detail);
             goto done;
         }
-        for (Py_ssize_t k = 0; k < n; k++)
-            PyList_SET_ITEM(snaplist, k, PyLong_FromUnsignedLongLong(snap[k]));
         res = Py_BuildValue("(iNN)", code, snaplist, detail);
         if (res != NULL)
             marked = 0;                              /* the caller's now */
@@ -1911,8 +1921,10 @@ done:
         kvb_marks(marks, ids, n, 0);
     PyBuffer_Release(&ticket);
     PyBuffer_Release(&extra);
-    if (leased)
+    if (claim.obj != NULL)
         PyBuffer_Release(&claim);
+    if (fence.obj != NULL)
+        PyBuffer_Release(&fence);
     if (frame != stack)
         PyMem_Free(frame);
     PyMem_Free(buf);
@@ -1934,7 +1946,7 @@ static PyMethodDef methods[] = {
      "their units, the helper's units"},
     {"stream_from", stream_from, METH_VARARGS,
      "stream_from([n]) -> int: the size of a copy (bytes) from which its stores go past the caches; n sets it "
-     "(0: the default, twice this core's L2 or KVBRIDGE_STREAM_FROM)"},
+     "(0: the default, four times this core's L2 or KVBRIDGE_STREAM_FROM)"},
     {"hash_blocks", hash_blocks, METH_VARARGS,
      "hash_blocks(planes, ids, part, group) -> xxh3-64 per (group of planes, block), group-major"},
     {"copy_blocks", copy_blocks, METH_VARARGS,

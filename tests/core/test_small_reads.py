@@ -584,8 +584,30 @@ def test_fetch_whole_leased_asks_the_owner_to_claim_and_hands_back_its_fence() -
         code, _, detail = _fetch_whole(dst, reply, [4, 9], leased=leased)
         assert code == 2 and _blocks(dst, [4, 9]) == untouched and dst.landing() == [4, 9]
         dst._landed([4, 9])
-    for bad in ((b"short", fence), (encode_claim(me), bytearray(8)), (encode_claim(me), b"\0" * 16)):
+    for bad in ((b"short", fence), (encode_claim(me), bytearray(8)), (encode_claim(me),)):
         assert _fetch_whole(dst, None, [4, 9], leased=bad) is None and dst.landing() == []
+    with pytest.raises(TypeError):                                  # the fence must be writable
+        _fetch_whole(dst, None, [4, 9], leased=(encode_claim(me), b"\0" * 16))
+    assert dst.landing() == []
+
+
+def test_fetch_whole_holds_the_fence_against_a_resize_while_it_waits() -> None:
+    """The fence is held as a writable buffer for the whole call: another thread that tries to
+    shrink it while the call waits for the reply gets BufferError, and the fence is written."""
+    from kvbridge.transports.wire import CLAIM_ME, encode_claim
+    _, dst = _pools()
+    fence = bytearray(16)
+    tried: list[BaseException] = []
+
+    def shrink() -> None:
+        try:
+            del fence[2:]
+        except BufferError as exc:
+            tried.append(exc)
+    assert _fetch_whole(dst, _reply(7, fence=(3, 4)), [4, 9], before=shrink,
+                        leased=(encode_claim(CLAIM_ME("rcv-1", 30.0)), fence)) is True
+    assert len(tried) == 1 and FENCE.unpack(fence) == (3, 4)
+    dst._landed([4, 9])
 
 
 def test_fetch_whole_lands_verifies_and_unmarks() -> None:
