@@ -320,18 +320,14 @@ class TCPTransport(Transport):
         except KVBridgeError:                              # a closed pool, no connection: the long way says so
             return None
         start = time.monotonic()
-        fence = bytearray(FENCE.size)
+        fence = bytearray(FENCE.size) if claim is not None else None   # the C call writes the reply's fence here
+        leased = () if claim is None else (encode_claim(claim), fence)
         try:
             riders = client.riders(nbytes > SMALL_READ) if client._pending or client._claimed else b""
-            deadline = client.deadline(nbytes + 4096, 0.0)
-            sums = handle.checksums if verify else None
-            if claim is None:
-                out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
-                                            layout.part_nbytes, sums, pool.live_generations, pool._landing, deadline)
-            else:
-                out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
-                                            layout.part_nbytes, sums, pool.live_generations, pool._landing, deadline,
-                                            encode_claim(claim), fence)
+            out = blockcopy.fetch_whole(sock.fileno(), handle.to_bytes(), rid, riders, nbytes, packed, dst,
+                                        layout.part_nbytes, handle.checksums if verify else None,
+                                        pool.live_generations, pool._landing, client.deadline(nbytes + 4096, 0.0),
+                                        *leased)
         except BaseException:                              # a signal: the connection may hold half a reply
             client.drop(sock)
             raise
@@ -345,7 +341,7 @@ class TCPTransport(Transport):
         if out is None:
             client.give_back(sock)
             return None
-        served = None if claim is None or not any(fence) else _claim_of(bytes(fence), claim)
+        served = None if fence is None or not any(fence) else _claim_of(bytes(fence), claim)
         if out is True:
             client.give_back(sock)
             return served, True

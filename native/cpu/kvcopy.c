@@ -1328,17 +1328,22 @@ static int gens_hold(const unsigned char *gens, Py_ssize_t nblocks, const int64_
  *   2  the source changed during the copy: the bytes landed are not the handle's;
  *   3  (shm_fetch only) a destination block's generation is not the caller's snapshot after
  *      the copy (checked before 2: freed or reused since the caller began). */
-/* A snapshot of n generations as a new list (a fallback's `gens`), or NULL with an exception set */
-static PyObject *gens_list(const uint64_t *snap, Py_ssize_t n) {
-    PyObject *out = PyList_New(n);
-    for (Py_ssize_t k = 0; out != NULL && k < n; k++) {
+/* A one-call fetch's fallback, (code, the n generations of `snap` as a list, detail), stealing
+ * `detail` (NULL: an error already set); NULL with an exception set. */
+static PyObject *fallback_out(int code, const uint64_t *snap, Py_ssize_t n, PyObject *detail) {
+    PyObject *gens = detail == NULL ? NULL : PyList_New(n);
+    for (Py_ssize_t k = 0; gens != NULL && k < n; k++) {
         PyObject *g = PyLong_FromUnsignedLongLong(snap[k]);
         if (g == NULL)
-            Py_CLEAR(out);
+            Py_CLEAR(gens);
         else
-            PyList_SET_ITEM(out, k, g);
+            PyList_SET_ITEM(gens, k, g);
     }
-    return out;
+    if (gens == NULL) {
+        Py_XDECREF(detail);
+        return NULL;
+    }
+    return Py_BuildValue("(iNN)", code, gens, detail);
 }
 
 typedef struct {                /* the reader's view of one sender (shm_map) */
@@ -1604,10 +1609,7 @@ static PyObject *shm_fetch(PyObject *self, PyObject *args) {
         res = Py_NewRef(Py_True);
         goto done;
     }
-    PyObject *snaplist = gens_list(c.snap, n);
-    if (snaplist == NULL)
-        goto done;
-    res = Py_BuildValue("(iNO)", code, snaplist, code == 0 ? c.digests : Py_None);
+    res = fallback_out(code, c.snap, n, Py_NewRef(code == 0 ? c.digests : Py_None));
     if (res != NULL)
         marked = 0;                              /* the caller's now */
     goto done;
@@ -1904,12 +1906,7 @@ fallback: {
         } else if (code != 0) {
             detail = PyBytes_FromStringAndSize(buf, had);
         }
-        PyObject *snaplist = detail == NULL ? NULL : gens_list(snap, n);
-        if (snaplist == NULL) {
-            Py_XDECREF(detail);
-            goto done;
-        }
-        res = Py_BuildValue("(iNN)", code, snaplist, detail);
+        res = fallback_out(code, snap, n, detail);
         if (res != NULL)
             marked = 0;                              /* the caller's now */
         goto done;
