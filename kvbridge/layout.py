@@ -267,10 +267,16 @@ class KVLayout:
 
     # -- compatibility ---------------------------------------------------------------
     def compat_key(self) -> dict[str, Any]:
+        """What decides whether the bytes of one part mean the same thing in two pools. With one
+        KV head a part's NHD ``(block_size, 1, head_dim)`` and HND ``(1, block_size, head_dim)``
+        are the same bytes in the same order, so the token order counts only from two heads up
+        (an NHD pool and an HND one exchange blocks when each rank holds one head)."""
         d = asdict(self)
         d["latent"] = self.latent
         for k in ("kv_order", "token_order"):
             d[k] = getattr(self, k).value
+        if self.num_kv_heads == 1:
+            d["token_order"] = TokenOrder.NHD.value
         return {k: d[k] for k in _COMPAT_FIELDS}
 
     @cached_property

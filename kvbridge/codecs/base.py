@@ -254,6 +254,8 @@ def scatter_layer(pool: KVPool, idx: torch.Tensor, layer: int, src: torch.Tensor
         part = src[p]
         if part.dtype != dst.dtype or part.device != dst.device:
             part = part.to(device=dst.device, dtype=dst.dtype)
+        if part.shape[1:] != dst.shape[1:]:   # one head, the other token order: the same bytes (_check_geometry)
+            part = part.reshape(part.shape[0], *dst.shape[1:])
         dst[idx] = part  # index_put_: ~1.4x index_copy_ on the CPU
 
 
@@ -262,6 +264,8 @@ def _check_geometry(hdr: FrameHeader, layout: KVLayout, n: int, layers: Optional
               "num_parts": hdr.num_parts, "token_order": hdr.token_order.value}
     ours = {"block_size": layout.block_size, "num_kv_heads": layout.num_kv_heads, "head_dim": layout.head_dim,
             "num_parts": layout.num_parts, "token_order": layout.token_order.value}
+    if hdr.num_kv_heads == layout.num_kv_heads == 1:   # one head: NHD and HND parts are the same bytes
+        del theirs["token_order"], ours["token_order"]
     diff = [f"{k}: frame {theirs[k]!r} != pool {ours[k]!r}" for k in theirs if theirs[k] != ours[k]]
     if diff:
         raise LayoutMismatch("codec frame does not fit the destination pool: " + ", ".join(diff))

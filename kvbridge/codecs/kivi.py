@@ -175,4 +175,5 @@ class Int4Codec(Codec):
             x = dequantize_int4(q, par.view(pshape), tdim if p == 0 else -1)
             if clamp:
                 x.clamp_(-top, top)
-            parts[i][p][idx[j0:j1]] = x.to(parts[i][p].dtype)
+            dst = parts[i][p]        # one head: the frame's token order may not be the pool's, same bytes
+            dst[idx[j0:j1]] = x.to(dst.dtype).reshape(m, *dst.shape[1:])

@@ -31,7 +31,7 @@ import torch
 from ..errors import ConfigError, IntegrityError, ProtocolError
 from ..layout import KVLayout
 from ..pool import KVPool
-from .base import Codec, FrameHeader, layer_parts, layer_shape
+from .base import Codec, FrameHeader, layer_parts
 
 __all__ = ["INT8_MAX", "FP8_MAX", "max_scale", "quantize_int8", "dequantize_int8", "quantize_fp8", "dequantize_fp8",
            "Int8Codec", "FP8Codec", "AbsmaxCodec"]
@@ -242,14 +242,13 @@ class AbsmaxCodec(Codec):
             k.decode(self.kind, pool, idx, hdr.layers, self.group(hdr), scales, q)
             return
         G = self.group(hdr)
-        part_shape = layer_shape(hdr, 1)[2:]
         pe = hdr.rows_per_part * hdr.head_dim
         parts = [layer_parts(pool, layer) for layer in hdr.layers]
         for i, p, j0, j1, off, soff in self._plan(hdr, hdr.num_blocks, hdr.num_layers, pool.device.type == "cuda"):
             dst = parts[i][p]
             qq = q[off:off + (j1 - j0) * pe].view(-1, G)
             x = self.dequantize(qq, scales[soff:soff + qq.shape[0]], dst.dtype)
-            dst[idx[j0:j1]] = x.view(j1 - j0, *part_shape)
+            dst[idx[j0:j1]] = x.view(j1 - j0, *dst.shape[1:])   # one head: the pool's token order, same bytes
 
 
 class Int8Codec(AbsmaxCodec):

@@ -39,7 +39,7 @@ def test_compat_hash_same_geometry_any_arrangement(hnd):
 BASE = KVLayout(4, 1, 64, 16, "float16", "kv_first", "NHD", 0, 2)
 CHANGES = {
     "num_layers": dict(num_layers=5), "num_kv_heads": dict(num_kv_heads=2), "head_dim": dict(head_dim=32),
-    "block_size": dict(block_size=32), "dtype": dict(dtype="bfloat16"), "token_order": dict(token_order="HND"),
+    "block_size": dict(block_size=32), "dtype": dict(dtype="bfloat16"),
     "latent": dict(kv_order="latent"), "tp_rank": dict(tp_rank=1), "tp_size": dict(tp_size=4),
 }
 
@@ -54,6 +54,28 @@ def test_compat_hash_differs_per_field(field):
     assert f"{field}:" in msg
     named = [f for f in CHANGES if f != field and f"{f}:" in msg]
     assert named == [], f"check_compatible named fields that do not differ: {msg}"
+
+
+def test_token_order_counts_from_two_heads():
+    # two heads: NHD (block_size, 2, head_dim) and HND (2, block_size, head_dim) order the bytes differently
+    two = dataclasses.replace(BASE, num_kv_heads=2)
+    two_hnd = dataclasses.replace(two, token_order="HND")
+    assert two_hnd.compat_hash != two.compat_hash
+    with pytest.raises(LayoutMismatch, match="token_order") as ei:
+        two.check_compatible(two_hnd)
+    assert "num_kv_heads" not in str(ei.value)
+    # one head: the same bytes in the same order either way, so the layouts exchange blocks
+    one_hnd = dataclasses.replace(BASE, token_order="HND")
+    assert one_hnd.compat_hash == BASE.compat_hash
+    BASE.check_compatible(one_hnd)
+    a, b = KVPool.allocate(BASE, 3), KVPool.allocate(one_hnd, 3)
+    for x, y in zip(a.buffers, b.buffers):
+        assert x.shape != y.shape and x.numel() == y.numel()
+        x.view(-1).copy_(torch.arange(x.numel(), dtype=x.dtype))
+        y.view(-1).copy_(torch.arange(y.numel(), dtype=y.dtype))
+    for layer in range(BASE.num_layers):     # token t of block k, one head: the same values at the same bytes
+        for pa, pb in zip(a.layer_kv(layer), b.layer_kv(layer)):
+            assert torch.equal(pa[:, :, 0, :], pb[:, 0, :, :])
 
 
 def test_check_compatible_names_every_differing_field():
