@@ -25,6 +25,7 @@ block can be written again: an ``shm://`` reader checks them with no message.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import math
 import mmap
 import operator
@@ -46,7 +47,8 @@ from . import blockcopy
 from .errors import ConfigError, LayoutMismatch, PoolError, ProtocolError, TransferCancelled
 from .layout import KVLayout, KVOrder
 
-__all__ = ["KVPool", "SharedSegment", "block_id_list", "whole_number", "retired_during", "sweep_dead_segments"]
+__all__ = ["KVPool", "SharedSegment", "check_segment_name", "block_id_list", "whole_number", "retired_during",
+           "sweep_dead_segments"]
 
 _ALIGN = 4096
 _MAX_POOL_NBYTES = 1 << 62     # a pool's bytes: past this torch cannot size its tensors
@@ -102,6 +104,7 @@ def sweep_dead_segments() -> list[str]:
 
 
 _PEER_SEGMENT = re.compile(r"kvb-[0-9]{1,10}-[0-9a-f]{12}")
+_SEALS = ("F_ADD_SEALS", "F_GET_SEALS", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL")
 
 
 def peer_cred(sock: socket.socket) -> tuple[int, int]:
@@ -111,54 +114,85 @@ def peer_cred(sock: socket.socket) -> tuple[int, int]:
     return int(pid), int(uid)
 
 
-def peer_segment(name: str, writable: bool, uid: int) -> "SharedSegment":
-    """A segment a peer named, mapped: only a kvbridge pool or table segment
-    (``kvb-<pid>-<12 hex>``, a plain file in ``/dev/shm``, no link) that the peer's user
-    ``uid`` owns -- never another file this process may open (a name with ``..``), nor a
-    segment of a user the peer is not (this process's own pool, named by another user).
-    ProtocolError otherwise."""
+def check_segment_name(name: Any) -> str:
+    """A segment name a peer gave: only a kvbridge one (``kvb-<pid>-<12 hex>``); ProtocolError
+    otherwise. The name only identifies a segment within a connection: the bytes come with the
+    descriptor the peer passes (:meth:`SharedSegment.adopt`)."""
     if not isinstance(name, str) or not _PEER_SEGMENT.fullmatch(name):
         raise ProtocolError(f"peer named a shared-memory segment that is not kvbridge's: {name!r:.80}")
-    return SharedSegment(name, writable=writable, owner_uid=uid)
+    return name
 
 
 class SharedSegment:
-    """A named POSIX shared-memory segment (``/dev/shm``) mapped into this process.
+    """Shared memory mapped into this process: an anonymous ``memfd`` sealed against shrinking
+    and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``), so no process -- its owner
+    included -- can cut its pages from under a peer's mapping (a copy past a shrunk file's end
+    is SIGBUS), and a killed owner leaves no file behind. Peers get its descriptor over the
+    shm:// control socket (``SCM_RIGHTS``; a read-only one to readers) and :meth:`adopt` it.
 
-    Unlike :mod:`multiprocessing.shared_memory` it registers nothing with a resource
-    tracker, so a peer that maps it never unlinks it by accident.
+    Unlike :mod:`multiprocessing.shared_memory` it registers nothing with a resource tracker.
     """
 
-    def __init__(self, name: str, size: int = 0, create: bool = False, populate: bool = False,
-                 writable: bool = True, owner_uid: Optional[int] = None) -> None:
+    def __init__(self, name: str, size: int = 0, create: bool = True, populate: bool = False) -> None:
+        if not create:
+            raise ConfigError("SharedSegment opens a peer's segment only from its descriptor: SharedSegment.adopt")
+        if not hasattr(os, "memfd_create") or not all(hasattr(fcntl, c) for c in _SEALS):
+            raise ConfigError("shared-memory pools need Linux's sealed memfds (os.memfd_create, fcntl.F_ADD_SEALS)")
         self.name = name
-        self.writable = writable or create
-        path = "/dev/shm/" + name
-        flags = (os.O_RDWR if self.writable else os.O_RDONLY) | (os.O_CREAT | os.O_EXCL if create else 0)
+        self.writable = True
+        self.owner = True
+        self._ro_fd = -1
         try:
-            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
-            raise ConfigError(f"cannot open shared memory {path}: {exc}") from None
+            raise ConfigError(f"cannot create shared memory {name}: {exc}") from None
         try:
-            if create:
-                os.ftruncate(fd, size)
-                if size:    # its pages reserved now: a full /dev/shm is ENOSPC here, not SIGBUS at a write
-                    os.posix_fallocate(fd, 0, size)
-            st = os.fstat(fd)
-            if owner_uid is not None and (not stat.S_ISREG(st.st_mode) or st.st_uid != owner_uid):
-                raise ProtocolError(f"shared memory {path} is not the peer's own (owner uid {st.st_uid}, "
-                                    f"the peer's {owner_uid})")
-            self.size = st.st_size
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
-            self.mmap = mmap.mmap(fd, self.size, flags=flags, prot=prot) if self.size else None
+            os.ftruncate(fd, size)
+            if size:    # its pages reserved now: no memory left is an error here, not SIGBUS at a write
+                os.posix_fallocate(fd, 0, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            self._map(fd, size, populate)
         except OSError as exc:      # no memory or descriptors left: nothing left behind, a mapped error
-            if create:
-                SharedSegment._unlink(path)
-            raise ConfigError(f"cannot map shared memory {path}: {exc}") from None
+            os.close(fd)
+            raise ConfigError(f"cannot make shared memory {name} of {size} bytes: {exc}") from None
+        self.fd = fd
+        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, [fd])
+
+    @classmethod
+    def adopt(cls, fd: int, name: str, writable: bool, owner_uid: Optional[int] = None) -> "SharedSegment":
+        """Map the segment behind a descriptor a peer passed (this call owns ``fd``: closed on
+        every outcome). Refused with ProtocolError unless it is a regular file sealed against
+        shrinking (a memfd with ``F_SEAL_SHRINK``: no one can make a copy from it fault) and,
+        with ``owner_uid``, one that user owns."""
+        self = cls.__new__(cls)
+        self.name, self.writable, self.owner, self._ro_fd, self.fd = name, writable, False, -1, -1
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ProtocolError(f"the peer passed a descriptor for {name} that is not shared memory")
+            if owner_uid is not None and st.st_uid != owner_uid:
+                raise ProtocolError(f"shared memory {name} is not the peer's own (owner uid {st.st_uid}, "
+                                    f"the peer's {owner_uid})")
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if not seals & fcntl.F_SEAL_SHRINK:
+                raise ProtocolError(f"shared memory {name} is not sealed against shrinking: a copy from it "
+                                    "could fault (SIGBUS) if its owner cut it")
+            self._map(fd, st.st_size, False)
+        except OSError as exc:
+            raise ConfigError(f"cannot map shared memory {name}: {exc}") from None
         finally:
             os.close(fd)
-        self.owner = create
+        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, [])
+        return self
+
+    def _map(self, fd: int, size: int, populate: bool) -> None:
+        self.size = size
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+        self.mmap = mmap.mmap(fd, size, flags=flags, prot=prot) if size else None
         self._tensor: Optional[torch.Tensor] = None
         self.view = memoryview(self.mmap) if self.mmap is not None else memoryview(bytearray(0))
         if self.mmap is None:
@@ -170,8 +204,19 @@ class SharedSegment:
                 warnings.simplefilter("ignore", UserWarning)
                 self._tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
             self.address = self._tensor.data_ptr()
-        if create:
-            self._finalizer = weakref.finalize(self, SharedSegment._unlink, path)
+
+    def peer_fd(self, writable: bool) -> int:
+        """The descriptor to pass a peer (the owner's only; it stays this segment's): writable
+        for a writer, else one opened read-only (made once), through which no mapping can write."""
+        if not self.owner or self.fd < 0:
+            raise ConfigError(f"shared memory {self.name} is not this process's to pass on")
+        if writable:
+            return self.fd
+        if self._ro_fd < 0:
+            self._ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, SharedSegment._close_fds, [self.fd, self._ro_fd])
+        return self._ro_fd
 
     def tensor(self) -> torch.Tensor:
         """The whole segment as a uint8 tensor (no copy)."""
@@ -180,14 +225,15 @@ class SharedSegment:
         return self._tensor
 
     @staticmethod
-    def _unlink(path: str) -> None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+    def _close_fds(fds: list[int]) -> None:
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def close(self) -> None:
-        """Unmap (and unlink, for the creator). Views handed out must be gone first."""
+        """Unmap (the owner also closes its descriptors). Views handed out must be gone first."""
         self._tensor = None
         self.view.release()
         if self.mmap is not None:
@@ -195,8 +241,8 @@ class SharedSegment:
                 self.mmap.close()
             except BufferError:  # tensors still map it; the OS unmaps at exit
                 pass
-        if self.owner:
-            self._finalizer()
+        self._finalizer()
+        self.fd = self._ro_fd = -1
 
 
 def _check_disjoint(bufs: Sequence[torch.Tensor]) -> None:
@@ -348,8 +394,7 @@ class KVPool:
         nbytes = num_blocks * layout.part_nbytes * parts_per_buffer
         stride = -(-nbytes // _ALIGN) * _ALIGN
         gen_offset = stride * layout.num_buffers          # the generation table follows the buffers
-        seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", gen_offset + GEN_SIZE * num_blocks,
-                            create=True)
+        seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", gen_offset + GEN_SIZE * num_blocks)
         bufs, offs = [], []
         for i in range(layout.num_buffers):
             raw = torch.frombuffer(seg.mmap, dtype=torch.uint8, count=nbytes, offset=i * stride)

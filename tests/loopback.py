@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from kvbridge.transports.wire import Kind
@@ -80,7 +80,7 @@ class Trickler(FakeSender):
     """Answers every request but RELEASES with ``reply(kind, request id)`` -- (the reply's bytes,
     how many of them to send at once) -- and the rest one byte every ``every`` seconds."""
 
-    def __init__(self, reply: "Callable[[Kind, int], tuple[bytes, int]]", every: float,
+    def __init__(self, reply: "Callable[[Kind, int], tuple[Any, ...]]", every: float,
                  shm_name: str = "") -> None:
         self.reply = reply
         self.every = every
@@ -91,8 +91,13 @@ class Trickler(FakeSender):
         from kvbridge.transports.wire import Kind
         if kind is Kind.RELEASES:
             return
-        whole, at_once = self.reply(kind, rid)
-        c.sendall(whole[:at_once])
+        out = self.reply(kind, rid)          # (bytes, at once[, a descriptor to attach to them])
+        whole, at_once = out[0], out[1]
+        if len(out) > 2:
+            from kvbridge.transports.wire import send_with_fd
+            send_with_fd(c, whole[:at_once], out[2])
+        else:
+            c.sendall(whole[:at_once])
         for i in range(at_once, len(whole)):
             if self.stop.wait(self.every):
                 return

@@ -46,6 +46,7 @@ from ..policy import Timeout
 from .base import Server, Spans
 from .shm import ShmServer, ShmTransport
 from .shm import _path_of as shm_path_of
+from .shm_onesided import Peer
 from .staging import copy_pieces, flat_buffers
 from .wire import FENCE, encode_layers
 
@@ -355,8 +356,8 @@ class NVLinkTransport(ShmTransport):
             check_pool(pool)
         return super().serve(url, source, timeout)
 
-    def _runs(self, body: bytes, pos: int, writable: bool, peer: tuple[int, int]) -> tuple[Any, Any]:
-        return _parse_mapped(body, pos, peer[0] == os.getpid())
+    def _runs(self, body: bytes, pos: int, writable: bool, peer: Peer) -> tuple[Any, Any]:
+        return _parse_mapped(body, pos, peer.pid == os.getpid())
 
     # -- mappings ------------------------------------------------------------------------------
     def _device_of(self, pool: Any) -> int:

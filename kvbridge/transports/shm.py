@@ -47,15 +47,15 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Optional
 
-from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError, StaleHandle
+from ..errors import ConfigError, KVBridgeError, PoolError, ProtocolError
 from ..handle import KVHandle
 from ..integrity import block_checksums
 from ..lease.base import Claim
 from ..policy import Timeout
-from ..pool import KVPool, SharedSegment, peer_cred, peer_segment
+from ..pool import KVPool, SharedSegment, peer_cred
 from .base import Chunk, Server, Spans, SpansFor, copy_runs, generations_held, total, unverified
 from .deadline import WATCHDOG
-from .shm_onesided import OneSidedReads
+from .shm_onesided import OneSidedReads, Peer
 from .shm_server import _RUN, MAX_GRANTS as MAX_GRANTS, ShmServer as ShmServer, _path_of as _path_of
 from .shmtable import ONE_SIDED, SenderMap
 from .sockets import SocketClient, client_for, connector
@@ -137,19 +137,17 @@ class ShmTransport(OneSidedReads):
             return client_for(self._clients, self._by_url, path, url,
                               lambda: SocketClient(connector(socket.AF_UNIX, path, url), self.timeout))
 
-    def _segment(self, name: str, writable: bool, uid: int) -> SharedSegment:
-        """The peer's segment, mapped once (read-only to read from, writable to push into); only
-        a kvbridge segment that the peer's user owns (:func:`peer_segment`)."""
-        key = (name, writable, uid)
+    def _segment(self, name: str, writable: bool, peer: Peer) -> SharedSegment:
+        """The peer's segment, mapped once (read-only to read from, writable to push into): the
+        first time, from the descriptor the peer passes for it on the connection whose reply
+        named it (:meth:`_peer_segment`: only a kvbridge segment, sealed, that its user owns)."""
+        key = (name, writable, peer.uid)
         with self._lock:
             seg = self._maps.get(key)
             if seg is not None:
                 self._maps.move_to_end(key)
                 return seg
-        try:
-            seg = peer_segment(name, writable, uid)   # lazy: a copy faults in only the pages it touches
-        except ConfigError as exc:
-            raise StaleHandle(f"the peer's shared memory is gone: {exc}") from None
+        seg = self._peer_segment(peer, name, writable)   # lazy: a copy faults in only the pages it touches
         with self._lock:
             self._maps[key] = seg
             while len(self._maps) > MAX_MAPPED:
@@ -158,7 +156,8 @@ class ShmTransport(OneSidedReads):
 
     def _exchange(self, url: str, kind: Kind, payload: bytes, move: Any, done: Kind, what: str) -> Any:
         """MAP/WMAP -> copy -> DONE/WDONE on one connection. ``move(body, peer)`` copies (from or
-        into segments of the peer, ``peer`` its (pid, uid)) and returns (result, DONE payload)."""
+        into segments of the peer, ``peer`` the connection and its user) and returns (result,
+        DONE payload)."""
         # Each half (MAP and its reply; DONE and its reply) must end within Timeout.transfer plus
         # its bytes at the minimum rate (the watchdog of .deadline, as on tcp://); the copy between
         # them is local memory, not the peer's pace, and is not held to it.
@@ -177,7 +176,7 @@ class ShmTransport(OneSidedReads):
             cut = _disarm(sock)
             if cut:                            # cut as the reply's last byte came
                 raise client.cut_error(what, cut)
-            result, done_payload = move(body, peer_cred(sock))
+            result, done_payload = move(body, Peer(*peer_cred(sock), sock, client, what))
             start = time.monotonic()
             client.arm(sock, len(done_payload), start)
             sock.sendall(pack(done, rid, done_payload))
@@ -200,9 +199,9 @@ class ShmTransport(OneSidedReads):
         return result
 
     def _runs(self, body: bytes, pos: int, writable: bool,
-              peer: tuple[int, int]) -> tuple[SharedSegment, list[tuple[int, int]]]:
+              peer: Peer) -> tuple[SharedSegment, list[tuple[int, int]]]:
         name, runs = _parse_mapped(body, pos)
-        seg = self._segment(name, writable, peer[1])
+        seg = self._segment(name, writable, peer)
         if any(o + n > seg.size for o, n in runs):
             raise ProtocolError("peer named bytes outside its segment")
         return seg, runs
@@ -225,7 +224,7 @@ class ShmTransport(OneSidedReads):
                     return n
                 dst.digests = None            # whatever a copy left is not what MAP/DONE will land
 
-        def move(body: bytes, peer: tuple[int, int]) -> tuple[int, bytes]:
+        def move(body: bytes, peer: Peer) -> tuple[int, bytes]:
             dst.claimed = _claim_of(body, claim)
             seg, runs = self._runs(body, FENCE.size + LAYERS.size, False, peer)
             return self._copy_in(dst, seg, runs), b""
@@ -257,7 +256,7 @@ class ShmTransport(OneSidedReads):
                     indices: Optional[list[int]] = None, claim: Optional[Claim] = None) -> Chunk:
         nb = len(indices) if indices is not None else handle.num_blocks
 
-        def move(body: bytes, peer: tuple[int, int]) -> tuple[Chunk, bytes]:
+        def move(body: bytes, peer: Peer) -> tuple[Chunk, bytes]:
             got = _claim_of(body, claim)
             lo, hi, sums, used = decode_layers(body[FENCE.size:], nb, (first, end))
             seg, runs = self._runs(body, FENCE.size + used, False, peer)
@@ -276,7 +275,7 @@ class ShmTransport(OneSidedReads):
 
     def write(self, url: str, ticket: KVHandle, src: Spans, layers: tuple[int, int], claim: Optional[Claim],
               sums: bytes, last: bool) -> int:
-        def move(body: bytes, peer: tuple[int, int]) -> tuple[int, bytes]:
+        def move(body: bytes, peer: Peer) -> tuple[int, bytes]:
             lo, hi, _, used = decode_layers(body[FENCE.size:], ticket.num_blocks, layers)
             if (lo, hi) != layers:
                 raise ProtocolError(f"receiver mapped layers [{lo}, {hi}) for a write of {layers}")

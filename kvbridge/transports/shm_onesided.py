@@ -14,7 +14,7 @@ import select
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Literal, NamedTuple, Optional, Sequence, Union
 
 from ..blockcopy import copy_blocks, planes
 from ..blockcopy import shm_fetch as _shm_fetch
@@ -22,14 +22,15 @@ from ..blockcopy import shm_read as _shm_read
 from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle, TransferCancelled
 from ..handle import KVHandle
 from ..lease.base import Claim
-from ..pool import KVPool, peer_cred, peer_segment, retired_during
+from ..pool import KVPool, SharedSegment, check_segment_name, peer_cred, retired_during
 from .base import Fallback, Spans, Transport, unverified
 from .deadline import WATCHDOG
 from .shm_server import _path_of
 from .shmcopy import copy_into
 from .shmtable import ONE_SIDED, SenderMap
 from .sockets import MAX_PEERS, SocketClient
-from .wire import Kind, decode_error, encode_request, recv_exact
+from .wire import (Kind, close_fds, decode_error, encode_request, map_os_error, pack, recv_exact,
+                   recv_header_fds, unpack_header)
 
 __all__ = ["OneSidedReads", "LIVENESS_EVERY"]
 
@@ -71,6 +72,18 @@ def _changed(code: int, handle: KVHandle) -> KVBridgeError:
     if code == 2:
         return StaleHandle("blocks were freed during the copy; bytes discarded")
     return retired_during(handle.request_id)
+
+
+class Peer(NamedTuple):
+    """The connection a MAPPED reply came on, for :meth:`OneSidedReads._peer_segment`."""
+    pid: int                 # the peer's process and user (SO_PEERCRED)
+    uid: int
+    sock: socket.socket
+    client: SocketClient
+    what: str
+
+
+MAX_SEGFD_REPLY = 4096   # an ERROR's body; an OK has none
 
 
 class OneSidedReads(Transport):
@@ -162,17 +175,14 @@ class OneSidedReads(Transport):
                 raise client.cut_error(what, cut)
             try:
                 info = json.loads(body)
-                uid = peer_cred(sock)[1]
-                seg = peer_segment(info["segment"], False, uid)
+                peer = Peer(*peer_cred(sock), sock, client, what)
+                seg = self._peer_segment(peer, info["segment"], False)
                 try:
-                    table = peer_segment(info["table"], False, uid)
+                    table = self._peer_segment(peer, info["table"], False)
                 except BaseException:
                     seg.close()
                     raise
-            except ConfigError as exc:
-                sock.close()
-                raise StaleHandle(f"the peer's shared memory is gone: {exc}") from None
-            except ProtocolError:
+            except KVBridgeError:
                 sock.close()
                 raise
             except (ValueError, KeyError, TypeError):
@@ -193,6 +203,45 @@ class OneSidedReads(Transport):
             client.put_back(sock)
         with self._lock:
             return self._keep(url, path, m)
+
+    @staticmethod
+    def _peer_segment(peer: Peer, name: Any, writable: bool) -> SharedSegment:
+        """A segment a reply on ``peer.sock`` named, mapped from the descriptor the peer passes for
+        it there (SEGFD, held to ``Timeout.transfer``): only a kvbridge name, a descriptor of
+        shared memory sealed against shrinking that the peer's user owns
+        (:meth:`SharedSegment.adopt`). ProtocolError, StaleHandle (the segment is gone) or the
+        connection's error otherwise; any descriptor that came and is not kept is closed."""
+        name = check_segment_name(name)
+        sock, client = peer.sock, peer.client
+        rid = client.next_id()
+        fds: list[int] = []
+        try:
+            client.arm(sock, 0)
+            sock.sendall(pack(Kind.SEGFD, rid, (b"\x01" if writable else b"\x00") + name.encode()))
+            head, fds = recv_header_fds(sock)
+            k, got, length = unpack_header(head, data_ok=False)
+            if length > MAX_SEGFD_REPLY:
+                raise ProtocolError(f"{peer.what}: a SEGFD reply of {length} bytes")
+            body = recv_exact(sock, length) if length else b""
+        except BaseException as exc:
+            close_fds(fds)
+            if _disarm(sock):
+                raise client.cut_error(peer.what) from None
+            raise map_os_error(exc, peer.what) if isinstance(exc, OSError) else exc
+        if _disarm(sock):
+            close_fds(fds)
+            raise client.cut_error(peer.what)
+        if k is Kind.ERROR:
+            close_fds(fds)
+            raise decode_error(body)
+        if k is not Kind.OK or got != rid or len(fds) != 1:
+            close_fds(fds)
+            raise ProtocolError(f"{peer.what}: the peer answered SEGFD with {k.name} and {len(fds)} "
+                                "descriptors, not one")
+        try:
+            return SharedSegment.adopt(fds[0], name, writable, peer.uid)
+        except ConfigError as exc:
+            raise StaleHandle(f"the peer's shared memory is gone: {exc}") from None
 
     def _forget(self, m: SenderMap) -> None:
         """Stop reading one-sided from a sender that went away (under every URL naming it)."""

@@ -12,18 +12,20 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle, TransferTimeout
 from .shmtable import ONE_SIDED, HandleTable, open_info
 from .socket_server import SocketServer
-from .wire import FENCE, FrameReader, Kind, decode_request, encode_layers, pack
+from .wire import FENCE, FrameReader, Kind, decode_request, encode_layers, pack, send_with_fd
 
 __all__ = ["ShmServer"]
 
 _RUN = struct.Struct("!QQ")
 MAX_GRANTS = 16   # mappings (MAP/WMAP without their DONE/WDONE yet) one control connection may hold
+MAX_SHOWN = 16    # segments named on one connection whose descriptors it may still ask for (SEGFD)
 
 
 def _path_of(url: str, scheme: str = "shm") -> str:
@@ -59,6 +61,9 @@ class ShmServer(SocketServer):
         self._open: dict[socket.socket, dict[int, tuple[Any, float]]] = {}
         self._glock = threading.Lock()
         self._watchers: set[socket.socket] = set()   # connections OPEN came on: their readers' liveness signal
+        # per connection: the segments its MAPPED replies named (the latest MAX_SHOWN), name ->
+        # (segment, writable: named by a WMAP): the only descriptors SEGFD hands it
+        self._shown: dict[socket.socket, OrderedDict[str, tuple[Any, bool]]] = {}
         self.table: Optional[HandleTable] = None
         super().__init__(*a, **kw)
         pool = getattr(self.endpoint, "pool", None)
@@ -105,6 +110,7 @@ class ShmServer(SocketServer):
         with self._glock:
             grants = self._open.pop(conn, {})
             self._watchers.discard(conn)
+            self._shown.pop(conn, None)
         for g, _ in grants.values():
             g.close()
 
@@ -128,6 +134,37 @@ class ShmServer(SocketServer):
                 return ProtocolError(f"this connection already holds {MAX_GRANTS} mappings")
         return None
 
+    def _show(self, conn: socket.socket, segment: Any, writable: bool) -> None:
+        """``conn`` was told ``segment``'s name: it may ask for its descriptor (SEGFD). None (a
+        pool not in shared memory: nvlink's, which names no segment) shows nothing."""
+        if segment is None:
+            return
+        with self._glock:
+            shown = self._shown.setdefault(conn, OrderedDict())
+            was = shown.pop(segment.name, None)
+            shown[segment.name] = (segment, writable or (was is not None and was[1]))
+            while len(shown) > MAX_SHOWN:
+                shown.popitem(last=False)
+
+    def _segfd(self, conn: socket.socket, req_id: int, payload: bytes) -> None:
+        """SEGFD: the descriptor of a segment a MAPPED reply on this connection named -- read-only
+        unless a WMAP named it and the writer asks for a writable one; anything else refused."""
+        writable, name = payload[:1] == b"\x01", payload[1:].decode("ascii", "replace")
+        with self._glock:
+            shown = self._shown.get(conn)
+            got = shown.get(name) if shown is not None else None
+        if got is None or len(payload) < 2 or payload[0] > 1 or (writable and not got[1]):
+            self._reply_error(conn, req_id, ProtocolError(
+                "SEGFD names no segment a reply on this connection named" if got is None or len(payload) < 2
+                else "SEGFD asks to write a segment this connection may only read"))
+            return
+        try:
+            fd = got[0].peer_fd(writable)
+        except (ConfigError, OSError) as exc:   # closed meanwhile
+            self._reply_error(conn, req_id, StaleHandle(f"the segment is gone: {exc}"))
+            return
+        send_with_fd(conn, pack(Kind.OK, req_id), fd)
+
     def _body(self, grant: Any, layers: tuple[int, int], sums: bytes, what: str) -> bytes:
         """A MAPPED reply's body: where the granted blocks are (the segment and its runs)."""
         return _mapped_body(grant, layers, sums, what)
@@ -149,7 +186,13 @@ class ShmServer(SocketServer):
                 return True
             with self._glock:
                 self._watchers.add(conn)
-            conn.sendall(pack(Kind.MAPPED, req_id, open_info(self.source.pool, self.table)))  # type: ignore[attr-defined]
+            pool = self.source.pool    # type: ignore[attr-defined]
+            self._show(conn, pool.segment, False)
+            self._show(conn, self.table.segment, False)
+            conn.sendall(pack(Kind.MAPPED, req_id, open_info(pool, self.table)))
+            return True
+        if kind is Kind.SEGFD:
+            self._segfd(conn, req_id, payload)
             return True
         if kind in (Kind.MAP, Kind.WMAP):
             refused = self._refuse_map(conn, req_id)
@@ -174,6 +217,7 @@ class ShmServer(SocketServer):
                 self._reply_error(conn, req_id, exc)
                 return True
             self._hold(conn, req_id, grant)
+            self._show(conn, getattr(grant.spans.pool, "segment", None), kind is Kind.WMAP)
             conn.sendall(pack(Kind.MAPPED, req_id, body))
             return True
         if kind in (Kind.DONE, Kind.WDONE):

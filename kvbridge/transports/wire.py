@@ -41,7 +41,9 @@ for its claimer; an entry naming any other claim is dropped.
 
 from __future__ import annotations
 
+import array
 import enum
+import os
 import socket
 import struct
 import threading
@@ -85,6 +87,8 @@ class Kind(enum.IntEnum):
     OPEN = 17      # shm: handle -> MAPPED (where to read one-sided, once per peer) | OK (not offered) | ERROR
     CRELEASES = 18  # claimed releases: each u32 length + a request (handle, claim) -> nothing; the owner
                     # releases each lease in the store for the claimer whose claim it made in the read
+    SEGFD = 19     # shm: a writable flag + the name of a segment a MAPPED reply on this connection named ->
+                   # OK carrying its descriptor (SCM_RIGHTS; read-only unless a WMAP named it) | ERROR
 
 
 MAX_RELEASES = 256   # handles in one RELEASES frame (a server ends them in one pass)
@@ -514,6 +518,48 @@ class FrameReader:
             n -= got
             gone += got
             guard(gone)
+
+
+def send_with_fd(sock: socket.socket, frame: bytes, fd: int) -> None:
+    """Send ``frame`` with descriptor ``fd`` attached to its first byte (``SCM_RIGHTS``)."""
+    sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())])
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+
+
+MAX_FDS = 4   # descriptors taken from one reply: any beyond its one are closed and the reply refused
+
+
+def recv_header_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """A reply's header and the descriptors that came with it (``SCM_RIGHTS``). The caller owns
+    the descriptors (close each it does not keep); a reply whose descriptors were cut short
+    (``MSG_CTRUNC``) is refused, the ones that came closed."""
+    msg, anc, flags, _ = sock.recvmsg(HEADER.size, socket.CMSG_SPACE(MAX_FDS * 4), socket.MSG_WAITALL)
+    fds: list[int] = []
+    for level, typ, data in anc:
+        if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+            fds += array.array("i", data[:len(data) - len(data) % 4])
+    if flags & socket.MSG_CTRUNC:
+        close_fds(fds)
+        raise ProtocolError("the peer attached more descriptors to a reply than it may")
+    if not msg:
+        close_fds(fds)
+        raise ConnectionLost("peer closed the connection")
+    if len(msg) < HEADER.size:
+        try:
+            msg += recv_exact(sock, HEADER.size - len(msg))
+        except BaseException:
+            close_fds(fds)
+            raise
+    return msg, fds
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

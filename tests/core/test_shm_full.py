@@ -1,10 +1,12 @@
-"""A shared-memory pool that /dev/shm cannot hold is refused when it is made (ConfigError,
-nothing left behind), not a SIGBUS that kills the process at its first write into the pages
-tmpfs could not give (the segment was sparse). Run in a mount namespace with a 16 MiB
-/dev/shm (needs unshare and mount rights: skipped where there are none)."""
+"""Shared pools live in sealed memfds, not in /dev/shm: a /dev/shm too small for a pool does not
+limit it and nothing is left there (run in a mount namespace with a 16 MiB /dev/shm: needs
+unshare and mount rights, skipped where there are none). Their pages are reserved when the pool
+is made (``posix_fallocate``), so memory that is not there is a ``ConfigError`` then, with
+nothing left behind -- not a SIGBUS at the first write into a page a sparse segment could not get."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
@@ -12,23 +14,19 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHILD = """
-import os, sys
 from kvbridge import KVLayout, KVPool
 from kvbridge.errors import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 L = KVLayout.vllm_flash(2, 8, 128, block_size=16, dtype="float16")
-try:
-    p = KVPool.allocate(L, 256, shared=True)        # 32 MiB in a 16 MiB /dev/shm
-    for b in p.buffers:
-        b.fill_(1)
-    print("no refusal")
-except ConfigError as e:
-    print("refused", "No space" in str(e), os.listdir("/dev/shm"))
-small = KVPool.allocate(L, 16, shared=True)          # 2 MiB fits
-for b in small.buffers:
+CHILD = """
+import os
+from kvbridge import KVLayout, KVPool
+L = KVLayout.vllm_flash(2, 8, 128, block_size=16, dtype="float16")
+p = KVPool.allocate(L, 256, shared=True)        # 32 MiB, a 16 MiB /dev/shm
+for b in p.buffers:
     b.fill_(1)
-print("small ok")
+print("made", sum(b.numel() * b.element_size() for b in p.buffers) >> 20, os.listdir("/dev/shm"))
 """
 
 
@@ -43,10 +41,32 @@ def _can_unshare() -> bool:
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not _can_unshare(),
                     reason="needs a mount namespace (unshare -m, mount rights) to give /dev/shm a small size")
-def test_a_pool_larger_than_dev_shm_is_refused_not_a_sigbus() -> None:
+def test_a_pool_larger_than_dev_shm_is_made_and_leaves_nothing_there() -> None:
     env = dict(os.environ, PYTHONPATH=ROOT)
     r = subprocess.run(["unshare", "-m", "sh", "-c",
                         f"mount -t tmpfs -o size=16m tmpfs /dev/shm && exec {sys.executable} -c '{CHILD}'"],
                        capture_output=True, text=True, timeout=100, env=env)
     assert r.returncode == 0, (r.returncode, r.stdout, r.stderr[-2000:])   # -7 / 135: SIGBUS
-    assert "refused True []" in r.stdout and "small ok" in r.stdout, r.stdout
+    assert "made 32 []" in r.stdout, r.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_pools_pages_are_reserved_when_it_is_made() -> None:
+    p = KVPool.allocate(L, 16, shared=True)
+    try:
+        assert p.segment is not None
+        st = os.fstat(p.segment.fd)
+        assert st.st_blocks * 512 >= p.segment.size > 0        # not sparse
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(60)
+def test_no_memory_for_a_pool_is_refused_when_it_is_made(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, off: int, n: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    before = sorted(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(ConfigError, match="No space"):
+        KVPool.allocate(L, 16, shared=True)
+    assert sorted(os.listdir("/proc/self/fd")) == before     # the memfd closed: nothing left behind

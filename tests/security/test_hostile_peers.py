@@ -491,11 +491,12 @@ def test_an_open_reply_with_misaligned_generations_or_an_empty_table_is_refused(
     pool = KVPool.allocate(layout, 4, shared=True)
     table = HandleTable(4)
     assert pool.segment is not None
-    segment_name, table_name = pool.segment.name, table.segment.name
+    def adopted(seg: SharedSegment) -> SharedSegment:      # as a reader maps the descriptor SEGFD passes
+        return SharedSegment.adopt(os.dup(seg.peer_fd(False)), seg.name, False)
 
     def mapped(info: dict[str, object]) -> SenderMap:     # the reader maps both afresh, as OPEN does
-        return SenderMap(_json.dumps(info).encode(), SharedSegment(segment_name, writable=False),
-                         SharedSegment(table_name, writable=False))
+        assert pool.segment is not None
+        return SenderMap(_json.dumps(info).encode(), adopted(pool.segment), adopted(table.segment))
     try:
         info = _json.loads(open_info(pool, table))
         mapped(info).close()                                       # as sent: fine

@@ -11,7 +11,7 @@ import struct
 import tempfile
 import threading
 import time
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import pytest
 from loopback import Listener
@@ -22,7 +22,7 @@ from kvbridge.integrity import layer_checksums, pack_sums
 from kvbridge.transfer import FetchResult, Transfer, Workers
 from kvbridge.transports import socket_server
 from kvbridge.transports.base import Spans
-from kvbridge.transports.wire import (FENCE, HEADER, Kind, decode_error, decode_request, encode_layers,
+from kvbridge.transports.wire import (FENCE, HEADER, Kind, decode_error, decode_request, encode_layers, send_with_fd,
                                       encode_request, pack, recv_exact, unpack_header)
 
 pytestmark = pytest.mark.timeout(60)
@@ -255,7 +255,8 @@ class _LyingServer(Listener):
     """A listener answering every request with ``answer(kind, req_id, payload)``; any number of
     connections (the sender's abort comes on a new one)."""
 
-    def __init__(self, family: int, address: object, answer: Callable[[Kind, int, bytes], bytes]) -> None:
+    def __init__(self, family: int, address: object,
+                 answer: Callable[[Kind, int, bytes], Union[bytes, tuple[bytes, int]]]) -> None:
         self.answer = answer
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.bind(address)
@@ -270,7 +271,11 @@ class _LyingServer(Listener):
                     payload = recv_exact(conn, n) if n else b""
                     if kind is Kind.WRITE:
                         conn.recv(1 << 16)      # the data (small here)
-                    conn.sendall(self.answer(kind, rid, payload))
+                    out = self.answer(kind, rid, payload)
+                    if isinstance(out, tuple):      # a reply with a descriptor attached
+                        send_with_fd(conn, *out)
+                    else:
+                        conn.sendall(out)
                 except Exception:
                     return
 
@@ -299,8 +304,10 @@ def test_a_receivers_reply_is_a_bounded_control_reply() -> None:
         srv.close()
 
 
-def _mapped(segment: bytes) -> Callable[[Kind, int, bytes], bytes]:
-    def answer(kind: Kind, rid: int, payload: bytes) -> bytes:
+def _mapped(segment: bytes, fd: Optional[int] = None) -> Callable[[Kind, int, bytes], Union[bytes, tuple[bytes, int]]]:
+    def answer(kind: Kind, rid: int, payload: bytes) -> Union[bytes, tuple[bytes, int]]:
+        if kind is Kind.SEGFD and fd is not None:
+            return pack(Kind.OK, rid), fd
         if kind is not Kind.WMAP:
             return pack(Kind.OK, rid)
         lo, hi = decode_request(payload).layers or (0, 0)
@@ -309,28 +316,37 @@ def _mapped(segment: bytes) -> Callable[[Kind, int, bytes], bytes]:
     return answer
 
 
-@pytest.mark.parametrize("how", ["path", "link"])
-def test_an_shm_receiver_cannot_name_a_file_for_the_sender_to_write(how: str) -> None:
-    """WMAP's reply names the segment the sender maps writable: only kvbridge's own segment
-    names, no link, and only a segment the peer's own user owns."""
+@pytest.mark.parametrize("how", ["path", "link", "file", "unsealed memfd"])
+def test_an_shm_receiver_cannot_make_the_sender_write_anything_but_its_sealed_segment(how: str) -> None:
+    """WMAP's reply names the segment the sender maps writable, and the receiver passes its
+    descriptor (SEGFD): only a kvbridge segment name, and only a descriptor of shared memory
+    sealed against shrinking -- never a path or a link opened by name, a file, or a memfd its
+    owner could cut under the copy (SIGBUS)."""
     fd, victim = tempfile.mkstemp(prefix="kvb-victim-")
     os.write(fd, b"A" * 4096)
     os.close(fd)
     link: Optional[str] = None
+    passed: Optional[int] = None
+    name = f"kvb-{os.getpid()}-{os.urandom(6).hex()}".encode()
     if how == "path":
         name = os.path.relpath(victim, "/dev/shm").encode()
-    else:
-        link = f"/dev/shm/kvb-{os.getpid()}-{os.urandom(6).hex()}"
+    elif how == "link":           # a kvbridge-looking name that is a link: never opened by name
+        link = "/dev/shm/" + name.decode()
         os.symlink(victim, link)
-        name = os.path.basename(link).encode()
-    abstract = f"kvb-test-liar-{os.getpid()}-{how}"
-    srv = _LyingServer(socket.AF_UNIX, "\0" + abstract, _mapped(name))
+    elif how == "file":
+        passed = os.open(victim, os.O_RDWR)
+    else:
+        passed = os.memfd_create("kvb-liar", os.MFD_CLOEXEC)
+        os.ftruncate(passed, 1 << 16)
+    abstract = f"kvb-test-liar-{os.getpid()}-{how.replace(' ', '-')}"
+    srv = _LyingServer(socket.AF_UNIX, "\0" + abstract, _mapped(name, passed))
     try:
         dst = KVPool.allocate(L, 4, shared=True)
         with KVReceiver(dst, listen="shm://", leases=False) as rcv:
             r, freed = _push_to(f"shm://@{abstract}", lambda: rcv.reserve([0], "r").reservation)
-        assert not r.ok and freed == ["aborted"]
-        assert ("not kvbridge's" in str(r.error)) if how == "path" else ("gone" in str(r.error))
+        assert not r.ok and freed == ["aborted"] and isinstance(r.error, ProtocolError), repr(r.error)
+        want = {"path": "not kvbridge's", "link": "descriptors", "file": "not sealed", "unsealed memfd": "not sealed"}
+        assert want[how] in str(r.error), str(r.error)
         with open(victim, "rb") as f:
             assert f.read() == b"A" * 4096
     finally:
@@ -338,6 +354,8 @@ def test_an_shm_receiver_cannot_name_a_file_for_the_sender_to_write(how: str) ->
         os.unlink(victim)
         if link:
             os.unlink(link)
+        if passed is not None:
+            os.close(passed)
 
 
 def test_a_crashed_job_does_not_cost_its_worker() -> None:

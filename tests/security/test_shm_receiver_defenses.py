@@ -12,7 +12,7 @@ import secrets
 import struct
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -29,13 +29,13 @@ TRANSFER = 1.0
 BYTE_EVERY = 0.2     # a trickle: one byte this often, well inside the receive timeout
 
 
-def FakeShmSender(reply: Callable[[Kind, int], tuple[bytes, int]]) -> Trickler:
+def FakeShmSender(reply: Callable[[Kind, int], tuple[Any, ...]]) -> Trickler:
     """An shm:// control socket answering each frame with ``reply(kind, request id)``: (the reply's
     bytes, how many of them to send at once; the rest one byte every ``BYTE_EVERY``)."""
     return Trickler(reply, BYTE_EVERY, shm_name=f"kvbtest-{secrets.token_hex(6)}")
 
 
-def _fetch_from(reply: Callable[[Kind, int], tuple[bytes, int]]) -> tuple[FetchResult, float]:
+def _fetch_from(reply: Callable[[Kind, int], tuple[Any, ...]]) -> tuple[FetchResult, float]:
     """One fetch of two blocks from a fake shm:// sender answering with ``reply``: its result and
     how long it took (receiver and sender closed after)."""
     fake = FakeShmSender(reply)
@@ -86,7 +86,7 @@ def test_a_trickled_open_map_or_done_reply_ends_in_time(stage: str, shared_pool:
     shm://'s OPEN, MAP and DONE were not held to one and such a fetch took hours."""
     body = b" " * 4000                                  # 800 s at BYTE_EVERY
 
-    def reply(kind: Kind, rid: int) -> tuple[bytes, int]:
+    def reply(kind: Kind, rid: int) -> tuple[Any, ...]:
         if kind.name == stage:
             whole = pack(Kind.OK if kind is Kind.DONE else Kind.MAPPED, rid, body)
             return whole, 2
@@ -95,6 +95,10 @@ def test_a_trickled_open_map_or_done_reply_ends_in_time(stage: str, shared_pool:
         if kind is Kind.MAP:
             whole = _mapped(shared_pool, rid, 2 * L.block_nbytes)
             return whole, len(whole)
+        if kind is Kind.SEGFD:                           # the segment MAP named, passed whole
+            assert shared_pool.segment is not None
+            whole = pack(Kind.OK, rid)
+            return whole, len(whole), shared_pool.segment.peer_fd(False)
         whole = _error(rid)
         return whole, len(whole)
     res, took = _fetch_from(reply)
@@ -145,22 +149,30 @@ def _open_reply(pool: KVPool, table: HandleTable, table_name: str, **change: obj
 @pytest.mark.parametrize("size", [0, 4])
 def test_an_open_reply_naming_a_table_shorter_than_its_header_is_refused(size: int, shared_pool: KVPool,
                                                                         table: HandleTable) -> None:
-    """A handle table (a segment of the sender's user, named as kvbridge names them) too short to
-    hold its header: a ProtocolError in the fetch's result (a raw struct.error escaped fetch())."""
+    """A handle table (a sealed memfd of the sender's user, passed for the name the OPEN reply
+    gave it) too short to hold its header: a ProtocolError in the fetch's result (a raw
+    struct.error escaped fetch())."""
+    import fcntl
     name = f"kvb-1-{secrets.token_hex(6)}"
-    with open(os.open("/dev/shm/" + name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600), "wb") as f:
-        f.write(bytes(size))
+    short = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(short, size)
+    fcntl.fcntl(short, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     info = json.dumps(_open_reply(shared_pool, table, name)).encode()
+    assert shared_pool.segment is not None
+    passes = [shared_pool.segment.peer_fd(False), short]      # the pool's, then the table's (the reader's order)
 
-    def reply(kind: Kind, rid: int) -> tuple[bytes, int]:
+    def reply(kind: Kind, rid: int) -> tuple[object, ...]:
+        if kind is Kind.SEGFD and passes:
+            return pack(Kind.OK, rid), HEADER.size, passes.pop(0)
         whole = pack(Kind.MAPPED, rid, info) if kind is Kind.OPEN else _error(rid)
         return whole, len(whole)
     try:
         res, _ = _fetch_from(reply)
         assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
         assert "table is malformed" in str(res.error)
+        assert passes == []
     finally:
-        os.unlink("/dev/shm/" + name)
+        os.close(short)
 
 
 def test_an_open_reply_of_megabytes_is_refused_before_its_body(shared_pool: KVPool, table: HandleTable) -> None:

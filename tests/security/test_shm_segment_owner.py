@@ -1,8 +1,8 @@
-"""shm:// maps only segments that the peer's own user owns (README, Hostile peers: "shm peers
-may name only ``kvb-<pid>-<hex>`` segments ... that the peer's own user (``SO_PEERCRED``)
-owns"). The name and link checks are attacked in ``test_push_defenses.py``; this file holds
-the owner check: a peer of another user may not make this process map a segment that this
-process's user owns (its own pool, say), for reading or for a push's writes.
+"""shm:// maps only a segment whose descriptor the peer passed (SEGFD) and that the peer's own
+user (``SO_PEERCRED``) owns (README, Hostile peers): a peer can pass only descriptors it holds,
+and one of another user's segments is refused besides. Names, links, files and unsealed
+memfds are attacked in ``test_push_defenses.py``; this file holds the owner check, for
+reading and for a push's writes.
 
 Another user cannot be made on a test machine, so the peer's credentials are shifted by one
 uid where the transport asks the kernel for them; the same transfers with the real
@@ -18,7 +18,7 @@ import torch
 import kvbridge.transports.shm as shm
 import kvbridge.transports.shm_onesided as shm_onesided
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
-from kvbridge.pool import peer_segment
+from kvbridge.pool import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 1, 8, block_size=2, dtype="float16")
@@ -42,15 +42,18 @@ def _as_another_user(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(mod, "peer_cred", lambda sock: (real(sock)[0], real(sock)[1] + 1))
 
 
-def test_peer_segment_refuses_a_segment_the_peer_does_not_own() -> None:
+def test_a_segment_passed_by_a_peer_of_another_user_is_refused() -> None:
     pool = KVPool.allocate(L, 4, shared=True)
     try:
         assert pool.segment is not None
-        peer_segment(pool.segment.name, False, os.getuid()).close()      # the owner's: mapped
-        with pytest.raises(ProtocolError, match="not the peer's own"):
-            peer_segment(pool.segment.name, False, os.getuid() + 1)
-        with pytest.raises(ProtocolError, match="not the peer's own"):
-            peer_segment(pool.segment.name, True, os.getuid() + 1)
+        for writable in (False, True):
+            fd = os.dup(pool.segment.peer_fd(writable))
+            SharedSegment.adopt(fd, pool.segment.name, writable, os.getuid()).close()      # the owner's: mapped
+            n = len(os.listdir("/proc/self/fd"))
+            with pytest.raises(ProtocolError, match="not the peer's own"):
+                SharedSegment.adopt(os.dup(pool.segment.peer_fd(writable)), pool.segment.name, writable,
+                                    os.getuid() + 1)
+            assert len(os.listdir("/proc/self/fd")) == n          # the descriptor closed on refusal too
     finally:
         pool.close()
 
