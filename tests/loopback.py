@@ -91,11 +91,14 @@ class Trickler(FakeSender):
         from kvbridge.transports.wire import Kind
         if kind is Kind.RELEASES:
             return
-        out = self.reply(kind, rid)          # (bytes, at once[, a descriptor to attach to them])
+        out = self.reply(kind, rid)          # (bytes, at once[, descriptors to attach to them: one or a list])
         whole, at_once = out[0], out[1]
         if len(out) > 2:
-            from kvbridge.transports.wire import send_with_fd
-            send_with_fd(c, whole[:at_once], out[2])
+            import array
+            fds = [out[2]] if isinstance(out[2], int) else list(out[2])
+            rights = array.array("i", fds).tobytes()
+            sent = c.sendmsg([whole[:at_once]], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, rights)])
+            c.sendall(whole[sent:at_once])
         else:
             c.sendall(whole[:at_once])
         for i in range(at_once, len(whole)):

@@ -1,10 +1,13 @@
 """shm:// -- same host: one side maps the other's shared-memory pool and memcpys.
 
-Pull: the sender's pool must live in POSIX shared memory (``KVPool.allocate(...,
-shared=True)``). A small control channel (a unix socket) carries the same
-handle/token checks as tcp: MAP asks for the handle's blocks (or the ready layers of a
-layer-wise handle) and gets the segment name and byte runs; the receiver maps the
-segment read-only, copies, then DONE asks whether the handle is still valid -- the
+Pull: the sender's pool must live in shared memory (``KVPool.allocate(..., shared=True)``:
+a memfd sealed against shrinking and growing). A small control channel (a unix socket)
+carries the same handle/token checks as tcp: MAP asks for the handle's blocks (or the ready
+layers of a layer-wise handle) and gets the segment's name and byte runs; the first time, the
+receiver asks for that segment's descriptor on the same connection (SEGFD: handed by
+``SCM_RIGHTS``, read-only, only for a segment a reply on that connection named) and maps it
+read-only -- only shared memory sealed against shrinking, so no one can cut it from under the
+copy --, copies, then DONE asks whether the handle is still valid -- the
 server holds an in-flight count between MAP and DONE, so the blocks cannot be freed
 under the copy, and a stale answer discards the bytes.
 

@@ -193,3 +193,24 @@ def test_an_open_reply_of_megabytes_is_refused_before_its_body(shared_pool: KVPo
     assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
     assert "OPEN reply of" in str(res.error)
     assert took < 1.0
+
+
+@pytest.mark.parametrize("extra", [1, 5], ids=["two descriptors", "more than a reply may carry"])
+def test_a_reply_with_the_wrong_descriptors_is_refused_and_every_one_closed(extra: int, shared_pool: KVPool,
+                                                                            table: HandleTable) -> None:
+    """SEGFD answered with two descriptors, or with more than a reply may carry (the kernel cuts
+    them: MSG_CTRUNC): a ProtocolError, and not one descriptor left open in the reader."""
+    assert shared_pool.segment is not None
+    info = json.dumps(_open_reply(shared_pool, table, table.segment.name)).encode()
+    fd = shared_pool.segment.peer_fd(False)
+
+    def reply(kind: Kind, rid: int) -> tuple[object, ...]:
+        if kind is Kind.SEGFD:
+            return pack(Kind.OK, rid), HEADER.size, [fd] * (1 + extra)
+        whole = pack(Kind.MAPPED, rid, info) if kind is Kind.OPEN else _error(rid)
+        return whole, len(whole)
+    before = len(os.listdir("/proc/self/fd"))
+    res, _ = _fetch_from(reply)
+    assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
+    assert ("not one" if extra == 1 else "more descriptors") in str(res.error), str(res.error)
+    assert len(os.listdir("/proc/self/fd")) == before                    # none kept, none leaked
