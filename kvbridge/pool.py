@@ -61,7 +61,7 @@ def _page_aligned(alloc: Callable[..., torch.Tensor], shape: tuple[int, ...], dt
     Copies between two pools then keep the same offset within a page on both sides: a copy
     and hash from a shared pool into a buffer one cache line past a page boundary -- where
     torch's allocator puts large buffers -- ran at 0.73-0.82x of the same copy into an aligned
-    one (README, "Private pools start on a page")."""
+    one (docs/TRANSPORT_BENCH.md, "Private pools start on a page")."""
     nbytes = math.prod(shape) * dtype.itemsize
     raw = alloc(nbytes + _ALIGN, dtype=torch.uint8)
     skip = -raw.data_ptr() % _ALIGN
