@@ -128,7 +128,8 @@ class SharedSegment:
     and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``), so no process -- its owner
     included -- can cut its pages from under a peer's mapping (a copy past a shrunk file's end
     is SIGBUS), and a killed owner leaves no file behind. Peers get its descriptor over the
-    shm:// control socket (``SCM_RIGHTS``; a read-only one to readers) and :meth:`adopt` it.
+    shm:// control socket (``SCM_RIGHTS``; opened read-only for readers; mode 0600: this user's
+    processes only) and :meth:`adopt` it.
 
     Unlike :mod:`multiprocessing.shared_memory` it registers nothing with a resource tracker.
     """
@@ -142,11 +143,13 @@ class SharedSegment:
         self.writable = True
         self.owner = True
         self._ro_fd = -1
+        self._lock = threading.Lock()     # the descriptors: handed out (peer_fd) and closed (close) apart
         try:
             fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except OSError as exc:
             raise ConfigError(f"cannot create shared memory {name}: {exc}") from None
         try:
+            os.fchmod(fd, 0o600)  # a memfd is 0777: another user holding a descriptor could reopen it writable
             os.ftruncate(fd, size)
             if size:    # its pages reserved now: no memory left is an error here, not SIGBUS at a write
                 os.posix_fallocate(fd, 0, size)
@@ -156,7 +159,8 @@ class SharedSegment:
             os.close(fd)
             raise ConfigError(f"cannot make shared memory {name} of {size} bytes: {exc}") from None
         self.fd = fd
-        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, [fd])
+        self._fds = [fd]                  # every descriptor this segment holds: closed once, by close or GC
+        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, self._fds)
 
     @classmethod
     def adopt(cls, fd: int, name: str, writable: bool, owner_uid: Optional[int] = None) -> "SharedSegment":
@@ -166,6 +170,7 @@ class SharedSegment:
         with ``owner_uid``, one that user owns."""
         self = cls.__new__(cls)
         self.name, self.writable, self.owner, self._ro_fd, self.fd = name, writable, False, -1, -1
+        self._lock, self._fds = threading.Lock(), []
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -185,7 +190,7 @@ class SharedSegment:
             raise ConfigError(f"cannot map shared memory {name}: {exc}") from None
         finally:
             os.close(fd)
-        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, [])
+        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, self._fds)
         return self
 
     def _map(self, fd: int, size: int, populate: bool) -> None:
@@ -206,17 +211,20 @@ class SharedSegment:
             self.address = self._tensor.data_ptr()
 
     def peer_fd(self, writable: bool) -> int:
-        """The descriptor to pass a peer (the owner's only; it stays this segment's): writable
-        for a writer, else one opened read-only (made once), through which no mapping can write."""
-        if not self.owner or self.fd < 0:
-            raise ConfigError(f"shared memory {self.name} is not this process's to pass on")
-        if writable:
-            return self.fd
-        if self._ro_fd < 0:
-            self._ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
-            self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, SharedSegment._close_fds, [self.fd, self._ro_fd])
-        return self._ro_fd
+        """A new descriptor to pass a peer (the caller closes it once sent; the owner's only):
+        writable for a writer, else a duplicate of one opened read-only (made once). The
+        segment is its owner's user's alone (mode 0600): a process of that user could reopen a
+        read-only descriptor writable, as it could always reach the owner's memory; another
+        user cannot. ConfigError once the segment is closed."""
+        with self._lock:
+            if not self.owner or self.fd < 0:
+                raise ConfigError(f"shared memory {self.name} is closed or not this process's to pass on")
+            if writable:
+                return os.dup(self.fd)
+            if self._ro_fd < 0:
+                self._ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+                self._fds.append(self._ro_fd)
+            return os.dup(self._ro_fd)
 
     def tensor(self) -> torch.Tensor:
         """The whole segment as a uint8 tensor (no copy)."""
@@ -226,9 +234,9 @@ class SharedSegment:
 
     @staticmethod
     def _close_fds(fds: list[int]) -> None:
-        for fd in fds:
+        while fds:
             try:
-                os.close(fd)
+                os.close(fds.pop())
             except OSError:
                 pass
 
@@ -241,8 +249,9 @@ class SharedSegment:
                 self.mmap.close()
             except BufferError:  # tensors still map it; the OS unmaps at exit
                 pass
-        self._finalizer()
-        self.fd = self._ro_fd = -1
+        with self._lock:                  # no descriptor handed out from here on (peer_fd)
+            self.fd = self._ro_fd = -1
+            self._finalizer()
 
 
 def _check_disjoint(bufs: Sequence[torch.Tensor]) -> None:

@@ -153,8 +153,8 @@ class ShmTransport(OneSidedReads):
         seg = self._peer_segment(peer, name, writable)   # lazy: a copy faults in only the pages it touches
         with self._lock:
             self._maps[key] = seg
-            while len(self._maps) > MAX_MAPPED:
-                self._maps.popitem(last=False)[1].close()
+            while len(self._maps) > MAX_MAPPED:     # dropped, not closed: a copy on another thread may
+                self._maps.popitem(last=False)          # still be reading it; unmapped with its last reference
         return seg
 
     def _exchange(self, url: str, kind: Kind, payload: bytes, move: Any, done: Kind, what: str) -> Any:

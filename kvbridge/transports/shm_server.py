@@ -8,6 +8,7 @@ parses. The protocol as a whole is described in :mod:`.shm`."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -16,7 +17,8 @@ from collections import OrderedDict
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle, TransferTimeout
+from ..errors import AccessDenied, ConfigError, KVBridgeError, ProtocolError, StaleHandle, TransferTimeout
+from ..pool import peer_cred
 from .shmtable import ONE_SIDED, HandleTable, open_info
 from .socket_server import SocketServer
 from .wire import FENCE, FrameReader, Kind, decode_request, encode_layers, pack, send_with_fd
@@ -158,12 +160,20 @@ class ShmServer(SocketServer):
                 "SEGFD names no segment a reply on this connection named" if got is None or len(payload) < 2
                 else "SEGFD asks to write a segment this connection may only read"))
             return
+        uid = peer_cred(conn)[1]
+        if uid not in (os.geteuid(), 0):       # its segments are this user's alone (mode 0600)
+            self._reply_error(conn, req_id, AccessDenied(
+                f"shared memory is handed only to this user's processes (the peer is uid {uid})"))
+            return
         try:
-            fd = got[0].peer_fd(writable)
+            fd = got[0].peer_fd(writable)       # a duplicate: a segment closed meanwhile cannot lend its number
         except (ConfigError, OSError) as exc:   # closed meanwhile
             self._reply_error(conn, req_id, StaleHandle(f"the segment is gone: {exc}"))
             return
-        send_with_fd(conn, pack(Kind.OK, req_id), fd)
+        try:
+            send_with_fd(conn, pack(Kind.OK, req_id), fd)
+        finally:
+            os.close(fd)
 
     def _body(self, grant: Any, layers: tuple[int, int], sums: bytes, what: str) -> bytes:
         """A MAPPED reply's body: where the granted blocks are (the segment and its runs)."""

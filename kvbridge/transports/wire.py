@@ -88,7 +88,8 @@ class Kind(enum.IntEnum):
     CRELEASES = 18  # claimed releases: each u32 length + a request (handle, claim) -> nothing; the owner
                     # releases each lease in the store for the claimer whose claim it made in the read
     SEGFD = 19     # shm: a writable flag + the name of a segment a MAPPED reply on this connection named ->
-                   # OK carrying its descriptor (SCM_RIGHTS; read-only unless a WMAP named it) | ERROR
+                   # OK carrying its descriptor (SCM_RIGHTS; opened read-only unless a WMAP named it;
+                   # the same user's processes only) | ERROR
 
 
 MAX_RELEASES = 256   # handles in one RELEASES frame (a server ends them in one pass)

@@ -492,7 +492,7 @@ def test_an_open_reply_with_misaligned_generations_or_an_empty_table_is_refused(
     table = HandleTable(4)
     assert pool.segment is not None
     def adopted(seg: SharedSegment) -> SharedSegment:      # as a reader maps the descriptor SEGFD passes
-        return SharedSegment.adopt(os.dup(seg.peer_fd(False)), seg.name, False)
+        return SharedSegment.adopt(seg.peer_fd(False), seg.name, False)
 
     def mapped(info: dict[str, object]) -> SenderMap:     # the reader maps both afresh, as OPEN does
         assert pool.segment is not None

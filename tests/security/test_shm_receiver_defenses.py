@@ -96,12 +96,16 @@ def test_a_trickled_open_map_or_done_reply_ends_in_time(stage: str, shared_pool:
             whole = _mapped(shared_pool, rid, 2 * L.block_nbytes)
             return whole, len(whole)
         if kind is Kind.SEGFD:                           # the segment MAP named, passed whole
-            assert shared_pool.segment is not None
             whole = pack(Kind.OK, rid)
-            return whole, len(whole), shared_pool.segment.peer_fd(False)
+            return whole, len(whole), fd
         whole = _error(rid)
         return whole, len(whole)
-    res, took = _fetch_from(reply)
+    assert shared_pool.segment is not None
+    fd = shared_pool.segment.peer_fd(False)
+    try:
+        res, took = _fetch_from(reply)
+    finally:
+        os.close(fd)
     assert not res.ok and isinstance(res.error, TransferTimeout), repr(res.error)
     assert took < TRANSFER + 3.0, took
 
@@ -159,7 +163,8 @@ def test_an_open_reply_naming_a_table_shorter_than_its_header_is_refused(size: i
     fcntl.fcntl(short, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     info = json.dumps(_open_reply(shared_pool, table, name)).encode()
     assert shared_pool.segment is not None
-    passes = [shared_pool.segment.peer_fd(False), short]      # the pool's, then the table's (the reader's order)
+    pool_fd = shared_pool.segment.peer_fd(False)
+    passes = [pool_fd, short]      # the pool's, then the table's (the reader's order)
 
     def reply(kind: Kind, rid: int) -> tuple[object, ...]:
         if kind is Kind.SEGFD and passes:
@@ -173,6 +178,7 @@ def test_an_open_reply_naming_a_table_shorter_than_its_header_is_refused(size: i
         assert passes == []
     finally:
         os.close(short)
+        os.close(pool_fd)
 
 
 def test_an_open_reply_of_megabytes_is_refused_before_its_body(shared_pool: KVPool, table: HandleTable) -> None:
@@ -209,8 +215,11 @@ def test_a_reply_with_the_wrong_descriptors_is_refused_and_every_one_closed(extr
             return pack(Kind.OK, rid), HEADER.size, [fd] * (1 + extra)
         whole = pack(Kind.MAPPED, rid, info) if kind is Kind.OPEN else _error(rid)
         return whole, len(whole)
-    before = len(os.listdir("/proc/self/fd"))
-    res, _ = _fetch_from(reply)
-    assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
-    assert ("not one" if extra == 1 else "more descriptors") in str(res.error), str(res.error)
-    assert len(os.listdir("/proc/self/fd")) == before                    # none kept, none leaked
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        res, _ = _fetch_from(reply)
+        assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
+        assert ("not one" if extra == 1 else "more descriptors") in str(res.error), str(res.error)
+        assert len(os.listdir("/proc/self/fd")) == before                # none kept, none leaked
+    finally:
+        os.close(fd)

@@ -99,3 +99,128 @@ def test_a_descriptor_is_handed_only_for_a_segment_named_on_that_connection_and_
         finally:
             a.close()
             b.close()
+
+
+def _held(name: str) -> list[int]:
+    """This process's descriptors of the memfd ``name``."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} "):
+                out.append(int(fd))
+        except OSError:
+            pass
+    return out
+
+
+def test_a_segment_is_its_users_alone_and_a_closed_one_lends_no_descriptor() -> None:
+    """Mode 0600 (a memfd is born 0777: another user holding any descriptor of it could reopen
+    it writable through /proc); each descriptor handed out is a duplicate the caller closes, so
+    closing the segment meanwhile cannot make the number it sends another file's; once closed,
+    none is handed out."""
+    from kvbridge.errors import ConfigError
+    pool = KVPool.allocate(L, 4, shared=True)
+    seg = pool.segment
+    assert seg is not None
+    assert os.fstat(seg.fd).st_mode & 0o777 == 0o600
+    a, b = seg.peer_fd(False), seg.peer_fd(False)
+    assert len({a, b, seg.fd}) == 3                       # duplicates, not the segment's own numbers
+    os.close(a)
+    os.close(b)
+    assert len(_held(seg.name)) == 3                      # its own, its read-only one, its mapping's
+    pool.close()
+    assert _held(seg.name) == []                          # every one closed, once
+    with pytest.raises(ConfigError):
+        seg.peer_fd(False)
+
+
+CHILD = r"""
+import array, socket, struct, sys
+path = bytes.fromhex(sys.argv[1])
+open_frame, segfd_frame, hfmt = bytes.fromhex(sys.argv[2]), bytes.fromhex(sys.argv[3]), sys.argv[4]
+H = struct.Struct(hfmt)
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(10)
+s.connect(path)
+def reply():
+    msg, anc, _, _ = s.recvmsg(H.size, socket.CMSG_SPACE(16), socket.MSG_WAITALL)
+    fds = [fd for lvl, typ, d in anc for fd in array.array("i", d[:len(d) - len(d) % 4])]
+    fields = H.unpack(msg)
+    n = fields[-1]
+    body = b""
+    while len(body) < n:
+        body += s.recv(n - len(body))
+    return fields, body, fds
+s.sendall(open_frame)
+f1, _, fds1 = reply()
+s.sendall(segfd_frame)
+f2, body2, fds2 = reply()
+print(f1[2], f2[2], len(fds1), len(fds2), body2[2:].decode(errors="replace"))
+"""
+
+
+def _python_for_nobody() -> "str | None":
+    """An interpreter uid 65534 can run (a virtualenv under /root is not one): the child needs
+    only the standard library."""
+    import shutil
+    import subprocess
+    import sys
+    for cand in (sys.executable, getattr(sys, "_base_executable", None), shutil.which("python3"), "/usr/bin/python3"):
+        try:
+            if cand and subprocess.run([cand, "-I", "-c", "pass"], user=65534, group=65534,
+                                       capture_output=True, timeout=30).returncode == 0:
+                return cand
+        except OSError:             # not executable for that user
+            pass
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as another user")
+def test_another_users_process_gets_no_descriptor() -> None:
+    """A process of another user holding a valid handle may OPEN (the handle authorizes the read),
+    but SEGFD refuses it (AccessDenied): a sender's segments are its own user's, as 0600 files
+    in /dev/shm were."""
+    import subprocess
+    from kvbridge.transports.wire import HEADER
+    src = _sender_pool()
+    with KVSender(src, "shm://", leases=False) as snd:
+        h = snd.publish("r", src.alloc(2), 4)
+        assert src.segment is not None
+        open_frame = pack(Kind.OPEN, 1, encode_request(h.to_bytes(), None, None))
+        segfd = pack(Kind.SEGFD, 2, b"\x00" + src.segment.name.encode())
+        python = _python_for_nobody()
+        if python is None:
+            pytest.skip("no Python interpreter that uid 65534 may run")
+        r = subprocess.run([python, "-I", "-c", CHILD, _path_of(h.urls[0]).encode().hex(), open_frame.hex(),
+                            segfd.hex(), HEADER.format], user=65534, group=65534, capture_output=True, text=True,
+                           timeout=30)
+        assert r.returncode == 0, r.stderr[-2000:]
+        kinds = r.stdout.split()
+        assert kinds[:4] == [str(int(Kind.MAPPED)), str(int(Kind.ERROR)), "0", "0"], r.stdout
+        assert "uid 65534" in r.stdout, r.stdout
+
+
+def test_a_segment_dropped_from_the_map_cache_stays_mapped_for_whoever_holds_it(monkeypatch) -> None:
+    """A reader keeps its last MAX_MAPPED peer segments mapped; one dropped from that cache while
+    a copy on another thread still reads it by address (the MAP path of many coded handles) must
+    stay mapped until its last holder lets go -- closing it there unmapped it under the copy."""
+    from kvbridge.pool import SharedSegment
+    from kvbridge.transports.shm import MAX_MAPPED, ShmTransport
+    from kvbridge.transports.shm_onesided import Peer
+    own = [SharedSegment(f"kvb-{os.getpid()}-{i:012x}", 4096) for i in range(MAX_MAPPED + 2)]
+    by_name = {s.name: s for s in own}
+    own[0].view[:4] = b"KEEP"
+    tr = ShmTransport()
+    monkeypatch.setattr(tr, "_peer_segment",
+                        lambda peer, name, writable: SharedSegment.adopt(by_name[name].peer_fd(False), name, False))
+    peer = Peer(os.getpid(), os.getuid(), None, None, "test")          # type: ignore[arg-type]
+    try:
+        held = tr._segment(own[0].name, False, peer)                   # a copy holds it ...
+        for seg in own[1:]:                                            # ... while others push it out
+            tr._segment(seg.name, False, peer)
+        assert (own[0].name, False, os.getuid()) not in tr._maps
+        assert held.mmap is not None and not held.mmap.closed and bytes(held.view[:4]) == b"KEEP"
+    finally:
+        tr.close()
+        for seg in own:
+            seg.close()

@@ -47,11 +47,11 @@ def test_a_segment_passed_by_a_peer_of_another_user_is_refused() -> None:
     try:
         assert pool.segment is not None
         for writable in (False, True):
-            fd = os.dup(pool.segment.peer_fd(writable))
+            fd = pool.segment.peer_fd(writable)
             SharedSegment.adopt(fd, pool.segment.name, writable, os.getuid()).close()      # the owner's: mapped
             n = len(os.listdir("/proc/self/fd"))
             with pytest.raises(ProtocolError, match="not the peer's own"):
-                SharedSegment.adopt(os.dup(pool.segment.peer_fd(writable)), pool.segment.name, writable,
+                SharedSegment.adopt(pool.segment.peer_fd(writable), pool.segment.name, writable,
                                     os.getuid() + 1)
             assert len(os.listdir("/proc/self/fd")) == n          # the descriptor closed on refusal too
     finally:
