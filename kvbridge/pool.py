@@ -78,7 +78,8 @@ def _host_view(t: torch.Tensor) -> memoryview:
 
 
 def sweep_dead_segments() -> list[str]:
-    """Unlink ``/dev/shm/kvb-<pid>-*`` segments whose creating process is gone (killed senders)."""
+    """Unlink ``/dev/shm/kvb-<pid>-*`` segments whose creating process is gone: files that killed
+    senders of kvbridge versions before sealed memfds left behind (memfds leave none)."""
     removed: list[str] = []
     try:
         names = os.listdir("/dev/shm")
