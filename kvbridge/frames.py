@@ -23,7 +23,8 @@ from .codecs import HEADER_NBYTES, get_codec
 from .codecs.base import _HEADER, read_header
 from .codecs.registry import decode_frame
 from .errors import ConfigError, IntegrityError, ProtocolError
-from .pool import KVPool, SharedSegment
+from .pool import KVPool
+from .segments import SharedSegment
 from .transports.base import Spans, Staging
 
 __all__ = ["FrameStore", "FrameLoader", "check_codec"]

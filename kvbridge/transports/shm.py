@@ -55,7 +55,8 @@ from ..handle import KVHandle
 from ..integrity import block_checksums
 from ..lease.base import Claim
 from ..policy import Timeout
-from ..pool import KVPool, SharedSegment, peer_cred
+from ..pool import KVPool
+from ..segments import SharedSegment, peer_cred
 from .base import Chunk, Server, Spans, SpansFor, copy_runs, generations_held, total, unverified
 from .deadline import WATCHDOG
 from .shm_onesided import OneSidedReads, Peer

@@ -22,7 +22,8 @@ from ..blockcopy import shm_read as _shm_read
 from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle, TransferCancelled
 from ..handle import KVHandle
 from ..lease.base import Claim
-from ..pool import KVPool, SharedSegment, check_segment_name, peer_cred, retired_during
+from ..pool import KVPool, retired_during
+from ..segments import SharedSegment, check_segment_name, peer_cred
 from .base import Fallback, Spans, Transport, unverified
 from .deadline import WATCHDOG
 from .shm_server import _path_of

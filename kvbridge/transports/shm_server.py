@@ -18,7 +18,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from ..errors import AccessDenied, ConfigError, KVBridgeError, ProtocolError, StaleHandle, TransferTimeout
-from ..pool import peer_cred
+from ..segments import peer_cred
 from .shmtable import ONE_SIDED, HandleTable, open_info
 from .socket_server import SocketServer
 from .wire import FENCE, FrameReader, Kind, decode_request, encode_layers, pack, send_with_fd

@@ -50,7 +50,8 @@ from typing import Any, Optional
 from ..errors import ConfigError, ProtocolError
 from ..blockcopy import pack_planes
 from ..layout import KVLayout
-from ..pool import GEN_SIZE, SharedSegment
+from ..pool import GEN_SIZE
+from ..segments import SharedSegment
 
 __all__ = ["ONE_SIDED", "HandleTable", "SenderMap", "digest"]
 

@@ -485,7 +485,7 @@ def test_an_open_reply_with_misaligned_generations_or_an_empty_table_is_refused(
     generations offset off the 4-byte grid (the C reader loads them as aligned 32-bit words)
     or a table of zero slots is refused."""
     import json as _json
-    from kvbridge.pool import SharedSegment
+    from kvbridge.segments import SharedSegment
     from kvbridge.transports.shmtable import HEAD, HandleTable, SenderMap, open_info
     layout = KVLayout.vllm_flash(2, 1, 8, block_size=2, dtype="float16")
     pool = KVPool.allocate(layout, 4, shared=True)

@@ -204,7 +204,7 @@ def test_a_segment_dropped_from_the_map_cache_stays_mapped_for_whoever_holds_it(
     """A reader keeps its last MAX_MAPPED peer segments mapped; one dropped from that cache while
     a copy on another thread still reads it by address (the MAP path of many coded handles) must
     stay mapped until its last holder lets go -- closing it there unmapped it under the copy."""
-    from kvbridge.pool import SharedSegment
+    from kvbridge.segments import SharedSegment
     from kvbridge.transports.shm import MAX_MAPPED, ShmTransport
     from kvbridge.transports.shm_onesided import Peer
     own = [SharedSegment(f"kvb-{os.getpid()}-{i:012x}", 4096) for i in range(MAX_MAPPED + 2)]

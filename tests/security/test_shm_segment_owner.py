@@ -18,7 +18,7 @@ import torch
 import kvbridge.transports.shm as shm
 import kvbridge.transports.shm_onesided as shm_onesided
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Timeout
-from kvbridge.pool import SharedSegment
+from kvbridge.segments import SharedSegment
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 1, 8, block_size=2, dtype="float16")
