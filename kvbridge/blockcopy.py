@@ -57,6 +57,8 @@ if not os.environ.get("KVBRIDGE_NO_NATIVE"):
     except ImportError:                     # not built (no compiler at install): the Python twin
         _native = None
 NATIVE: bool = _native is not None
+# the frame version the extension's socket calls speak (0: a build from before it said so)
+NATIVE_WIRE_VERSION: Optional[int] = getattr(_native, "WIRE_VERSION", 0) if NATIVE else None
 
 
 def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[float]:

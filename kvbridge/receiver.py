@@ -183,7 +183,7 @@ class KVReceiver(ReceiverPipeline):
         if h.layout_hash != self.pool.layout.compat_hash:
             raise LayoutMismatch(
                 f"handle layout {h.layout_hash} != this pool's {self.pool.layout.compat_hash} "
-                f"({self.pool.layout.compat_key()})")
+                f"({self.pool.layout.to_dict()})")
         idx = None if indices is None else [int(i) for i in indices]
         if h.codec != "raw":
             check_codec(h.codec)          # unknown, or its extra missing: refused here, never misread

@@ -40,8 +40,9 @@ order of the engines an HF prefill most plausibly feeds, at no extra pass: writi
 into blocks is one strided copy per layer and part either way (the seq axis must be
 cut into blocks anyway; NHD only moves heads inside that same copy). ``hnd=True``
 gives longer contiguous runs (block_size x head_dim instead of head_dim) for
-HF-to-HF hand-offs. The handle's ``layout_hash`` includes the order, so both sides
-must choose the same one; a mismatch is refused with :class:`LayoutMismatch`.
+HF-to-HF hand-offs. The handle's ``layout_hash`` includes the order from two KV heads
+up, so both sides must choose the same one; a mismatch is refused with
+:class:`LayoutMismatch` (with one head the two orders are the same bytes and exchange blocks).
 
 Only attention caches that hold every token are moved (``DynamicCache`` full
 attention, a ``StaticCache``'s filled prefix, or a legacy ``((k, v), ...)`` tuple).

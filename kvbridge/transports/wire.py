@@ -50,6 +50,7 @@ import threading
 import time
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
+from ..blockcopy import NATIVE_WIRE_VERSION
 from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError, StaleHandle,
                       TransferTimeout, Unvouched, error_from_code)
 from ..lease.base import Claim
@@ -61,7 +62,11 @@ __all__ = ["Kind", "Claim", "Request", "FrameReader", "set_os_timeouts", "HEADER
            "Budget", "RateGuard", "PacedSender", "MAX_RELEASES", "encode_releases", "decode_releases"]
 
 MAGIC = b"KB"
-VERSION = 6     # 5: CRELEASES (a version 4 peer would drop the connection on it); 6: per-part checksums
+VERSION = 7     # 5: CRELEASES (a version 4 peer would drop the connection on it); 6: per-part checksums;
+                # 7: shm segments by descriptor (SEGFD), one-head layouts' hash without the token order
+if NATIVE_WIRE_VERSION is not None and NATIVE_WIRE_VERSION != VERSION:   # a stale build would talk past its peers
+    raise ImportError(f"kvbridge._kvcopy speaks frame version {NATIVE_WIRE_VERSION}, this kvbridge {VERSION}: "
+                      "rebuild the extension (pip install -e . or python setup.py build_ext --inplace)")
 HEADER = struct.Struct("!2sBBIQ")
 MAX_CONTROL = 16 << 20
 IOV_MAX = 1024

@@ -702,7 +702,7 @@ done:
 #define HEAD_LEN 16     /* !2sBBIQ: magic "KB", version, kind, request id, length */
 #define FENCE_LEN 16    /* !QQ */
 #define TRAILER_LEN 4   /* !BBH: status, two zero bytes */
-#define WIRE_VERSION 6
+#define WIRE_VERSION 7   /* kvbridge/transports/wire.py's VERSION: checked when that module loads */
 #define KIND_DATA 2
 #define READ_SMALL_MAX (1 << 20)
 
@@ -1989,7 +1989,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__kvcopy(void) {
     PyObject *m = PyModule_Create(&module);
     /* FUSED: where copies with a hash take one pass (copyhash.c: x86-64), 1 with AVX2, 2 with AVX-512F */
-    if (m != NULL && PyModule_AddIntConstant(m, "FUSED", kvb_copy_hash_fused()) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "FUSED", kvb_copy_hash_fused()) < 0
+                      || PyModule_AddIntConstant(m, "WIRE_VERSION", WIRE_VERSION) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -64,6 +64,11 @@ def test_token_order_counts_from_two_heads():
     with pytest.raises(LayoutMismatch, match="token_order") as ei:
         two.check_compatible(two_hnd)
     assert "num_kv_heads" not in str(ei.value)
+    # one head against two, both HND: the heads differ, the order is not named as differing
+    with pytest.raises(LayoutMismatch) as ei:
+        one_hnd_ = dataclasses.replace(BASE, token_order="HND")
+        one_hnd_.check_compatible(two_hnd)
+    assert "num_kv_heads" in str(ei.value) and "token_order" not in str(ei.value)
     # one head: the same bytes in the same order either way, so the layouts exchange blocks
     one_hnd = dataclasses.replace(BASE, token_order="HND")
     assert one_hnd.compat_hash == BASE.compat_hash
@@ -410,3 +415,20 @@ def test_registry_register_custom_class(monkeypatch):
                 for a, b in zip(rpool.block(layer, d), spool.block(layer, s)):
                     assert torch.equal(a, b)
         assert freed == ["released"] and spool.num_free == 8
+
+
+def test_an_extension_speaking_another_frame_version_is_refused_at_import(monkeypatch):
+    """A stale build of the C extension (its socket calls write and check the frame version)
+    would talk past every peer: loading the wire module with one refuses it, naming the fix."""
+    import importlib.util
+
+    import kvbridge.blockcopy as bc
+    import kvbridge.transports.wire as wire
+    if bc.NATIVE:
+        assert bc.NATIVE_WIRE_VERSION == wire.VERSION
+    monkeypatch.setattr(bc, "NATIVE_WIRE_VERSION", wire.VERSION - 1)
+    spec = importlib.util.spec_from_file_location("kvbridge.transports._wire_again", wire.__file__)
+    assert spec is not None and spec.loader is not None
+    again = importlib.util.module_from_spec(spec)
+    with pytest.raises(ImportError, match="rebuild the extension"):
+        spec.loader.exec_module(again)
