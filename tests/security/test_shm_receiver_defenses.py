@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from loopback import Trickler
+from loopback import Trickler, held_descriptors
 
 from kvbridge import (FetchResult, KVHandle, KVLayout, KVPool, KVReceiver, KVSender, ProtocolError, Retry, Timeout,
                       TransferTimeout)
@@ -216,10 +216,45 @@ def test_a_reply_with_the_wrong_descriptors_is_refused_and_every_one_closed(extr
         whole = pack(Kind.MAPPED, rid, info) if kind is Kind.OPEN else _error(rid)
         return whole, len(whole)
     try:
-        before = len(os.listdir("/proc/self/fd"))
+        before = len(held_descriptors(shared_pool.segment.name))
         res, _ = _fetch_from(reply)
         assert not res.ok and isinstance(res.error, ProtocolError), repr(res.error)
         assert ("not one" if extra == 1 else "more descriptors") in str(res.error), str(res.error)
-        assert len(os.listdir("/proc/self/fd")) == before                # none kept, none leaked
+        assert len(held_descriptors(shared_pool.segment.name)) == before     # none kept, none leaked
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("how", ["error", "other request id", "other kind", "long body", "trickled"])
+def test_a_wrong_segfd_reply_fails_the_fetch_and_its_descriptor_is_closed(how: str, shared_pool: KVPool) -> None:
+    """On the MAP path, SEGFD answered with an ERROR, a reply to another request, a reply of another
+    kind, a body longer than an ERROR's, or a reply trickled a byte at a time -- each carrying a
+    descriptor of a real sealed segment: the fetch fails (TransferTimeout within the deadline for the
+    trickle), and the descriptor is closed every time."""
+    assert shared_pool.segment is not None
+    fd = shared_pool.segment.peer_fd(False)
+
+    def reply(kind: Kind, rid: int) -> tuple[Any, ...]:
+        if kind is Kind.OPEN:
+            return pack(Kind.OK, rid), HEADER.size                  # one-sided reads not offered: MAP/DONE
+        if kind is Kind.MAP:
+            whole = _mapped(shared_pool, rid, 2 * L.block_nbytes)
+            return whole, len(whole)
+        if kind is Kind.SEGFD:
+            whole = {"error": _error(rid), "other request id": pack(Kind.OK, rid + 7),
+                     "other kind": pack(Kind.MAPPED, rid), "long body": pack(Kind.OK, rid, b" " * 5000),
+                     "trickled": _error(rid)[:HEADER.size] + b" " * 4000}[how]
+            return whole, 1 if how == "trickled" else len(whole), fd
+        whole = _error(rid)
+        return whole, len(whole)
+    try:
+        before = len(held_descriptors(shared_pool.segment.name))
+        res, took = _fetch_from(reply)
+        assert not res.ok, res
+        if how == "trickled":
+            assert isinstance(res.error, TransferTimeout) and took < TRANSFER + 3.0, (repr(res.error), took)
+        elif how != "error":
+            assert isinstance(res.error, ProtocolError), repr(res.error)
+        assert len(held_descriptors(shared_pool.segment.name)) == before
     finally:
         os.close(fd)

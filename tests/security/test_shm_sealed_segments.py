@@ -10,9 +10,11 @@ import errno
 import mmap
 import os
 import socket
+import time
 
 import pytest
 import torch
+from loopback import held_descriptors
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
 from kvbridge.transports.shm_server import _path_of
@@ -83,6 +85,23 @@ def test_a_descriptor_is_handed_only_for_a_segment_named_on_that_connection_and_
             assert k is Kind.ERROR and fds == [] and "may only read" in str(decode_error(body))
             k, body, fds = _call(b, Kind.SEGFD, 4, b"\x00" + name)       # named on another connection
             assert k is Kind.ERROR and fds == []
+            k, body, fds = _call(a, Kind.SEGFD, 6, b"\x02" + name)       # a flag that is neither
+            assert k is Kind.ERROR and fds == []
+            table = snd.servers[0].table                                 # type: ignore[attr-defined]
+            k, body, fds = _call(a, Kind.SEGFD, 7, b"\x01" + table.segment.name.encode())
+            assert k is Kind.ERROR and fds == [] and "may only read" in str(decode_error(body))
+            k, body, fds = _call(b, Kind.MAP, 8, encode_request(h.to_bytes(), None, None))   # a MAP shows it
+            assert k is Kind.MAPPED and fds == []                        # read-only too
+            k, body, fds = _call(b, Kind.SEGFD, 9, b"\x01" + name)
+            assert k is Kind.ERROR and fds == [] and "may only read" in str(decode_error(body))
+            held = 0
+            for rid in (10, 11, 12, 13):                                 # each a duplicate the server closes
+                k, body, fds = _call(b, Kind.SEGFD, rid, b"\x00" + name)
+                assert k is Kind.OK and len(fds) == 1
+                close_fds(fds)
+                time.sleep(0.05)                # the server closes its duplicate just after the send
+                held = held or len(held_descriptors(src.segment.name))  # after the first: its read-only one made
+                assert len(held_descriptors(src.segment.name)) == held
             k, body, fds = _call(a, Kind.SEGFD, 5, b"\x00" + name)
             assert k is Kind.OK and len(fds) == 1
             try:
@@ -101,18 +120,6 @@ def test_a_descriptor_is_handed_only_for_a_segment_named_on_that_connection_and_
             b.close()
 
 
-def _held(name: str) -> list[int]:
-    """This process's descriptors of the memfd ``name``."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} "):
-                out.append(int(fd))
-        except OSError:
-            pass
-    return out
-
-
 def test_a_segment_is_its_users_alone_and_a_closed_one_lends_no_descriptor() -> None:
     """Mode 0600 (a memfd is born 0777: another user holding any descriptor of it could reopen
     it writable through /proc); each descriptor handed out is a duplicate the caller closes, so
@@ -123,13 +130,24 @@ def test_a_segment_is_its_users_alone_and_a_closed_one_lends_no_descriptor() -> 
     seg = pool.segment
     assert seg is not None
     assert os.fstat(seg.fd).st_mode & 0o777 == 0o600
+    import fcntl
+    seals = fcntl.fcntl(seg.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SEAL and seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_GROW
+    from kvbridge import ProtocolError
+    from kvbridge.segments import SharedSegment
+    r, w = os.pipe()
+    os.close(w)
+    with pytest.raises(ProtocolError, match="not shared memory"):
+        SharedSegment.adopt(r, "kvb-1-000000000000", False)           # a pipe: refused, and closed
+    with pytest.raises(OSError):
+        os.fstat(r)
     a, b = seg.peer_fd(False), seg.peer_fd(False)
     assert len({a, b, seg.fd}) == 3                       # duplicates, not the segment's own numbers
     os.close(a)
     os.close(b)
-    assert len(_held(seg.name)) == 3                      # its own, its read-only one, its mapping's
+    assert len(held_descriptors(seg.name)) == 3                      # its own, its read-only one, its mapping's
     pool.close()
-    assert _held(seg.name) == []                          # every one closed, once
+    assert held_descriptors(seg.name) == []                          # every one closed, once
     with pytest.raises(ConfigError):
         seg.peer_fd(False)
 
@@ -220,7 +238,60 @@ def test_a_segment_dropped_from_the_map_cache_stays_mapped_for_whoever_holds_it(
             tr._segment(seg.name, False, peer)
         assert (own[0].name, False, os.getuid()) not in tr._maps
         assert held.mmap is not None and not held.mmap.closed and bytes(held.view[:4]) == b"KEEP"
+        # one mapping per (segment, writable, peer user): a read-only one is never lent to a writer
+        calls = []
+        monkeypatch.setattr(tr, "_peer_segment", lambda peer, name, writable: calls.append((name, writable, peer.uid))
+                            or SharedSegment.adopt(by_name[name].peer_fd(writable), name, writable))
+        name = own[-1].name
+        assert not tr._segment(name, False, peer).writable and calls == []          # mapped above
+        assert tr._segment(name, True, peer).writable and len(calls) == 1
+        other = Peer(os.getpid(), os.getuid() + 1, None, None, "test")            # type: ignore[arg-type]
+        tr._segment(name, False, other)
+        assert len(calls) == 2 and calls[-1][2] == os.getuid() + 1
     finally:
         tr.close()
         for seg in own:
             seg.close()
+
+
+def test_a_connection_may_ask_only_for_the_latest_segments_it_was_shown_and_forgets_them_on_close() -> None:
+    """The server keeps, per connection, the last MAX_SHOWN segments its replies named (a reader of
+    many coded handles sees one frames segment each): an older one is refused, a write right once
+    given (a WMAP) is kept when a MAP names the same segment again, and a closed connection's list
+    goes with it."""
+    from kvbridge.segments import SharedSegment
+    from kvbridge.transports.shm_server import MAX_SHOWN
+    src = _sender_pool()
+    segs = [SharedSegment(f"kvb-{os.getpid()}-{i:012x}", 4096) for i in range(MAX_SHOWN + 1)]
+    with KVSender(src, "shm://", leases=False) as snd:
+        srv = snd.servers[0]
+        a, b = socket.socketpair(socket.AF_UNIX)
+        b.settimeout(5)
+
+        def ask(seg: SharedSegment, flag: bytes) -> tuple[Kind, list[int]]:
+            srv._segfd(a, 1, flag + seg.name.encode())           # type: ignore[attr-defined]
+            head, fds = recv_header_fds(b)
+            k, _, n = unpack_header(head, data_ok=False)
+            if n:
+                recv_exact(b, n)
+            close_fds(fds)
+            return k, fds
+        try:
+            for seg in segs:
+                srv._show(a, seg, False)                          # type: ignore[attr-defined]
+            srv._show(a, segs[-1], True)                          # type: ignore[attr-defined]
+            srv._show(a, segs[-1], False)                         # type: ignore[attr-defined]
+            assert ask(segs[0], b"\x00") == (Kind.ERROR, [])      # pushed out by the newer ones
+            k, fds = ask(segs[1], b"\x00")
+            assert k is Kind.OK and len(fds) == 1
+            k, fds = ask(segs[-1], b"\x01")                       # still writable after the MAP
+            assert k is Kind.OK and len(fds) == 1
+            assert ask(segs[1], b"\x01") == (Kind.ERROR, [])
+            srv.connection_closed(a)                              # type: ignore[attr-defined]
+            assert a not in srv._shown                            # type: ignore[attr-defined]
+            assert ask(segs[1], b"\x00") == (Kind.ERROR, [])
+        finally:
+            a.close()
+            b.close()
+            for seg in segs:
+                seg.close()
