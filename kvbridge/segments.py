@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import ConfigError, ProtocolError
+from .errors import ConfigError, ProtocolError, StaleHandle
 
 __all__ = ["SharedSegment", "check_segment_name", "peer_cred", "sweep_dead_segments"]
 
@@ -164,16 +164,21 @@ class SharedSegment:
         writable for a writer, else a duplicate of one opened read-only (made once). The
         segment is its owner's user's alone (mode 0600): a process of that user could reopen a
         read-only descriptor writable, as it could always reach the owner's memory; another
-        user cannot. ConfigError once the segment is closed."""
+        user cannot. StaleHandle once the segment is closed; ConfigError where no descriptor can
+        be made (no /proc to reopen it read-only through, no descriptors left)."""
         with self._lock:
             if not self.owner or self.fd < 0:
-                raise ConfigError(f"shared memory {self.name} is closed or not this process's to pass on")
-            if writable:
-                return os.dup(self.fd)
-            if self._ro_fd < 0:
-                self._ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
-                self._fds.append(self._ro_fd)
-            return os.dup(self._ro_fd)
+                raise StaleHandle(f"shared memory {self.name} is closed or not this process's to pass on")
+            try:
+                if writable:
+                    return os.dup(self.fd)
+                if self._ro_fd < 0:
+                    self._ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
+                    self._fds.append(self._ro_fd)
+                return os.dup(self._ro_fd)
+            except OSError as exc:
+                raise ConfigError(f"cannot hand out a descriptor of shared memory {self.name} (a read-only one "
+                                  f"is opened through /proc/self/fd): {exc}") from None
 
     def tensor(self) -> torch.Tensor:
         """The whole segment as a uint8 tensor (no copy)."""

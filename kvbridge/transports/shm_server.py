@@ -167,8 +167,8 @@ class ShmServer(SocketServer):
             return
         try:
             fd = got[0].peer_fd(writable)       # a duplicate: a segment closed meanwhile cannot lend its number
-        except (ConfigError, OSError) as exc:   # closed meanwhile
-            self._reply_error(conn, req_id, StaleHandle(f"the segment is gone: {exc}"))
+        except (StaleHandle, ConfigError) as exc:   # closed meanwhile; or no descriptor to be had here
+            self._reply_error(conn, req_id, exc)
             return
         try:
             send_with_fd(conn, pack(Kind.OK, req_id), fd)

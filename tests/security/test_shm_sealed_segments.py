@@ -125,7 +125,7 @@ def test_a_segment_is_its_users_alone_and_a_closed_one_lends_no_descriptor() -> 
     it writable through /proc); each descriptor handed out is a duplicate the caller closes, so
     closing the segment meanwhile cannot make the number it sends another file's; once closed,
     none is handed out."""
-    from kvbridge.errors import ConfigError
+    from kvbridge.errors import StaleHandle
     pool = KVPool.allocate(L, 4, shared=True)
     seg = pool.segment
     assert seg is not None
@@ -148,7 +148,7 @@ def test_a_segment_is_its_users_alone_and_a_closed_one_lends_no_descriptor() -> 
     assert len(held_descriptors(seg.name)) == 3                      # its own, its read-only one, its mapping's
     pool.close()
     assert held_descriptors(seg.name) == []                          # every one closed, once
-    with pytest.raises(ConfigError):
+    with pytest.raises(StaleHandle):
         seg.peer_fd(False)
 
 
@@ -295,3 +295,25 @@ def test_a_connection_may_ask_only_for_the_latest_segments_it_was_shown_and_forg
             b.close()
             for seg in segs:
                 seg.close()
+
+
+def test_no_proc_to_reopen_a_segment_through_is_a_clear_error(monkeypatch) -> None:
+    """The read-only descriptor is opened through /proc/self/fd: without /proc a reader gets a
+    ConfigError that says so, not a segment 'gone' or a writable descriptor instead."""
+    import kvbridge.segments as segments
+    from kvbridge.errors import ConfigError
+    seg = segments.SharedSegment(f"kvb-{os.getpid()}-{'ab' * 6}", 4096)
+    real = os.open
+
+    def no_proc(path, *a, **k):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(2, "No such file or directory", path)
+        return real(path, *a, **k)
+    monkeypatch.setattr(segments.os, "open", no_proc)
+    try:
+        with pytest.raises(ConfigError, match="/proc/self/fd"):
+            seg.peer_fd(False)
+        w = seg.peer_fd(True)                      # a writer's needs no /proc
+        os.close(w)
+    finally:
+        seg.close()
