@@ -52,7 +52,7 @@ class FrameStore:
         dev = self.codec.output_device(pool)
         self.segment = None
         if shared and dev.type == "cpu":
-            self.segment = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", max(cap, 1), create=True)
+            self.segment = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", max(cap, 1))
             data = self.segment.tensor()[:cap]
         else:
             data = torch.empty(cap, dtype=torch.uint8, device=dev)

@@ -22,7 +22,7 @@ import torch
 
 from .errors import ConfigError, ProtocolError, StaleHandle
 
-__all__ = ["SharedSegment", "check_segment_name", "peer_cred", "sweep_dead_segments"]
+__all__ = ["SharedSegment", "check_segment_name", "close_fds", "peer_cred", "sweep_dead_segments"]
 
 
 def sweep_dead_segments() -> list[str]:
@@ -50,6 +50,15 @@ def sweep_dead_segments() -> list[str]:
         except OSError:
             pass
     return removed
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close every descriptor in ``fds`` and empty it (a second call closes nothing twice)."""
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
 
 
 _PEER_SEGMENT = re.compile(r"kvb-[0-9]{1,10}-[0-9a-f]{12}")
@@ -83,9 +92,8 @@ class SharedSegment:
     Unlike :mod:`multiprocessing.shared_memory` it registers nothing with a resource tracker.
     """
 
-    def __init__(self, name: str, size: int = 0, create: bool = True, populate: bool = False) -> None:
-        if not create:
-            raise ConfigError("SharedSegment opens a peer's segment only from its descriptor: SharedSegment.adopt")
+    def __init__(self, name: str, size: int = 0) -> None:
+        """A new segment of ``size`` bytes, made by this process (a peer's: :meth:`adopt`)."""
         if not hasattr(os, "memfd_create") or not all(hasattr(fcntl, c) for c in _SEALS):
             raise ConfigError("shared-memory pools need Linux's sealed memfds (os.memfd_create, fcntl.F_ADD_SEALS)")
         self.name = name
@@ -103,13 +111,13 @@ class SharedSegment:
             if size:    # its pages reserved now: no memory left is an error here, not SIGBUS at a write
                 os.posix_fallocate(fd, 0, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-            self._map(fd, size, populate)
+            self._map(fd, size)
         except OSError as exc:      # no memory or descriptors left: nothing left behind, a mapped error
             os.close(fd)
             raise ConfigError(f"cannot make shared memory {name} of {size} bytes: {exc}") from None
         self.fd = fd
         self._fds = [fd]                  # every descriptor this segment holds: closed once, by close or GC
-        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, self._fds)
+        self._finalizer = weakref.finalize(self, close_fds, self._fds)
 
     @classmethod
     def adopt(cls, fd: int, name: str, writable: bool, owner_uid: Optional[int] = None) -> "SharedSegment":
@@ -134,19 +142,18 @@ class SharedSegment:
             if not seals & fcntl.F_SEAL_SHRINK:
                 raise ProtocolError(f"shared memory {name} is not sealed against shrinking: a copy from it "
                                     "could fault (SIGBUS) if its owner cut it")
-            self._map(fd, st.st_size, False)
+            self._map(fd, st.st_size)
         except OSError as exc:
             raise ConfigError(f"cannot map shared memory {name}: {exc}") from None
         finally:
             os.close(fd)
-        self._finalizer = weakref.finalize(self, SharedSegment._close_fds, self._fds)
+        self._finalizer = weakref.finalize(self, close_fds, self._fds)
         return self
 
-    def _map(self, fd: int, size: int, populate: bool) -> None:
+    def _map(self, fd: int, size: int) -> None:
         self.size = size
-        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
-        self.mmap = mmap.mmap(fd, size, flags=flags, prot=prot) if size else None
+        self.mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot) if size else None
         self._tensor: Optional[torch.Tensor] = None
         self.view = memoryview(self.mmap) if self.mmap is not None else memoryview(bytearray(0))
         if self.mmap is None:
@@ -185,14 +192,6 @@ class SharedSegment:
         if self._tensor is None:
             self._tensor = torch.frombuffer(self.mmap, dtype=torch.uint8) if self.mmap else torch.empty(0)
         return self._tensor
-
-    @staticmethod
-    def _close_fds(fds: list[int]) -> None:
-        while fds:
-            try:
-                os.close(fds.pop())
-            except OSError:
-                pass
 
     def close(self) -> None:
         """Unmap (the owner also closes its descriptors). Views handed out must be gone first."""

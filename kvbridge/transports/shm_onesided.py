@@ -23,14 +23,14 @@ from ..errors import ConfigError, KVBridgeError, ProtocolError, StaleHandle, Tra
 from ..handle import KVHandle
 from ..lease.base import Claim
 from ..pool import KVPool, retired_during
-from ..segments import SharedSegment, check_segment_name, peer_cred
+from ..segments import SharedSegment, check_segment_name, close_fds, peer_cred
 from .base import Fallback, Spans, Transport, unverified
 from .deadline import WATCHDOG
 from .shm_server import _path_of
 from .shmcopy import copy_into
 from .shmtable import ONE_SIDED, SenderMap
 from .sockets import MAX_PEERS, SocketClient
-from .wire import (Kind, close_fds, decode_error, encode_request, map_os_error, pack, recv_exact,
+from .wire import (Kind, decode_error, encode_request, map_os_error, pack, recv_exact,
                    recv_header_fds, unpack_header)
 
 __all__ = ["OneSidedReads", "LIVENESS_EVERY"]

@@ -151,14 +151,17 @@ class ShmServer(SocketServer):
     def _segfd(self, conn: socket.socket, req_id: int, payload: bytes) -> None:
         """SEGFD: the descriptor of a segment a MAPPED reply on this connection named -- read-only
         unless a WMAP named it and the writer asks for a writable one; anything else refused."""
-        writable, name = payload[:1] == b"\x01", payload[1:].decode("ascii", "replace")
+        flag, name = payload[:1], payload[1:].decode("ascii", "replace")
+        writable = flag == b"\x01"
         with self._glock:
             shown = self._shown.get(conn)
             got = shown.get(name) if shown is not None else None
-        if got is None or len(payload) < 2 or payload[0] > 1 or (writable and not got[1]):
-            self._reply_error(conn, req_id, ProtocolError(
-                "SEGFD names no segment a reply on this connection named" if got is None or len(payload) < 2
-                else "SEGFD asks to write a segment this connection may only read"))
+        if got is None or flag not in (b"\x00", b"\x01"):
+            self._reply_error(conn, req_id, ProtocolError("SEGFD names no segment a reply on this connection named"))
+            return
+        if writable and not got[1]:
+            self._reply_error(conn, req_id, ProtocolError("SEGFD asks to write a segment this connection may "
+                                                          "only read"))
             return
         uid = peer_cred(conn)[1]
         if uid not in (os.geteuid(), 0):       # its segments are this user's alone (mode 0600)

@@ -83,8 +83,7 @@ class HandleTable:
         while n < 4 * num_blocks and n < MAX_SLOTS:
             n *= 2
         self.nslots = n
-        self.segment = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", HEAD_SIZE + n * SLOT,
-                                     create=True)
+        self.segment = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", HEAD_SIZE + n * SLOT)
         view = self.segment.view
         view[:HEAD.size] = HEAD.pack(MAGIC, n)
         self._view = view

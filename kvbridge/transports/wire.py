@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import array
 import enum
-import os
 import socket
 import struct
 import threading
@@ -51,6 +50,7 @@ import time
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 from ..blockcopy import NATIVE_WIRE_VERSION
+from ..segments import close_fds
 from ..errors import (ConnectionLost, FrameTooLarge, KVBridgeError, ProtocolError, StaleHandle,
                       TransferTimeout, Unvouched, error_from_code)
 from ..lease.base import Claim
@@ -558,14 +558,6 @@ def recv_header_fds(sock: socket.socket) -> tuple[bytes, list[int]]:
             close_fds(fds)
             raise
     return msg, fds
-
-
-def close_fds(fds: Sequence[int]) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:

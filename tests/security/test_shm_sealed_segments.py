@@ -17,9 +17,10 @@ import torch
 from loopback import held_descriptors
 
 from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
+from kvbridge.segments import close_fds
 from kvbridge.transports.shm_server import _path_of
-from kvbridge.transports.wire import (Kind, close_fds, decode_error, encode_request, pack, recv_exact,
-                                      recv_header_fds, unpack_header)
+from kvbridge.transports.wire import (Kind, decode_error, encode_request, pack, recv_exact, recv_header_fds,
+                                      unpack_header)
 
 pytestmark = pytest.mark.timeout(60)
 L = KVLayout.vllm_flash(2, 1, 8, block_size=2, dtype="float16")
@@ -274,7 +275,7 @@ def test_a_connection_may_ask_only_for_the_latest_segments_it_was_shown_and_forg
             k, _, n = unpack_header(head, data_ok=False)
             if n:
                 recv_exact(b, n)
-            close_fds(fds)
+            close_fds(list(fds))                                   # closed; the caller sees how many came
             return k, fds
         try:
             for seg in segs:
