@@ -15,104 +15,129 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kvbridge.workers.http import BodyError, Deadlines, HTTPServer, bind_socket, read_json
 
 __all__ = ["Mailbox", "MailboxClient"]
 
 log = logging.getLogger("kvbridge_sglang")
 KINDS = ("reservation", "aux", "fail")
-MAX_BODY = 16 << 20
+MAX_BODY = 16 << 20        # one entry: a reservation names every page of its request (page size 1: 128 K ids ~ 1 MB)
+BUDGET = 256 << 20         # every entry kept and every body being received, together
+ENTRY_COST = 256           # what an entry costs beyond its body (key, tuple, dict slot), counted against BUDGET
+MAX_ROOM_DIGITS = 20       # SGLang's rooms are 63-bit integers
+
+
+def _json(status: int, body: Any, **headers: str) -> Response:
+    return Response(json.dumps(body).encode(), status, headers=headers or None, media_type="application/json")
 
 
 class Mailbox:
-    """``PUT``/``GET``/``DELETE /kvbridge/<kind>/<room>``, JSON bodies, in memory."""
+    """``PUT``/``GET``/``DELETE /kvbridge/<kind>/<room>``, JSON object bodies, in memory.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl: float = 600.0) -> None:
-        self.ttl = ttl
-        self._data: dict[tuple[str, str], tuple[float, bytes]] = {}
+    The bootstrap port faces anyone who can reach it (SGLang binds it on every interface), so it
+    is served as kvbridge's workers are (:class:`kvbridge.workers.http.HTTPServer`: one event
+    loop, no thread per connection, at most ``max_connections``, clients slower than ``deadlines``
+    dropped)
+    and nothing is taken before it fits: a body must declare its length, at most ``max_body``
+    bytes, and is read only while the entries kept plus the bodies being received stay within
+    ``budget`` bytes (else 503 with ``Retry-After``); a room is a decimal integer. Entries expire
+    after ``ttl`` seconds."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, ttl: float = 600.0, max_body: int = MAX_BODY,
+                 budget: int = BUDGET, max_connections: Optional[int] = None,
+                 deadlines: Deadlines = Deadlines()) -> None:
+        self.ttl, self.max_body, self.budget = ttl, max_body, budget
+        self._data: dict[tuple[str, str], tuple[float, bytes]] = {}     # oldest first
+        self._held = 0              # bytes of entries kept and of bodies being received
         self._lock = threading.Lock()
-        box = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, fmt: str, *args: Any) -> None:   # quiet
-                return
-
-            def _key(self) -> Optional[tuple[str, str]]:
-                parts = self.path.strip("/").split("/")
-                if len(parts) != 3 or parts[0] != "kvbridge" or parts[1] not in KINDS + ("room",):
-                    return None
-                return parts[1], parts[2]
-
-            def _reply(self, code: int, body: bytes = b"") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def do_PUT(self) -> None:
-                key = self._key()
-                n = int(self.headers.get("Content-Length") or 0)
-                if key is None or key[0] == "room" or not 0 < n <= MAX_BODY:
-                    return self._reply(400, b'{"error": "bad request"}')
-                body = self.rfile.read(n)
-                try:
-                    json.loads(body)
-                except ValueError:
-                    return self._reply(400, b'{"error": "body is not JSON"}')
-                box._put(key, body)
-                self._reply(204)
-
-            def do_GET(self) -> None:
-                key = self._key()
-                got = box._get(key) if key is not None else None
-                if got is None:
-                    return self._reply(404)
-                self._reply(200, got)
-
-            def do_DELETE(self) -> None:
-                key = self._key()
-                if key is None or key[0] != "room":
-                    return self._reply(400)
-                box._drop(key[1])
-                self._reply(204)
-
-        self.server = ThreadingHTTPServer((host, port), Handler)
-        self.server.daemon_threads = True
-        self.host, self.port = self.server.server_address[:2]
-        self._thread = threading.Thread(target=self.server.serve_forever, name="kvbridge-sglang-bootstrap",
-                                        daemon=True)
-        self._thread.start()
+        app = Starlette(routes=[Route("/kvbridge/{kind}/{room}", self._serve, methods=["GET", "PUT", "DELETE"])])
+        self.http = HTTPServer(app, bind_socket(host, port, "--disaggregation-bootstrap-port"),
+                               name="kvbridge-sglang-bootstrap", deadlines=deadlines, max_connections=max_connections)
+        self.host, self.port = self.http.host, self.http.port
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def _sweep(self) -> None:
-        now = time.monotonic()
-        for k in [k for k, (t, _) in self._data.items() if now - t > self.ttl]:
-            del self._data[k]
+    async def _serve(self, request: Request) -> Response:
+        kind, room = request.path_params["kind"], request.path_params["room"]
+        if not (room.isdecimal() and room.isascii() and len(room) <= MAX_ROOM_DIGITS):
+            return _json(400, {"error": "a room is a decimal integer"})
+        if request.method == "DELETE":
+            if kind != "room":
+                return _json(400, {"error": "DELETE /kvbridge/room/<room> only"})
+            self._drop(room)
+            return Response(status_code=204)
+        if kind not in KINDS:
+            return _json(404, {"error": f"no such kind {kind!r}"})
+        if request.method == "GET":
+            got = self._get((kind, room))
+            return Response(status_code=404) if got is None else Response(got, media_type="application/json")
+        return await self._put(request, (kind, room))
 
-    def _put(self, key: tuple[str, str], body: bytes) -> None:
+    async def _put(self, request: Request, key: tuple[str, str]) -> Response:
+        try:
+            n = int(request.headers["content-length"])
+        except (KeyError, ValueError):
+            return _json(411, {"error": "a body must declare its Content-Length"})
+        if not 0 < n <= self.max_body:
+            return _json(413, {"error": f"a body is 1 to {self.max_body} bytes, not {n}"})
+        cost = n + ENTRY_COST
         with self._lock:
             self._sweep()
-            self._data[key] = (time.monotonic(), body)
+            if self._held + cost > self.budget:
+                return _json(503, {"error": "the bootstrap server holds as much as it may; try again"},
+                             **{"Retry-After": "1"})
+            self._held += cost          # taken before a byte of the body is read
+        try:
+            body = await read_json(request, n)
+        except BodyError as exc:
+            with self._lock:
+                self._held -= cost
+            return _json(exc.status, {"error": exc.message})
+        if not isinstance(body, dict):
+            with self._lock:
+                self._held -= cost
+            return _json(400, {"error": "the body must be a JSON object"})
+        raw = json.dumps(body).encode()
+        with self._lock:
+            old = self._data.pop(key, None)
+            self._held += len(raw) + ENTRY_COST - cost - (0 if old is None else len(old[1]) + ENTRY_COST)
+            self._data[key] = (time.monotonic(), raw)
+        return Response(status_code=204)
+
+    def _sweep(self) -> None:
+        """Drop expired entries (oldest first: the dict keeps them in the order they came)."""
+        now = time.monotonic()
+        while self._data:
+            key, (t, raw) = next(iter(self._data.items()))
+            if now - t <= self.ttl:
+                break
+            del self._data[key]
+            self._held -= len(raw) + ENTRY_COST
 
     def _get(self, key: tuple[str, str]) -> Optional[bytes]:
         with self._lock:
+            self._sweep()
             got = self._data.get(key)
         return None if got is None else got[1]
 
     def _drop(self, room: str) -> None:
         with self._lock:
             for kind in KINDS:
-                self._data.pop((kind, room), None)
+                old = self._data.pop((kind, room), None)
+                if old is not None:
+                    self._held -= len(old[1]) + ENTRY_COST
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self._thread.join(timeout=2)
+        self.http.close()
 
 
 class MailboxClient:

@@ -5,8 +5,9 @@ rank over buffers laid out as SGLang's MHA pool lays them out (per layer K and V
 
 Marker ``sglang``; skipped where SGLang is not importable. SGLang 0.5.23 pins torch 2.14.1 and
 CUDA packages: install it here with ``pip install --no-deps sglang==0.5.23`` plus its pure-Python
-imports, and put a ``torchvision`` stand-in on ``sys.path`` (``KVBRIDGE_SGLANG_STUBS``), as
-the README of ``adapters/kvbridge_sglang`` shows.
+imports, as the README of ``adapters/kvbridge_sglang`` shows; where ``torchvision`` is missing
+(its wheels here are CUDA builds) the stand-in in ``_torchvision_standin`` goes on ``sys.path``
+(``KVBRIDGE_SGLANG_STUBS`` names another).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ import pytest
 import torch
 
 if os.environ.get("KVBRIDGE_SGLANG_STUBS"):
+    sys.path.insert(0, os.environ["KVBRIDGE_SGLANG_STUBS"])
+elif importlib.util.find_spec("sglang") is not None and importlib.util.find_spec("torchvision") is None:
+    # SGLang's engine modules import torchvision; where only CUDA builds of it install, the
+    # stand-in here (image preprocessing fails loudly; the KV transfer never uses it)
+    os.environ["KVBRIDGE_SGLANG_STUBS"] = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                       "_torchvision_standin")
     sys.path.insert(0, os.environ["KVBRIDGE_SGLANG_STUBS"])
 
 pytestmark = [pytest.mark.sglang, pytest.mark.timeout(120),
