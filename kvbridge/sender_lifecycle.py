@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from .errors import LeaseStoreUnavailable, PoolError, StaleHandle
+from .errors import KVBridgeError, LeaseStoreUnavailable, PoolError, StaleHandle
 from .handle import KVHandle
 from .lease import Claim, LeaseState, LeaseStore
 from .logs import RateLimitedLog
@@ -107,6 +107,7 @@ class SenderLifecycle:
             # of a revoke that found the lease server down, none is tried: each would wait out its
             # retries (a close() or sweep of many handles took minutes); freeing at the deadline is safe.
             down = time.monotonic() < self._lease_down_until
+            why = "lease server down"
             try:
                 if not down:
                     self.leases.revoke(rec.handle.lease_id, self.owner)
@@ -114,10 +115,14 @@ class SenderLifecycle:
                 down, self._lease_down_until = True, time.monotonic() + LEASE_DOWN_WAIT
             except StaleHandle:
                 pass   # already gone in Redis
+            except KVBridgeError as exc:
+                # refused (the server lost kvbridge's user, a script error): the lease may still be
+                # live there, and ends at its TTL like one the owner cannot reach
+                down, why = True, f"the lease server refused it: {exc}"
             if down:
                 if time.monotonic() < rec.deadline:
-                    _limited.log(logging.WARNING, "revoke", "cannot revoke %s (lease server down); freeing at "
-                                 "its deadline", rec.handle.request_id)
+                    _limited.log(logging.WARNING, "revoke", "cannot revoke %s (%s); freeing at its deadline",
+                                 rec.handle.request_id, why)
                     with self._lock:
                         rec.free_after = rec.deadline
                         rec.revoking = False
@@ -188,7 +193,9 @@ class SenderLifecycle:
             self._lock.notify_all()
 
     def _sweep_loop(self) -> None:
-        """Local deadlines: expire unreleased handles; free revoked ones Redis never heard of."""
+        """Local deadlines: expire unreleased handles; free revoked ones Redis never heard of.
+        This thread alone frees at deadlines: an unexpected error ending one handle is logged,
+        and the others (and later rounds) go on."""
         while True:
             with self._lock:
                 if self._ended_all and not self._pending:
@@ -206,9 +213,16 @@ class SenderLifecycle:
                     self._lock.wait(timeout=max(0.005, min(1.0, nxt - now)))
                     continue
             for r in ripe:
-                self._free(r)
+                self._guarded(self._free, r)
             for r in due:
-                self._end(r, "expired")
+                self._guarded(self._end, r, "expired")
+
+    @staticmethod
+    def _guarded(fn: Callable[..., object], rec: Record, *args: object) -> None:
+        try:
+            fn(rec, *args)
+        except Exception:
+            log.exception("ending %s at its deadline failed", rec.handle.request_id)
 
     def _lease_ref(self, lease_id: str) -> str:
         return self.leases.ref(lease_id) if self.leases is not None else lease_id
@@ -231,6 +245,9 @@ class SenderLifecycle:
                     self._sweep_leases()
             except LeaseStoreUnavailable as exc:
                 _limited.log(logging.WARNING, "unreachable", "lease server unreachable: %s", exc)
+                time.sleep(0.2)
+            except KVBridgeError as exc:   # refused (credentials, ACL): says so, not 5 times a second
+                _limited.log(logging.ERROR, "refused", "lease watcher: %s", exc)
                 time.sleep(0.2)
             except Exception:   # never let the watcher die silently
                 log.exception("lease watcher error")

@@ -41,3 +41,56 @@ def test_readme_acl_line_suffices(own_server: EmbeddedRedis) -> None:
     user = redis.Redis.from_url(url)
     with pytest.raises(redis.exceptions.NoPermissionError):
         user.get("someone-else:key")
+
+
+def test_readme_acl_line_takes_a_client_name(own_server: EmbeddedRedis) -> None:
+    """A lease URL may carry ``client_name`` (the README): the line allows naming the connection."""
+    line = re.search(r"`(ACL SETUSER kvbridge [^`]+)`", README.read_text())
+    assert line
+    redis.Redis.from_url(own_server.auth_url).execute_command(*line.group(1).replace("PASSWORD", "s3").split())
+    url = f"redis://kvbridge:s3@127.0.0.1:{own_server.port}/0?client_name=decode-7"
+    with RedisLeaseStore(url, namespace="kvb") as store:
+        store.publish("lease-n", "owner", 5)
+        assert store.claim("lease-n", "dec", 5).fence > Fence.ZERO
+
+
+def test_a_revoke_the_server_refuses_frees_at_the_deadline_and_the_sweeper_lives_on(
+        own_server: EmbeddedRedis) -> None:
+    """The lease server loses kvbridge's user (a restart after a runtime ``ACL SETUSER``): a revoke
+    at a handle's deadline is refused with a ConfigError. The handle is still freed at its deadline
+    (the lease ends at its TTL in Redis), and handles published once the user is back are freed
+    at theirs: the one thread that frees at deadlines survives the refusal."""
+    import time
+
+    from kvbridge import KVLayout, KVPool, KVSender
+    from kvbridge.policy import Backoff, Retry
+    line = re.search(r"`(ACL SETUSER kvbridge [^`]+)`", README.read_text())
+    assert line
+    setuser = line.group(1).replace("PASSWORD", "pw").split()
+    admin = redis.Redis.from_url(own_server.auth_url)
+    admin.execute_command(*setuser)
+    freed: list[tuple[str, str]] = []
+    pool = KVPool.allocate(KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16"), 8)
+    store = RedisLeaseStore(f"redis://kvbridge:pw@127.0.0.1:{own_server.port}/0",
+                            retry=Retry(attempts=2, backoff=Backoff(0.01, 0.05), deadline=1))
+    snd = KVSender(pool, "tcp://127.0.0.1:0", leases=store, ttl=0.6, clock_margin=0.1,
+                   on_free=lambda h, r: freed.append((h.request_id, r)))
+    try:
+        b1 = pool.alloc(2)
+        snd.publish("r1", b1, 8)
+        admin.execute_command("ACL", "DELUSER", "kvbridge")
+        deadline = time.monotonic() + 5
+        while not freed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert freed == [("r1", "expired")] and [pool.refcount(b) for b in b1] == [0, 0]
+        admin.execute_command(*setuser)
+        b2 = pool.alloc(2)
+        snd.publish("r2", b2, 8)
+        deadline = time.monotonic() + 5
+        while len(freed) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert freed[1:] == [("r2", "expired")] and [pool.refcount(b) for b in b2] == [0, 0]
+    finally:
+        snd.close()
+        store.close()
+        pool.close()
