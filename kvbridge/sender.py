@@ -238,10 +238,11 @@ class KVSender(SenderServing):
                 checksums=(tuple(block_checksums(self.pool, ids)) if self.checksums and not layerwise
                            and frames is None else ()),
                 num_tokens=num_tokens, codec=codec, token=os.urandom(16), layerwise=layerwise)
-            sent_at = time.monotonic()
+            sent_at = answered_at = time.monotonic()
             expires_at_ms = int((time.time() + ttl) * 1000)
             if self.leases is not None and leased:
                 lease = self.leases.publish(bare.lease_digest(), self.owner, ttl, num_blocks=len(ids))
+                answered_at = time.monotonic()     # the server set the expiry before this
                 lease_id = lease.lease_id
                 bare = replace(bare, lease_id=lease.lease_id, lease_url=str(getattr(self.leases, "url", "")),
                                fence_epoch=lease.fence.epoch, fence=lease.fence.counter)
@@ -252,7 +253,7 @@ class KVSender(SenderServing):
         except BaseException:
             self._give_back(ids, frames, lease_id)
             raise
-        deadline = owner_deadline(sent_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
+        deadline = owner_deadline(answered_at, ttl, margin_s=self.clock_margin) if bare.lease_id else sent_at + ttl
         # the whole-read spans are made now, with the record: a read allocates nothing that
         # outlives it (survivors of the read path would wake the collector over the whole heap)
         rec = Record(handle, raw, ids, deadline, ready=0 if layerwise else L.num_layers,
@@ -450,7 +451,7 @@ class KVSender(SenderServing):
         sent_at = time.monotonic()
         if self.leases is not None and rec.handle.lease_id:
             self.leases.renew(rec.handle.lease_id, self.owner, ttl)
-            rec.deadline = max(rec.deadline, owner_deadline(sent_at, ttl, margin_s=self.clock_margin))
+            rec.deadline = max(rec.deadline, owner_deadline(time.monotonic(), ttl, margin_s=self.clock_margin))
             rec.alive_until = max(rec.alive_until, holds_until(sent_at, ttl, margin_s=self.clock_margin))
         else:
             rec.deadline = max(rec.deadline, sent_at + ttl)

@@ -10,9 +10,10 @@ Clock assumptions
   expiry, and only the owner extends the lease. So the owner always knows the
   latest moment at which any claimer's ``validate`` can still succeed.
 * An owner that cannot reach the server frees its blocks only after its *local
-  deadline*: the monotonic time taken just **before** sending the publish or
-  renew call, plus the TTL stretched by a clock-rate margin, plus a fixed margin
-  (:func:`owner_deadline`). The server set its expiry after that send, so its
+  deadline*: the monotonic time taken just **after** the publish or renew call's
+  answer arrived, plus the TTL stretched by a clock-rate margin, plus a fixed margin
+  (:func:`owner_deadline`). The server set its expiry (its own clock at the script,
+  plus the TTL) before that answer, however long the call waited in queues, so its
   expiry is earlier than the local deadline as long as the two clocks' rates
   differ by less than ``rate_margin``. Any validate after that point reaches the
   server, where the lease has expired or been lost: freeing is safe (invariant 1).
@@ -135,15 +136,18 @@ class LeaseStats:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def owner_deadline(sent_at: float, ttl_s: float, *, margin_s: float = 1.0,
+def owner_deadline(answered_at: float, ttl_s: float, *, margin_s: float = 1.0,
                    rate_margin: float = 0.01) -> float:
     """The owner's local (``time.monotonic()``) deadline for a lease.
 
-    ``sent_at`` is ``time.monotonic()`` taken *before* the publish/renew call was
-    sent. Past this point the server has certainly expired the lease, so an owner
-    cut off from the server may free the blocks. Keep the maximum over renewals.
+    ``answered_at`` is ``time.monotonic()`` taken *after* the publish/renew call's answer
+    arrived: the server started the TTL before then (taken before the call was sent instead,
+    a call that waited in a stalled server started its TTL later than the owner counted, and
+    the owner freed blocks whose lease the server still honoured). Past the returned time the
+    server has certainly expired the lease, so an owner cut off from the server may free the
+    blocks. Keep the maximum over renewals.
     """
-    return sent_at + ttl_s * (1.0 + rate_margin) + margin_s
+    return answered_at + ttl_s * (1.0 + rate_margin) + margin_s
 
 
 def holds_until(sent_at: float, ttl_s: float, *, margin_s: float = 1.0, rate_margin: float = 0.01) -> float:

@@ -214,3 +214,47 @@ def test_default_url_is_shared_and_resolved() -> None:
     with open_lease_store(None, namespace="dflt") as s:
         lease = s.publish("x", "owner", ttl_s=5)
         assert lease.fence != Fence.ZERO
+
+
+def test_an_owner_cut_off_after_a_stalled_publish_frees_only_after_redis_expired_the_lease(
+        own_server: EmbeddedRedis) -> None:
+    """The lease server stalls 1.5 s while a publish (ttl 1 s) waits in it, so it starts the TTL
+    1.5 s after the owner sent the call; then the owner loses the server (its ACL user deleted:
+    every call refused). The owner frees the blocks at its local deadline -- counted from the
+    publish's answer, not its send -- and by then the server has expired the lease: no claimer
+    can claim what was freed."""
+    import os
+    import signal
+    import threading
+
+    from kvbridge import KVLayout, KVPool, KVSender
+    from kvbridge.policy import Backoff, Retry
+    admin = redis.Redis.from_url(own_server.auth_url)
+    admin.execute_command("ACL", "SETUSER", "owner", "on", ">pw", "~*", "&*", "+@all")
+    owner = RedisLeaseStore(f"redis://owner:pw@127.0.0.1:{own_server.port}/0",
+                            retry=Retry(attempts=2, backoff=Backoff(0.01, 0.05), deadline=1))
+    claimer = RedisLeaseStore(own_server.url)
+    freed: list[tuple[str, bool]] = []
+    pool = KVPool.allocate(KVLayout.vllm_flash(2, 1, 8, block_size=4, dtype="float16"), 8)
+
+    def on_free(h: Any, reason: str) -> None:   # is the lease still live in the server as the blocks go?
+        freed.append((reason, claimer.get(h.lease_id) is not None))
+
+    snd = KVSender(pool, "tcp://127.0.0.1:0", leases=owner, ttl=1.0, clock_margin=0.1, on_free=on_free)
+    try:
+        owner.get("warm-up")                          # the owner's connection is made
+        os.kill(own_server.pid, signal.SIGSTOP)
+        threading.Timer(1.5, os.kill, (own_server.pid, signal.SIGCONT)).start()
+        h = snd.publish("req", pool.alloc(2), 8)      # run by the server about 1.5 s after it was sent
+        admin.execute_command("ACL", "DELUSER", "owner")
+        deadline = time.monotonic() + 8
+        while not freed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert freed == [("expired", False)], freed   # freed, and the lease was gone by then
+        with pytest.raises((LeaseNotFound, LeaseExpired)):
+            claimer.claim(h.lease_id, "decoder", 30)
+    finally:
+        snd.close()
+        owner.close()
+        claimer.close()
+        pool.close()
