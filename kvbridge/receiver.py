@@ -47,7 +47,7 @@ from .frames import check_codec
 from .handle import KVHandle, check_secret, check_ttl
 from .lease import Claim, LeaseStore
 from .metrics import ReceiverStats
-from .policy import Retry, Timeout
+from .policy import Retry, Timeout, _seconds
 from .pool import KVPool, LandingMark, block_id_list
 from .receiver_pipeline import ReceiverPipeline, _Job as _Job
 from .releases import AfterRead, Recent, Releaser, claim_batch, release_batch
@@ -89,6 +89,8 @@ class KVReceiver(ReceiverPipeline):
             raise ConfigError(f"KVReceiver(pool): an open KVPool, not {got}")
         check_secret("KVReceiver", secret)
         check_ttl("KVReceiver(reservation_ttl)", reservation_ttl)
+        check_ttl("KVReceiver(claim_ttl)", claim_ttl)      # 0 or less: every leased fetch lapsed its claim
+        _seconds("KVReceiver", "clock_margin", clock_margin, zero=True)
         self.pool = pool
         self._closed = False
         self.claimer = claimer or f"receiver-{socket.gethostname()}-{os.getpid()}-{os.urandom(12).hex()}"

@@ -47,7 +47,7 @@ from .handle import KVHandle, check_secret, check_ttl
 from .integrity import block_checksums, layer_checksums
 from .lease import Claim, LeaseStore, holds_until, owner_deadline
 from .metrics import SenderStats
-from .policy import Retry, Timeout
+from .policy import Retry, Timeout, _seconds
 from .pool import KVPool, block_id_list, whole_number
 from .published import Deadlines, Record, parse_ticket
 from .pushing import run_push
@@ -88,6 +88,8 @@ class KVSender(SenderServing):
             raise ConfigError(f"KVSender(pool): an open KVPool, not {got}")
         check_secret("KVSender", secret)
         check_ttl("KVSender", ttl)
+        check_ttl("KVSender(claim_ttl)", claim_ttl)
+        _seconds("KVSender", "clock_margin", clock_margin, zero=True)
         if codec != "auto":
             check_codec(codec)
         elif link_gbps is None:

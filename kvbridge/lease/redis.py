@@ -46,6 +46,7 @@ from redis.retry import Retry as _SyncRedisRetry
 from redis.asyncio.retry import Retry as _AsyncRedisRetry
 
 from ..errors import ConfigError, LeaseError, ProtocolError
+from ..handle import MAX_TTL
 from .credentials import with_password
 from ..policy import Backoff, Retry
 from . import _scripts
@@ -69,8 +70,12 @@ def _lease(view: str, lease_id: str = "") -> Lease:
 
 
 def _ms(seconds: float, what: str) -> int:
+    """Milliseconds of a TTL, checked before any script runs: a script refused halfway (a TTL
+    too large for PEXPIREAT) left its first writes -- a lease key without expiry -- behind."""
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ConfigError(f"{what} must be > 0 seconds, got {seconds!r}")
+    if seconds > MAX_TTL:
+        raise ConfigError(f"{what} must be at most {MAX_TTL:.0f} seconds, got {seconds!r}")
     return max(1, int(seconds * 1000))
 
 

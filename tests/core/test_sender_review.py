@@ -219,6 +219,30 @@ def test_a_ttl_that_means_nothing_is_refused_before_anything_is_taken(ttl: float
             snd.renew(h, ttl)
     with pytest.raises(ConfigError, match="ttl"):
         KVSender(pool, "tcp://127.0.0.1:0", leases=False, ttl=ttl)
+    # a claim TTL of 0 or less made every leased fetch lapse its claim and report re-prefill (nan and
+    # inf raised raw ValueError / OverflowError from the fetch); a clock margin must be a duration
+    from kvbridge import KVReceiver
+    for make in (lambda **kw: KVReceiver(pool, **kw), lambda **kw: KVSender(pool, "tcp://127.0.0.1:0", leases=False,
+                                                                            **kw)):
+        with pytest.raises(ConfigError, match="claim_ttl"):
+            make(claim_ttl=ttl)
+        if ttl != 0.0:
+            with pytest.raises(ConfigError, match="clock_margin"):
+                make(clock_margin=ttl)
+    pool.close()
+
+
+def test_a_lease_ttl_too_large_for_the_server_is_refused_before_any_write() -> None:
+    """A store given a TTL past what PEXPIREAT takes ran its script's first writes and then failed:
+    a lease key with no expiry, a fence consumed, the id unusable. Refused before the call now."""
+    import redis
+
+    from kvbridge.lease import EmbeddedRedis, RedisLeaseStore
+    with EmbeddedRedis() as server, RedisLeaseStore(server.url, namespace="bigttl") as store:
+        with pytest.raises(ConfigError, match="at most"):
+            store.publish("big", "own", 1e16)
+        assert not redis.Redis.from_url(server.auth_url).keys("{bigttl}:*")
+        assert store.publish("big", "own", 10).ttl_ms_left > 0
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0?foo=bar", "http://127.0.0.1:1/"])
