@@ -90,7 +90,7 @@ def whole_number(x: Any) -> Optional[int]:
 
 def block_id_list(block_ids: Iterable[Any], what: str) -> list[int]:
     """``block_ids`` as a list of ints: Python, numpy or 0-d tensor integers (``operator.index``);
-    anything else -- a float, a string -- is refused, not rounded into another block."""
+    anything else -- a float, a string, a bool -- is refused, not rounded into another block."""
     try:
         items = iter(block_ids)
     except TypeError:
@@ -98,10 +98,10 @@ def block_id_list(block_ids: Iterable[Any], what: str) -> list[int]:
                         f"{block_ids!r:.40}") from None
     out = []
     for b in items:
-        try:
-            out.append(operator.index(b))
-        except TypeError:
-            raise PoolError(f"{what}: block ids must be integers, got {b!r}") from None
+        i = whole_number(b)
+        if i is None:
+            raise PoolError(f"{what}: block ids must be integers, got {b!r:.40}")
+        out.append(i)
     return out
 
 

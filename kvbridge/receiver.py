@@ -186,7 +186,7 @@ class KVReceiver(ReceiverPipeline):
             raise LayoutMismatch(
                 f"handle layout {h.layout_hash} != this pool's {self.pool.layout.compat_hash} "
                 f"({self.pool.layout.to_dict()})")
-        idx = None if indices is None else [int(i) for i in indices]
+        idx = None if indices is None else block_id_list(indices, "indices")   # 1.9 is not index 1
         if h.codec != "raw":
             check_codec(h.codec)          # unknown, or its extra missing: refused here, never misread
             if idx is not None:

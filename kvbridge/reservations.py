@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Optional
 
 from .errors import (AccessDenied, BadHandle, ConfigError, HandleNotFound, IntegrityError, KVBridgeError,
-                     LeaseExpired, PoolError, ProtocolError, RetryableError, StaleHandle, TransferCancelled)
+                     LeaseExpired, ProtocolError, RetryableError, StaleHandle, TransferCancelled)
 from .handle import KVHandle, check_ttl, lookup_ticket
 from .integrity import StreamVerifier, layer_checksums, unpack_sums
 from .lease import Claim, LeaseStore
-from .pool import whole_number
+from .pool import retired_during, whole_number
 from .transfer import FetchResult, Transfer
 from .transports.base import Spans
 
@@ -243,8 +243,7 @@ class ReservationDesk:
             unmark()
         res = FetchResult(rec.ticket, list(rec.dst), nbytes=rec.nbytes, attempts=rec.writes, error=error)
         if error is None and self.r.pool.generations(rec.dst) != rec.gens:
-            res.error = PoolError(f"reserved blocks of {rec.ticket.request_id!r} were freed or retired during "
-                                  "the push; their contents are not this request's KV")
+            res.error = retired_during(rec.ticket.request_id)     # the engine gave them up: REPREFILL, as a pull
         res.ok = res.error is None
         if not res.ok:
             res.failed_block_ids = list(rec.dst)

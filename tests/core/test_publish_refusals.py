@@ -59,6 +59,15 @@ def test_block_ids_must_be_integers_not_rounded() -> None:
         assert h.block_ids == (1, 2)
         with pytest.raises(PoolError, match="integers"):
             rcv.fetch(h, [1.9, 2.9])
+        for bad in ([1.9], ["1"], [True]):              # int(1.9) fetched the handle's block 1
+            with pytest.raises(PoolError, match="integers"):
+                rcv.fetch(h, [5], indices=bad)
+            with pytest.raises(PoolError, match="integers"):
+                rcv.start_fetch(h, [5], indices=bad)
+        with pytest.raises(PoolError, match="integers"):
+            rcv.fetch(h, [True, 5])
+        assert rcv.fetch(h, [6], indices=[np.int64(1)], release=False).ok
+        assert torch.equal(dst.buffers[0][:, 6], src.buffers[0][:, 2])
         assert rcv.fetch(h, [np.int32(4), 5]).ok
 
 
@@ -73,6 +82,24 @@ def test_a_destination_the_engine_retires_mid_fetch_is_a_cancel_not_a_call_to_fi
         res = t.result(10)
         assert isinstance(res.error, TransferCancelled) and res.action is Action.REPREFILL, repr(res.error)
         assert "freed or retired" in str(res.error)
+
+
+@pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "shm://", "inproc://retired-push"])
+def test_a_reserved_block_the_engine_retires_mid_push_is_a_cancel_too(listen: str) -> None:
+    """The same for a push: the reservation ended PoolError (FIX) where a pull ends
+    TransferCancelled (REPREFILL), though nothing in the call was wrong."""
+    src = KVPool.allocate(L, 4, allocator="engine")
+    dst = KVPool.allocate(L, 4, allocator="engine", shared=listen.startswith("shm"))
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False) as snd, KVReceiver(dst, listen=listen, leases=False) as rcv:
+        rt = rcv.reserve([2, 3], "push-req")
+        pt = snd.push(rt.reservation, [0, 1], layers_ready=1)
+        assert rt.wait_layer(0, 5)
+        dst.retire([3])
+        snd.mark_ready(pt, 3)
+        res = rt.result(10)
+        assert isinstance(res.error, TransferCancelled) and res.action is Action.REPREFILL, repr(res.error)
+        assert "freed or retired" in str(res.error) and res.failed_block_ids == [2, 3]
+        assert pt.result(10) is not None and dst.landing() == []
 
 
 def test_with_a_persistent_secret_a_handle_from_before_a_restart_is_not_found() -> None:
