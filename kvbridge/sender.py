@@ -411,7 +411,7 @@ class KVSender(SenderServing):
         h = self._publish(res.request_id, block_ids, n, ttl, L.num_layers if layers_ready is None else layers_ready,
                           leased=False)
         t = Transfer(res.request_id, L.num_layers, lambda t: self._run_push(t, h, res))
-        t.handle = h
+        t.handle, t.ends_itself = h, True    # cancelled before it started, it still ends h and tells the receiver
         self.stats.add(pushes=1)
         with self._lock:   # submitted before close() stops the workers; else it fails here, at once
             if not self._closed:

@@ -143,6 +143,9 @@ class Transfer:
         # the job's last word, run by the same thread once the result is out (a failed push
         # telling its receiver, which may be silent for Timeout.transfer)
         self._then: Optional[Callable[[], None]] = None
+        # a push: its job ends its handle and tells the receiver, so it runs even when cancelled
+        # before a worker took it (then at once, with the cancel set)
+        self.ends_itself = False
 
     # -- the running side ----------------------------------------------------------------
     def _take(self) -> bool:
@@ -298,8 +301,15 @@ class Transfer:
         return self._state is TransferState.CANCELLED
 
     def _stop(self) -> None:
-        """Ask the transfer to stop, without waiting: one never started ends here, cancelled."""
+        """Ask the transfer to stop, without waiting: one never started ends here, cancelled
+        (one that ``ends_itself`` runs its job now, on a thread of its own: the caller may be an
+        event loop, and the job's cleanup may wait on a peer)."""
         self.cancel_event.set()
+        if self.ends_itself:
+            if not self._taken:            # a worker that takes it meanwhile runs it; _run runs it once
+                threading.Thread(target=self._run, kwargs={"inline": True}, name="kvb-cancelled",
+                                 daemon=True).start()
+            return
         if self._take():                   # never started: end it here
             if self._on_cancel is not None:
                 self._on_cancel(self)

@@ -181,3 +181,34 @@ def test_an_shm_sender_forgotten_under_one_url_is_forgotten_under_all() -> None:
             s.close()
         rcv.close()
         snd.close()
+
+
+@pytest.mark.parametrize("leased", [False, True])
+def test_a_push_cancelled_before_a_worker_took_it_ends_its_handle_and_tells_the_receiver(leased: bool) -> None:
+    """cancel() of a push still queued ended its Transfer there: its job -- which ends the sender's
+    handle (on_free "aborted") and gives the reservation up (WABORT) -- never ran, so the source
+    blocks stayed pinned and the reserved blocks held until their TTLs, and the cancelled result
+    named the local handle and the source ids instead of the reservation and its blocks."""
+    from kvbridge.transfer import TransferState, Workers
+    spool, rpool = KVPool.allocate(L, 8, allocator="engine"), KVPool.allocate(L, 8)
+    freed: list[str] = []
+    leases: Any = None if leased else False
+    with KVReceiver(rpool, listen="tcp://127.0.0.1:0", leases=leases) as rcv, \
+            KVSender(spool, "tcp://127.0.0.1:0", leases=leases, ttl=60,
+                     on_free=lambda h, why: freed.append(why)) as snd:
+        snd._workers.close()
+        snd._workers = Workers("kvb-push-test", max_workers=1)     # one worker: the second push waits
+        busy_rt = rcv.reserve(rpool.alloc(1), "busy")
+        busy = snd.push(busy_rt.reservation, [0], layers_ready=0)  # holds the worker: no layer is ready
+        rt = rcv.reserve(rpool.alloc(2), "queued")
+        t = snd.push(rt.reservation, [1, 2])
+        assert t.state is TransferState.PENDING
+        assert t.cancel(5)
+        res = t.result(5)
+        assert isinstance(res.error, TransferCancelled), repr(res.error)
+        assert res.handle.reservation and res.dst_block_ids == list(rt.reservation.block_ids)
+        assert freed == ["aborted"] and spool.refcount(1) == spool.refcount(2) == 0
+        r = rt.result(5)                          # told at once, not at the reservation's TTL
+        assert not r.ok and rpool.landing() == list(busy_rt.reservation.block_ids)   # the busy one only
+        busy.cancel(5)
+        assert busy_rt.result(5) is not None
