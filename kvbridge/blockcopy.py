@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import xxhash
 
+from .hostlimits import cpu_quota
+
 if TYPE_CHECKING:
     from .pool import KVPool
 
@@ -59,45 +61,6 @@ if not os.environ.get("KVBRIDGE_NO_NATIVE"):
 NATIVE: bool = _native is not None
 # the frame version the extension's socket calls speak (0: a build from before it said so)
 NATIVE_WIRE_VERSION: Optional[int] = getattr(_native, "WIRE_VERSION", 0) if NATIVE else None
-
-
-def cpu_quota(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> Optional[float]:
-    """The CPUs this process's cgroup may use, by its CPU quota: the least ``quota / period``
-    of its cgroup and their ancestors (cgroup v2 ``cpu.max``; v1 ``cpu.cfs_quota_us`` over
-    ``cpu.cfs_period_us``); None where no quota is set or none can be read."""
-    try:
-        with open(proc_cgroup) as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    found: list[float] = []
-    for line in lines:
-        hier, _, rest = line.partition(":")
-        ctrls, _, path = rest.partition(":")
-        if hier == "0" and ctrls == "":      # v2: at the root, or at unified/ beside v1's
-            v2 = True
-            base = root if os.path.exists(os.path.join(root, "cgroup.controllers")) else os.path.join(root, "unified")
-        elif "cpu" in ctrls.split(","):
-            base, v2 = os.path.join(root, ctrls), False
-        else:
-            continue
-        parts = [p for p in path.split("/") if p]
-        for depth in range(len(parts), -1, -1):      # the cgroup, then each ancestor
-            d = os.path.join(base, *parts[:depth])
-            try:
-                if v2:
-                    with open(os.path.join(d, "cpu.max")) as f:
-                        q, per = (f.read().split() + ["", ""])[:2]
-                else:
-                    with open(os.path.join(d, "cpu.cfs_quota_us")) as f:
-                        q = f.read().strip()
-                    with open(os.path.join(d, "cpu.cfs_period_us")) as f:
-                        per = f.read().strip()
-            except (OSError, ValueError):
-                continue
-            if q.isdigit() and per.isdigit() and int(q) > 0 and int(per) > 0:     # not "max" nor -1
-                found.append(int(q) / int(per))
-    return min(found) if found else None
 
 
 def _default_copy_threads() -> int:

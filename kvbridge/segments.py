@@ -6,6 +6,7 @@ control socket (``SEGFD``), and what a peer's side checks of one (:func:`check_s
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -20,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from .errors import ConfigError, ProtocolError, StaleHandle
+from .errors import ConfigError, PoolError, ProtocolError, StaleHandle
 
 __all__ = ["SharedSegment", "check_segment_name", "close_fds", "peer_cred", "sweep_dead_segments"]
 
@@ -114,6 +115,9 @@ class SharedSegment:
             self._map(fd, size)
         except OSError as exc:      # no memory or descriptors left: nothing left behind, a mapped error
             os.close(fd)
+            if exc.errno in (errno.ENOMEM, errno.ENOSPC):
+                raise PoolError(f"cannot make shared memory {name} of {size} bytes: {exc}",
+                                hint="allocate fewer blocks") from None
             raise ConfigError(f"cannot make shared memory {name} of {size} bytes: {exc}") from None
         self.fd = fd
         self._fds = [fd]                  # every descriptor this segment holds: closed once, by close or GC

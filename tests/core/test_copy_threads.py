@@ -460,7 +460,7 @@ def test_the_cpu_quota_is_read_from_cgroup_v2_and_v1(tmp_path):
     allowed one CPU's time (cpu.max "100000 100000") gets no helper even on a many-core
     affinity. v2 reads cpu.max of the cgroup and its ancestors (the least counts); v1 reads
     cpu.cfs_quota_us / cpu.cfs_period_us; "max" and -1 are no quota."""
-    from kvbridge.blockcopy import cpu_quota
+    from kvbridge.hostlimits import cpu_quota
     v2 = {"cgroup.controllers": "cpu", "cpu.max": "max 100000\n", "kube/cpu.max": "250000 100000\n",
           "kube/pod/cpu.max": "max 100000\n"}
     assert cpu_quota(*_tree(tmp_path / "a", v2, "0::/kube/pod\n")) == 2.5

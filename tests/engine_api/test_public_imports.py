@@ -14,7 +14,7 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PUBLIC_MODULES = {"kvbridge", "kvbridge.errors", "kvbridge.layout", "kvbridge.policy", "kvbridge.lease",
                   "kvbridge.transports", "kvbridge.workers.model", "kvbridge.workers.engine",
-                  "kvbridge.workers.http"}   # the guarded HTTP serving an adapter's own endpoint uses (SGLang's bootstrap)
+                  "kvbridge.workers.http"}   # guarded HTTP serving, for an adapter's own endpoint
 
 
 def _sources() -> list[pathlib.Path]:
