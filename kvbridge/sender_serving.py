@@ -159,9 +159,9 @@ class SenderServing(SenderLifecycle):
             packed = blockcopy.planes(pool)
         except PoolError:                                 # a closed pool: the reader receives
             return False
-        served, used, got, count = blockcopy.serve_next(fd, reader.buf, self._small, ID_OFFSET, pool.live_generations,
-                                                        packed, pool.layout.part_nbytes, pool, pinned,
-                                                        self.stats._native)
+        served, used, got, count = blockcopy.serve_next(fd, reader.ready(), self._small, ID_OFFSET,
+                                                        pool.live_generations, packed, pool.layout.part_nbytes,
+                                                        pool, pinned, self.stats._native)
         del pinned
         if got < 0:
             if got == -3:

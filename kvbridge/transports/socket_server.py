@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import queue
+import select
 import selectors
 import socket
 import threading
@@ -38,6 +39,7 @@ DISCARD_LIMIT = 4 << 20    # a refused write's bytes up to this are skipped (at 
 MAX_CONNECTIONS = 4096     # per server; one more is answered with an error and closed
 WORKERS = 64               # threads serving active connections, per server
 PARK_AFTER = 0.25          # seconds idle before a connection leaves its worker for the selector
+PARK_LOOK = 0.1            # seconds between the selector's looks for parked connections past a deadline
 CONTROL_BUDGET = 64 << 20  # control-frame bytes all connections of a server may buffer at once
 MAX_PING = 64              # PING payload echoed back, at most
 ACCEPT_BACKOFF = 0.05     # seconds the accept loop waits after a failed accept (no fds left)
@@ -49,6 +51,13 @@ _MORE = getattr(socket, "MSG_MORE", 0)   # tcp: hold a reply's tail until its tr
 
 
 _NO_FENCE = FENCE.pack(0, 0)    # the reply to a read that was not leased
+
+
+def _readable(conn: socket.socket, timeout: float) -> bool:
+    """Whether bytes (or EOF) came on ``conn`` within ``timeout`` seconds."""
+    p = select.poll()
+    p.register(conn, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return bool(p.poll(timeout * 1000))
 
 
 def tune(sock: socket.socket) -> None:
@@ -100,7 +109,7 @@ class SocketServer(Server):
             listener.close()
             raise ConfigError(f"cannot serve {url}: {exc}") from None
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._parked: dict[socket.socket, float] = {}
+        self._parked: dict[socket.socket, tuple[float, FrameReader]] = {}   # since, reader
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
         self._thread.start()
         self._poller = threading.Thread(target=self._poll_loop, name=f"kvb-idle {url}", daemon=True)
@@ -148,7 +157,8 @@ class SocketServer(Server):
                 conn.close()
                 continue
             set_os_timeouts(conn, self._tick)
-            self._dispatch(conn, FrameReader(conn, frame_timeout=self.timeout.transfer, budget=self._budget))
+            # parked until its first bytes come: no thread and no buffer before then
+            self._park(conn, FrameReader(conn, frame_timeout=self.timeout.transfer, budget=self._budget, nowait=True))
 
     def _dispatch(self, conn: socket.socket, reader: FrameReader) -> None:
         """Hand a connection with work (or a new one) to a worker, starting one unless a waiting
@@ -180,15 +190,18 @@ class SocketServer(Server):
                     return
             if item is not None:
                 self._serve_conn(*item)
+                item = None                         # nothing of it kept while this thread waits
         with self._lock:
             self._workers -= 1
 
     def _poll_loop(self) -> None:
-        """Parked (idle) connections: back to a worker when a frame arrives; closed when idle
-        past ``idle_timeout``."""
+        """Parked connections -- new ones, idle ones, and those waiting for the rest of a frame:
+        back to a worker when bytes arrive; closed when idle past ``idle_timeout`` or when a
+        frame begun is not whole within its deadline (``Timeout.transfer``)."""
+        wait = PARK_LOOK
         while not self._closed.is_set():
             try:
-                events = self._sel.select(timeout=1.0)
+                events = self._sel.select(timeout=wait)
             except (OSError, ValueError):
                 if self._closed.is_set():
                     return
@@ -202,21 +215,29 @@ class SocketServer(Server):
                 self._unpark(conn)
                 self._dispatch(conn, key.data)
             now = time.monotonic()
+            wait = PARK_LOOK
+            stale = []
             with self._lock:
-                stale = [c for c, t in self._parked.items() if now - t > self.idle_timeout(c)]
-            for c in stale:
+                for c, (t, r) in self._parked.items():
+                    if r.overdue(now) or now - t > self.idle_timeout(c):
+                        stale.append((c, r))
+                    elif r._since:              # a frame begun: look again at its deadline
+                        wait = min(wait, r._since + r.frame_timeout - now)
+            wait = max(0.01, wait)
+            for c, r in stale:
                 self._unpark(c)
-                self._drop(c)
+                self._drop(c, reader=r)
 
     def _park(self, conn: socket.socket, reader: FrameReader) -> None:
+        reader.park()
         with self._lock:
-            self._parked[conn] = time.monotonic()
+            self._parked[conn] = (time.monotonic(), reader)
         try:
             self._sel.register(conn, selectors.EVENT_READ, reader)
         except (KeyError, ValueError, OSError):
             with self._lock:
                 self._parked.pop(conn, None)
-            self._drop(conn)
+            self._drop(conn, reader=reader)
 
     def _unpark(self, conn: socket.socket) -> None:
         with self._lock:
@@ -243,11 +264,14 @@ class SocketServer(Server):
                         continue
                     kind, req_id, payload = reader.read_frame(MAX_CONTROL)
                 except BlockingIOError:
-                    idle += self._tick
-                    if not reader.empty:
-                        if idle >= self.timeout.transfer:
+                    if not reader.empty:       # part of a frame, the rest not here yet
+                        if self.can_park(conn):
+                            self._park(conn, reader)     # waits for it without a thread
+                            return
+                        if not _readable(conn, self._tick) and reader.overdue(time.monotonic()):
                             break
                         continue
+                    idle += self._tick
                     if idle >= PARK_AFTER and self.can_park(conn):
                         self._park(conn, reader)
                         return
@@ -270,7 +294,7 @@ class SocketServer(Server):
             log.debug("connection closed: %s", exc)
         except Exception:      # a bug: say so loudly, drop this connection, keep the worker
             log.exception("serving %s failed", self.url)
-        self._drop(conn, linger)
+        self._drop(conn, linger, reader)
 
     def _linger(self, conn: socket.socket) -> None:
         """Before closing on an error reply (what the connection held is let go already): end our
@@ -290,7 +314,9 @@ class SocketServer(Server):
         except OSError:                # BlockingIOError: a quiet tick; or the peer is gone
             pass
 
-    def _drop(self, conn: socket.socket, linger: bool = False) -> None:
+    def _drop(self, conn: socket.socket, linger: bool = False, reader: Optional[FrameReader] = None) -> None:
+        if reader is not None:
+            reader.release()            # the budget a frame begun held, and its buffer
         self.connection_closed(conn)
         with self._lock:
             self._conns.discard(conn)
@@ -494,7 +520,6 @@ class SocketServer(Server):
             pass
         with self._lock:
             conns = list(self._conns)
-            parked = list(self._parked)
         for c in conns:
             try:
                 c.shutdown(socket.SHUT_RDWR)
@@ -502,15 +527,17 @@ class SocketServer(Server):
                 pass
         self._thread.join(timeout=2)
         self._poller.join(timeout=2)
-        for c in parked:
+        with self._lock:                   # after the joins: the accept loop parks new connections
+            parked = [(c, r) for c, (_, r) in self._parked.items()]
+        for c, r in parked:
             self._unpark(c)
-            self._drop(c)
+            self._drop(c, reader=r)
         while True:        # connections queued for a worker: none takes them now (they leaked)
             try:
-                c, _ = self._ready.get_nowait()
+                c, r = self._ready.get_nowait()
             except queue.Empty:
                 break
-            self._drop(c)
+            self._drop(c, reader=r)
         self._sel.close()
         self._wake_r.close()
         self._wake_w.close()

@@ -43,11 +43,12 @@ from __future__ import annotations
 
 import array
 import enum
+import mmap
 import socket
 import struct
 import threading
 import time
-from typing import Callable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 from ..blockcopy import NATIVE_WIRE_VERSION
 from ..segments import close_fds
@@ -365,6 +366,9 @@ def set_os_timeouts(sock: socket.socket, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
+_NO_BUFFER = bytearray()   # a reader's buffer before its first byte, and while parked empty
+
+
 class Budget:
     """Bytes a server lets all its connections buffer for control frames at once."""
 
@@ -387,38 +391,83 @@ class Budget:
 class FrameReader:
     """Reads whole frames from a socket through one reused buffer: usually one recv per frame.
 
-    Hostile peers are bounded: the buffer grows only as bytes actually arrive (a header that
-    declares 16 MiB allocates nothing until they come), a frame larger than the base buffer
-    must fit the server's :class:`Budget`, and a frame must be complete within
-    ``frame_timeout`` seconds of its first byte, however slowly it trickles."""
+    Hostile peers are bounded: nothing is allocated before the first byte comes (the buffer is
+    made at the first receive, and let go while the connection is parked with nothing in it);
+    the buffer grows only as bytes actually arrive (a header that declares 16 MiB allocates
+    nothing until they come: past ``size`` the frame gets one anonymous mapping whose pages are
+    touched as bytes land, and handed back whole); a frame larger than ``size`` must fit the
+    server's :class:`Budget` (held until the frame is whole or :meth:`release`), and a frame
+    must be complete within ``frame_timeout`` seconds of its first byte, however slowly it
+    trickles. With ``nowait``, the bytes of a frame begun are taken only as far as they have
+    come (:class:`BlockingIOError` then, at once): a server parks such a connection rather than
+    hold a thread for a peer that sends a byte now and then (:meth:`overdue` says when to drop it)."""
 
     def __init__(self, sock: socket.socket, size: int = 64 << 10, frame_timeout: float = 0.0,
-                 budget: Optional[Budget] = None) -> None:
+                 budget: Optional[Budget] = None, nowait: bool = False) -> None:
         self.sock = sock
         self.base = size
-        self.buf = bytearray(size)
+        self.buf: Any = _NO_BUFFER      # a bytearray of `size` once bytes come (the C frame loop's)
         self.start = 0
         self.end = 0
         self.frame_timeout = frame_timeout
         self.budget = budget
+        self._held = 0                  # budget taken for the frame being received
+        self._flags = socket.MSG_DONTWAIT if nowait else 0
         self._since = 0.0          # when the first byte of the current frame arrived
 
     @property
     def empty(self) -> bool:
         return self.start == self.end
 
+    def ready(self) -> bytearray:
+        """The buffer, made if it was let go: the C frame loop receives into it when empty."""
+        if len(self.buf) != self.base or type(self.buf) is not bytearray:
+            self._rebase()
+        return self.buf  # type: ignore[no-any-return]
+
+    def _rebase(self) -> None:
+        keep = self.buf[self.start:self.end]
+        self.buf = bytearray(max(self.base, len(keep)))
+        self.buf[:len(keep)] = keep
+        self.start, self.end = 0, len(keep)
+
+    def park(self) -> None:
+        """The connection leaves its thread: an empty reader lets its buffer go; one holding
+        part of a frame keeps those bytes only (not the buffer around them)."""
+        if self.start == self.end:
+            self.buf, self.start, self.end = _NO_BUFFER, 0, 0
+        elif type(self.buf) is bytearray and self.end - self.start < len(self.buf) // 2:
+            # (a big frame's mapping stays: only its pages touched so far take memory; copied out of
+            # it, the freed copies would stay with the allocator)
+            self.buf, self.end, self.start = bytearray(self.buf[self.start:self.end]), self.end - self.start, 0
+
+    def overdue(self, now: float) -> bool:
+        """A frame begun and not whole within ``frame_timeout``."""
+        return bool(self.frame_timeout and self._since and now - self._since > self.frame_timeout)
+
+    def release(self) -> None:
+        """The connection is gone: the budget it held back, its buffer let go."""
+        if self._held and self.budget is not None:
+            self.budget.give(self._held)
+        self._held = 0
+        self.buf, self.start, self.end = _NO_BUFFER, 0, 0
+
     def _fill(self, need: int) -> None:
         """Make ``need`` bytes available from ``start``; raises ConnectionLost on EOF."""
         if self.start + need > len(self.buf):
             have = self.end - self.start
-            self.buf[:have] = self.buf[self.start:self.end]
+            if need > len(self.buf):                  # grow, never past what is needed
+                if need > self.base:                  # pages touched only as bytes land; unmapped whole
+                    newbuf: Any = mmap.mmap(-1, need)
+                else:
+                    newbuf = bytearray(min(self.base, max(need, 2 * len(self.buf))))
+                newbuf[:have] = self.buf[self.start:self.end]
+                self.buf = newbuf
+            else:
+                self.buf[:have] = self.buf[self.start:self.end]
             self.start, self.end = 0, have
         while self.end - self.start < need:
-            if self.end == len(self.buf):             # full: grow, never past what is needed
-                newbuf = bytearray(min(need, 2 * len(self.buf)))
-                newbuf[:self.end] = self.buf[:self.end]
-                self.buf = newbuf
-            k = self.sock.recv_into(memoryview(self.buf)[self.end:])
+            k = self.sock.recv_into(memoryview(self.buf)[self.end:], 0, self._flags)
             if k == 0:
                 raise ConnectionLost("peer closed the connection")
             if self.start == self.end and not self._since:
@@ -430,6 +479,8 @@ class FrameReader:
     def read_frame(self, max_len: int = MAX_CONTROL) -> tuple[Kind, int, bytes]:
         start, end, buf = self.start, self.end, self.buf
         if start == end:                  # nothing buffered: one receive, usually the whole frame
+            if len(buf) != self.base:
+                buf = self.ready()
             k = self.sock.recv_into(buf)
             if k == 0:
                 raise ConnectionLost("peer closed the connection")
@@ -458,23 +509,24 @@ class FrameReader:
         kind, req_id, length = unpack_header(self.buf, self.start)
         if length > max_len:
             raise FrameTooLarge(f"{kind.name} frame of {length} bytes exceeds {max_len}")
-        big = HEADER.size + length > self.base
-        if big and self.budget is not None and not self.budget.take(length):
-            raise FrameTooLarge(f"{kind.name} frame of {length} bytes: the server's control budget is spent; "
-                                "retry later")
-        try:
-            self._fill(HEADER.size + length)
-            s = self.start + HEADER.size
-            payload = bytes(self.buf[s:s + length])
-        finally:
-            if big and self.budget is not None:
-                self.budget.give(length)
+        if HEADER.size + length > self.base and self.budget is not None and not self._held:
+            if not self.budget.take(length):
+                raise FrameTooLarge(f"{kind.name} frame of {length} bytes: the server's control budget is spent; "
+                                    "retry later")
+            self._held = length                       # until the frame is whole (a parked one keeps it)
+        self._fill(HEADER.size + length)
+        s = self.start + HEADER.size
+        payload = bytes(self.buf[s:s + length])
+        if self._held:
+            assert self.budget is not None
+            self.budget.give(self._held)
+            self._held = 0
         self.start = s + length
         self._since = 0.0
-        if self.start == self.end:
+        if len(self.buf) != self.base or type(self.buf) is not bytearray:
+            self._rebase()                            # a big frame's mapping, or a parked frame's bytes: let go
+        elif self.start == self.end:
             self.start = self.end = 0
-            if len(self.buf) > self.base:             # give a big frame's memory back
-                self.buf = bytearray(self.base)
         return kind, req_id, payload
 
     def read_into(self, views: Sequence[memoryview], landed: Optional[Callable[[int], None]] = None,

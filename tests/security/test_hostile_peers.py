@@ -246,6 +246,86 @@ def test_idle_connections_cost_no_threads(child: Child) -> None:
         s.close()
 
 
+def test_idle_connections_cost_no_buffers(child: Child) -> None:
+    """A connection has no frame buffer before its first byte, nor while it is parked empty:
+    2,000 silent connections took 64 KiB each (+127 MiB) before any authentication."""
+    time.sleep(0.3)
+    before = child.rss()
+    socks = [_connect(child.url) for _ in range(2000)]
+    time.sleep(1.0)
+    growth = child.rss() - before
+    for s in socks:
+        s.close()
+    assert growth <= 24 << 20, f"2,000 idle connections took {growth >> 20} MiB"
+
+
+@pytest.mark.parametrize("listen", ["tcp://127.0.0.1:0", "shm://"])
+def test_peers_holding_part_of_a_frame_hold_no_worker(listen: str) -> None:
+    """64 peers that each send one byte of a header and then nothing held every one of the
+    server's 64 worker threads until the frame deadline: a real fetch waited that long (8 s
+    here), and peers that reconnect kept it up. A frame begun now waits for its rest parked,
+    without a thread: the fetch runs at once, and the 64 are still dropped at their deadline."""
+    c = Child(listen=listen, transfer=8.0)
+    try:
+        if listen.startswith("tcp"):
+            def connect() -> socket.socket:
+                return _connect(c.url)
+        else:
+            def connect() -> socket.socket:
+                u = socket.socket(socket.AF_UNIX)
+                u.connect("\0" + c.url[len("shm://@"):])
+                return u
+        L = KVLayout.vllm_flash(2, 8, 64, block_size=16, dtype="float16")
+        socks = []
+        for _ in range(64):
+            s = connect()
+            s.sendall(b"K")
+            socks.append(s)
+        time.sleep(0.5)
+        with KVReceiver(KVPool.allocate(L, 8, shared=listen.startswith("shm")), leases=False,
+                        timeout=Timeout(transfer=60)) as rcv:
+            t0 = time.monotonic()
+            res = rcv.fetch(KVHandle.from_bytes(c.handle), list(range(8)), release=False)
+            took = time.monotonic() - t0
+        assert res.ok and took < 2.0, (res.error, took)
+        assert c.threads() < 40, c.threads()
+        for s in socks:                                  # each dropped at its frame deadline, not before
+            s.settimeout(12)
+            got = s.recv(64)
+            assert time.monotonic() - t0 > 6.5 and (got == b"" or got[3] == Kind.ERROR.value), got
+            s.close()
+    finally:
+        c.close()
+
+
+def test_frames_within_the_budget_take_no_more_memory_than_the_budget(child: Child) -> None:
+    """Eight peers each declare a 16 MiB frame and send all of it but its last byte: four fit the
+    64 MiB control budget, the others are refused at their header. The frames grew by doubling
+    buffers, whose freed steps the allocator kept: +208 MiB for 64 MiB of frames, kept after the
+    peers left. Each frame now lands in one mapping of its size, unmapped when it ends."""
+    time.sleep(0.3)
+    before = child.rss()
+    socks = []
+    for _ in range(8):
+        s = _connect(child.url)
+        s.sendall(pack(Kind.READ, 1, length=MAX_CONTROL)[:HEADER.size])
+        try:
+            s.settimeout(5)
+            s.sendall(b"\0" * (MAX_CONTROL - 1))
+        except OSError:                                  # refused at its header: the budget is spent
+            pass
+        socks.append(s)
+    time.sleep(0.5)
+    growth = child.rss() - before
+    for s in socks:
+        s.close()
+    assert growth <= (64 + 16) << 20, f"RSS grew {growth >> 20} MiB for 64 MiB of budgeted frames"
+    deadline = time.monotonic() + 5
+    while child.rss() - before > 16 << 20 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert child.rss() - before <= 16 << 20, f"{(child.rss() - before) >> 20} MiB kept after the peers left"
+
+
 def _fake_sender(reply: Callable[[int], bytes]) -> tuple[socket.socket, threading.Thread]:
     """A lying sender on loopback: it takes one request on one connection, answers it with
     ``reply(request id)`` and holds the connection until the receiver closes it."""
