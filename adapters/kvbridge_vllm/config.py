@@ -28,6 +28,7 @@ key                default                     meaning
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -67,17 +68,22 @@ class ConnectorConfig:
         kw: dict[str, Any] = {}
         if "listen" in d:
             ls = d["listen"]
-            kw["listen"] = (ls,) if isinstance(ls, str) else tuple(str(u) for u in ls)
+            if not (isinstance(ls, str) or (isinstance(ls, (list, tuple)) and all(isinstance(u, str) for u in ls))):
+                raise ConfigError(f"kvbridge connector: 'listen' is a URL or a list of URLs, not {ls!r:.80}")
+            kw["listen"] = (ls,) if isinstance(ls, str) else tuple(ls)
             if not kw["listen"]:
                 raise ConfigError("kvbridge connector: 'listen' needs at least one URL")
         if "leases" in d:
+            if not (d["leases"] is None or isinstance(d["leases"], (bool, str))):
+                raise ConfigError("kvbridge connector: 'leases' is a redis:// URL, true or false, "
+                                  f"not {d['leases']!r:.80}")
             kw["leases"] = d["leases"]
         for k in ("ttl", "claim_ttl", "connect_timeout", "transfer_timeout", "handle_wait"):
             if k in d:
-                v = float(d[k])
-                if v <= 0:
-                    raise ConfigError(f"kvbridge connector: {k} must be positive, got {d[k]!r}")
-                kw[k] = v
+                v = d[k]
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                    raise ConfigError(f"kvbridge connector: {k} must be a finite number of seconds > 0, got {v!r:.80}")
+                kw[k] = float(v)
         if "lease_namespace" in d:
             kw["lease_namespace"] = str(d["lease_namespace"])
         if "load" in d:

@@ -67,10 +67,17 @@ def find_server_binary() -> str:
 
 def _die_with_parent(prctl: Any, parent: int) -> None:
     """In the forked server before exec: SIGKILL when the forking thread ends (Linux
-    PR_SET_PDEATHSIG), and exit now if the parent already died before that was armed."""
+    PR_SET_PDEATHSIG), and exit now if the parent already died before that was armed. And the
+    server may run on every CPU this machine lets it: an owner pinned to one core (an engine
+    worker bound to its cores, as vLLM's CPU workers are) would otherwise pin its lease server
+    beside its own busy threads, and every lease call of every process would wait for them."""
     prctl(1, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(1)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))   # the kernel keeps the cgroup's cpuset
+    except OSError:
+        pass
 
 
 class _Spawner:

@@ -90,8 +90,16 @@ def test_settings() -> None:
     assert ConnectorConfig.from_extra(None).listen == ("tcp://127.0.0.1:0",)
     with pytest.raises(ConfigError, match="unknown"):
         ConnectorConfig.from_extra({"lsten": "tcp://x:1"})
-    with pytest.raises(ConfigError, match="positive"):
+    with pytest.raises(ConfigError, match="> 0"):
         ConnectorConfig.from_extra({"ttl": 0})
+    # nan and inf passed (nan raised ValueError inside the scheduler's request_finished; inf waited for
+    # good), True was 1 s, "abc" a ValueError, 5 for listen a TypeError, 123 for leases taken
+    for k, bad in [("handle_wait", float("nan")), ("handle_wait", float("inf")), ("ttl", True), ("ttl", "abc"),
+                   ("claim_ttl", -1), ("listen", 5), ("listen", ["tcp://x:1", 7]), ("leases", 123)]:
+        with pytest.raises(ConfigError, match=k):
+            ConnectorConfig.from_extra({k: bad})
+    assert ConnectorConfig.from_extra({"leases": False, "listen": ["tcp://a:1", "shm://"]}).listen == ("tcp://a:1",
+                                                                                                    "shm://")
     assert ConnectorConfig.from_extra({"load": "layerwise"}).load == "layerwise"
     assert ConnectorConfig.from_extra({}).load == "async"
     with pytest.raises(ConfigError, match="load"):

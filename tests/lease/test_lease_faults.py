@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Callable
 
@@ -203,6 +204,22 @@ def test_embedded_server_lifecycle() -> None:
         assert not srv.running
     finally:
         srv.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to see a pin")
+def test_an_embedded_server_started_by_a_pinned_process_is_not_pinned() -> None:
+    """An engine worker bound to one core (vLLM's CPU workers are) started its lease server pinned
+    beside its busy threads: every lease call of every process waited for that core (handoffs
+    failed with lease timeouts). The server runs on every CPU the machine allows."""
+    import subprocess
+    import sys
+    code = ("import os\nfrom kvbridge.lease import EmbeddedRedis\n"
+            "with EmbeddedRedis() as s:\n    print(sorted(os.sched_getaffinity(s.pid)), flush=True)\n")
+    one = min(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: os.sched_setaffinity(0, {one}))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert eval(out.stdout.strip()) == sorted(os.sched_getaffinity(0)), out.stdout
 
 
 def test_default_url_is_shared_and_resolved() -> None:
