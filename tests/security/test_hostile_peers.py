@@ -127,6 +127,23 @@ def test_repeated_indices_refused_before_any_data(child: Child) -> None:
     s.close()
 
 
+def test_repeated_or_out_of_range_indices_are_refused_by_the_receiver_before_it_connects() -> None:
+    """The receiver's end of the same defence: a fetch naming a block index twice, or one past the
+    handle, is refused (PoolError) before any connection is made -- here the sender is gone, so
+    a receiver that got as far as connecting would fail otherwise -- and nothing is marked."""
+    from kvbridge import PoolError
+    L = KVLayout.vllm_flash(2, 2, 8, block_size=4, dtype="float16")
+    src, dst = KVPool.allocate(L, 4), KVPool.allocate(L, 4)
+    snd = KVSender(src, "tcp://127.0.0.1:0", leases=False)
+    h = snd.publish("r", src.alloc(2), 8)
+    snd.close()
+    with KVReceiver(dst, leases=False) as rcv:
+        for idx, what in (([0, 0], "repeated"), ([1, 1], "repeated"), ([2, 0], "outside"), ([-1, 0], "outside")):
+            with pytest.raises(PoolError, match=what):
+                rcv.fetch(h, [0, 1], indices=idx)
+        assert dst.landing() == [] and rcv.stats.fetches == 0
+
+
 def test_ping_is_bounded(child: Child) -> None:
     s = _connect(child.url)
     s.sendall(pack(Kind.PING, 3, b"p" * (1 << 20)))
