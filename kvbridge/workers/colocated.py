@@ -60,9 +60,10 @@ class ColocatedWorker(EngineWorker):
 
     async def _http_generate(self, request: HTTPRequest) -> Response:
         body = await self.body(request)
-        prompt = self.check_ids(body.get("prompt_ids"), "prompt_ids")
+        prompt = self.id_list(body.get("prompt_ids"), "prompt_ids")
         params = SamplingParams.from_dict(body.get("sampling") or {})
         self.check_length(len(prompt) + params.max_tokens - 1, "prompt_ids plus max_tokens")
+        self.check_ids(prompt, "prompt_ids")  # after the length: a look at every id
         rid = body.get("request_id")
         if rid is not None and not isinstance(rid, str):
             raise ConfigError("request_id must be a string")

@@ -72,16 +72,19 @@ class DecodeWorker(EngineWorker):
                sampling: SamplingParams) -> tuple[KVHandle, list[int], int]:
         """Everything about the request that can be wrong, checked before a block is allocated."""
         h = handle if isinstance(handle, KVHandle) else KVHandle.from_dict(handle)
-        self.check_ids(list(prompt_ids), "prompt_ids")
+        prompt = self.id_list(list(prompt_ids), "prompt_ids")
         if not output_ids:
             raise ConfigError("output_ids must hold at least the first token")
-        outs = self.check_ids(list(output_ids), "output_ids")
-        num_cached = len(prompt_ids) + len(outs) - 1
-        self.check_length(len(prompt_ids) + sampling.max_tokens - 1, "prompt_ids plus max_tokens")
-        if h.num_tokens != num_cached:
-            raise ConfigError(f"handle holds {h.num_tokens} tokens of KV but prompt + outputs need {num_cached}")
+        outs = self.id_list(list(output_ids), "output_ids")
+        # lengths first, at no cost; then a look at every id
+        self.check_length(len(prompt) + sampling.max_tokens - 1, "prompt_ids plus max_tokens")
         if len(outs) >= sampling.max_tokens:
             raise ConfigError("nothing left to decode: output_ids already reach max_tokens")
+        self.check_ids(prompt, "prompt_ids")
+        self.check_ids(outs, "output_ids")
+        num_cached = len(prompt) + len(outs) - 1
+        if h.num_tokens != num_cached:
+            raise ConfigError(f"handle holds {h.num_tokens} tokens of KV but prompt + outputs need {num_cached}")
         need = self.engine.blocks_needed(len(prompt_ids) + sampling.max_tokens - 1)
         if need > self.pool.num_blocks:
             raise PoolError(f"request needs {need} blocks, the decode pool has {self.pool.num_blocks}",
@@ -178,7 +181,7 @@ class DecodeWorker(EngineWorker):
         body = await self.body(request)
         if not isinstance(body.get("handle"), dict):
             raise ConfigError("handle (the prefill worker's handle dict) is required")
-        prompt = self.check_ids(body.get("prompt_ids"), "prompt_ids")
+        prompt = self.id_list(body.get("prompt_ids"), "prompt_ids")  # its ids checked after its length (_check)
         outs = body.get("output_ids")
         if outs is None and "first_token" in body:
             outs = [body["first_token"]]

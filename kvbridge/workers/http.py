@@ -35,7 +35,7 @@ from ..errors import Action, ConfigError, ConnectionLost, KVBridgeError, PeerUna
     error_from_code
 
 __all__ = ["HTTPServer", "Deadlines", "bind_socket", "error_body", "BodyError", "read_json", "WorkerClient", "get_json",
-           "MAX_WORKER_BODY", "wait_or_disconnect", "default_max_connections", "LINGER", "Overloaded"]
+           "worker_body_limit", "wait_or_disconnect", "default_max_connections", "LINGER", "Overloaded", "MAX_HEAD"]
 
 log = logging.getLogger("kvbridge.workers")
 try:  # the kernel's send queue of a socket (Linux, macOS): what a client has not taken yet
@@ -44,7 +44,26 @@ try:  # the kernel's send queue of a socket (Linux, macOS): what a client has no
     _TIOCOUTQ: Optional[int] = termios.TIOCOUTQ
 except (ImportError, AttributeError):  # Windows
     _TIOCOUTQ = None
-MAX_WORKER_BODY = 64 << 20   # bodies between proxy and workers (token ids, handles)
+# The largest body a worker takes (token ids, a handle, sampling) follows from its model: see
+# worker_body_limit. Past this many bytes a request head (request line and headers), or a chunked
+# body's trailer, is refused 431 (h11, uvicorn's other parser, stops at 16 KiB; llhttp has no cap).
+MAX_HEAD = 64 << 10
+WORKER_BODY_SLACK = 256 << 10     # the fields besides the token lists (sampling, request id, a handle's
+#                                   fixed part, URLs and lease), with room to spare: a few KB in practice
+WORKER_BODY_PER_ID = 16           # a token id in JSON: up to 11 digits and a comma, with room to spare
+WORKER_BODY_PER_BLOCK = 32        # a handle's block: id, generation, checksum (at most 16 bytes) in base64
+
+
+def worker_body_limit(max_model_len: int, block_size: int, vocab_size: int) -> int:
+    """The largest request body a worker of this model takes: the body of a request of the whole
+    context (``max_model_len`` token ids of prompt and outputs), a handle of its blocks (one per
+    ``block_size`` tokens), every token of the vocabulary as a stop token, and
+    :data:`WORKER_BODY_SLACK` for the rest. Bodies the proxy sends stay under it; a larger one
+    cannot be a request this worker serves, and reading and parsing it (at 64 MiB, seconds of a
+    stalled event loop and hundreds of MiB) would hold up every request in flight."""
+    blocks = -(-max(1, max_model_len) // max(1, block_size))
+    return (WORKER_BODY_SLACK + WORKER_BODY_PER_ID * (max_model_len + vocab_size)
+            + WORKER_BODY_PER_BLOCK * blocks)
 
 
 def bind_socket(host: str, port: int, flag: str = "--port") -> socket.socket:
@@ -92,9 +111,11 @@ class Deadlines:
 
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                 b"content-length: %d\r\n\r\n%s")
+_HEAD_431 = (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+             b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
 _FULL_503 = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nconnection: close\r\n"
              b"retry-after: 1\r\ncontent-length: %d\r\n\r\n%s")
-LINGER = 1.0  # seconds a refused connection is kept (reading and dropping) so its client gets the 503
+LINGER = 1.0  # seconds a refused connection is kept so its client gets the answer (503, 431) before the close
 
 
 def default_max_connections() -> int:
@@ -110,6 +131,9 @@ def default_max_connections() -> int:
     return max(16, min(1024, soft // 2))
 
 
+_HEAD, _BODY, _CHUNK = 0, 1, 2  # what _GuardedProtocol feeds its parser now (counted: _HEAD, _CHUNK)
+
+
 class _GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol held to :class:`Deadlines` (set on a subclass per server)."""
 
@@ -121,9 +145,11 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._timer: Optional[asyncio.TimerHandle] = None
         self._stall: Optional[asyncio.TimerHandle] = None
-        self._receiving = self._headers_done = self._refused = self._lingers = False
+        self._receiving = self._headers_done = self._refused = self._lingers = self._too_large = False
         self._begun = 0.0
         self._body_bytes = self._unsent = 0
+        self._counted = _HEAD    # what the bytes fed now are: a head, a body, or what follows a chunk's size line
+        self._head_bytes = 0     # bytes of the head (or of what follows the chunk's size line) so far
         if len(self.connections) > self.max_connections:
             self._refuse()
             return
@@ -139,20 +165,84 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self.lingering[0] >= max(64, self.max_connections):
             self.transport.abort()
             return
-        self.lingering[0] += 1
-        self._lingers = True
         log.warning("HTTP client %s refused: %d connections open, the limit", self.client, self.max_connections)
         body = json.dumps({"error": {"message": f"the server has its limit of {self.max_connections} connections "
                                                 "open; try again shortly", "type": "server_error",
                                      "code": "too_many_connections", "action": "retry", "status": 503}}).encode()
-        self.transport.write(_FULL_503 % (len(body), body))
+        self._answer_and_linger(_FULL_503 % (len(body), body))
+
+    def _answer_and_linger(self, answer: bytes, read: bool = True) -> None:
+        """Write ``answer`` and end the connection: it lingers up to :data:`LINGER` seconds, so the
+        close does not reset the answer away, reading (and dropping) what the client sends, or
+        with ``read`` False reading nothing more (the close then resets what the client sent
+        meanwhile, after the answer arrived); past as many lingering as the cap (at least 64) it is
+        cut outright."""
+        if self.lingering[0] >= max(64, self.max_connections):
+            self.transport.abort()
+            return
+        self.lingering[0] += 1
+        self._lingers = True
+        self.transport.write(answer)
         if self.transport.can_write_eof():
             self.transport.write_eof()
+        if read:
+            self.flow.resume_reading()
+        else:
+            self.flow.pause_reading()
         self._set(LINGER, self.transport.close)
 
     def data_received(self, data: bytes) -> None:
-        if not self._refused:
-            super().data_received(data)
+        """Feed the parser, counting the bytes of each request head (and of a chunked body's
+        trailer) as they go in: past :data:`MAX_HEAD` the request is answered 431. The
+        parser alone takes a head of any length and rebuilds its URL or header value whole on each
+        piece (quadratic: one client sending one endless header stalled the server for seconds).
+        Bytes go in at most ``MAX_HEAD`` at a time, so a head that begins within a piece after a
+        body is counted from at most that far into it."""
+        while data and not self._refused:
+            if self._counted == _BODY:
+                part = data if len(data) <= MAX_HEAD else data[:MAX_HEAD]
+            else:
+                room = MAX_HEAD - self._head_bytes
+                if room <= 0:
+                    self._head_too_large()
+                    return
+                part = data if len(data) <= room else data[:room]
+                self._head_bytes += len(part)
+            super().data_received(part)
+            if len(part) == len(data) or self.parser is None or self.transport.is_closing() or \
+                    self.transport.get_protocol() is not self:  # done, an error answered, an upgrade
+                return
+            data = data[len(part):]
+
+    def _head_too_large(self) -> None:
+        """Answer 431 and close: a request head (or a chunked body's trailer) past :data:`MAX_HEAD`.
+        Nothing more of the connection is read. A pipelined head behind an answer still being
+        written gets its 431 once that answer is out; a trailer ends its request as a client that
+        left (its handler's answer goes nowhere), with the 431 when no answer was started."""
+        self._refused = self._too_large = True
+        self._receiving = False
+        self._clear()
+        log.info("HTTP client %s sent a request head or trailer over %d bytes; closing", self.client, MAX_HEAD)
+        cycle = self.cycle
+        if self._counted == _HEAD and cycle is not None and not cycle.response_complete:
+            self.flow.pause_reading()  # the answer before it goes out first (on_response_complete)
+            return
+        if self._counted == _CHUNK and cycle is not None:
+            started = cycle.response_started
+            cycle.disconnected = True
+            cycle.message_event.set()
+            if started:
+                self.transport.close()
+                return
+        self._answer_431()
+
+    def _answer_431(self) -> None:
+        if self.transport.is_closing():
+            return
+        body = json.dumps({"error": {"message": f"the request head (request line and headers) or trailer is over "
+                                                f"the {MAX_HEAD}-byte limit", "type": "invalid_request_error",
+                                     "code": "request_header_too_large", "action": "fix", "status": 431}}).encode()
+        self._answer_and_linger(_HEAD_431 % (len(body), body), read=False)  # no work for its sender
 
     def _set(self, delay: float, fn: Any) -> None:
         if self._timer is not None:
@@ -207,20 +297,34 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._headers_done = True
+        self._counted, self._head_bytes = _BODY, 0
         super().on_headers_complete()
 
+    def on_chunk_header(self) -> None:
+        # a chunk's size line has come: its data follows (on_body), or, after the last one, the
+        # trailer (header fields, which the parser also rebuilds whole on each piece) up to
+        # on_chunk_complete: counted like a head until then
+        self._counted, self._head_bytes = _CHUNK, 0
+
+    def on_chunk_complete(self) -> None:
+        self._counted = _BODY
+
     def on_body(self, body: bytes) -> None:
+        self._counted = _BODY
         self._body_bytes += len(body)
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._receiving = False
+        self._counted, self._head_bytes = _HEAD, 0  # the next request's head begins
         self._clear()
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self._receiving and not self.transport.is_closing():
+        if self._too_large:  # a pipelined head over the limit waited for this answer to go out
+            self._answer_431()
+        elif not self._receiving and not self.transport.is_closing():
             self._set(self.deadlines.idle, self._expired_idle)
 
     def pause_writing(self) -> None:
@@ -273,6 +377,8 @@ class HTTPServer:
     clients are held to ``deadlines`` (slow or silent clients cannot hold connections for good),
     and at most ``max_connections`` are open at once (None: :func:`default_max_connections`):
     one past it is answered 503 (``code: "too_many_connections"``, ``Retry-After: 1``) and closed.
+    A request head (or a chunked body's trailer) past :data:`MAX_HEAD` bytes is answered 431
+    (``code: "request_header_too_large"``) and closed.
     uvicorn's own ``limit_concurrency`` is not used: it keeps every connection past its limit open
     (answering each request on it 503), so a flood still held a descriptor per connection."""
 

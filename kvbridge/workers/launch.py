@@ -36,6 +36,7 @@ from ..lease import EmbeddedRedis
 from ..lease.credentials import private_folder
 from .proxy import Proxy, ProxyConfig
 from .http import bind_socket, get_json
+from .server import freeze_heap
 from .signals import StopSignals
 from .model import PRESETS
 from .server import die_with_parent
@@ -306,6 +307,7 @@ class Cluster:
                 tokenizer=load_tokenizer(None if c.model in PRESETS or not os.path.isdir(c.model) else c.model))
             check()
             self.url = self.proxy.serve(c.host, c.port, sock=self._sock).url
+            freeze_heap()  # as every worker and `kvbridge proxy` do before they say they are ready
             self._write_state()
             check()
         except BaseException:

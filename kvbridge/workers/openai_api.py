@@ -245,12 +245,14 @@ def render_chat(req: ChatRequest, tok: Tokenizer) -> list[int]:
     return tok.encode(plain_chat_text(msgs))
 
 
-def sampling_params(req: Req, prompt_len: int, max_model_len: int, default_max: Optional[int]) -> SamplingParams:
+def sampling_params(req: Req, prompt_len: int, max_model_len: int, default_max: Optional[int],
+                    vocab_size: Optional[int] = None) -> SamplingParams:
     """Sampling parameters, with ``max_tokens`` checked against the context length before any work.
 
     ``default_max`` None: the rest of the context; else that many, capped by the context (completions:
     16; chat: the proxy's ``chat_max_tokens``, 512 by default, since a request reserves its whole
-    ``max_tokens`` of KV up front).
+    ``max_tokens`` of KV up front). ``stop_token_ids`` are kept once each (the workers take bodies of
+    at most the whole vocabulary as stop tokens) and, given ``vocab_size``, must be in the vocabulary.
     """
     param = "max_tokens"
     mt = req.max_tokens
@@ -268,9 +270,16 @@ def sampling_params(req: Req, prompt_len: int, max_model_len: int, default_max: 
                             f"{prompt_len + mt} tokens ({prompt_len} in the prompt, {mt} for the completion). "
                             f"Please reduce the length of the prompt or {param}.", param, "context_length_exceeded")
     top_k = req.top_k or 0
+    stops = tuple(dict.fromkeys(req.stop_token_ids or ()))  # each once, in order
+    if vocab_size is not None:
+        bad = [t for t in stops if not 0 <= t < vocab_size]
+        if bad:
+            shown = str(bad[0]) if abs(bad[0]) < 10 ** 30 else "of over 30 digits"
+            raise APIError(400, f"stop token id {shown} is outside the vocabulary [0, {vocab_size})",
+                           "stop_token_ids", "invalid_token_id")
     return SamplingParams(max_tokens=mt, temperature=0.0 if req.temperature is None else req.temperature,
                           top_k=max(0, top_k), top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                          ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids or ()))
+                          ignore_eos=req.ignore_eos, stop_token_ids=stops)
 
 
 # -- responses ---------------------------------------------------------------------------------

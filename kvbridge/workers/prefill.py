@@ -160,8 +160,9 @@ class PrefillWorker(EngineWorker):
 
     async def _http_prefill(self, request: HTTPRequest) -> Response:
         body = await self.body(request)
-        ids = self.check_ids(body.get("prompt_ids"), "prompt_ids")
-        self.check_length(len(ids), "the prompt")
+        ids = self.id_list(body.get("prompt_ids"), "prompt_ids")
+        self.check_length(len(ids), "the prompt")  # before a look at every id
+        self.check_ids(ids, "prompt_ids")
         params = SamplingParams.from_dict(body.get("sampling") or {})
         rid, timeout = body.get("request_id"), body.get("timeout")
         if rid is not None and not isinstance(rid, str):

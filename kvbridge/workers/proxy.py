@@ -470,7 +470,8 @@ class Proxy(StatusRoutes):
                                     f"`{self.cfg.model_name}` (GET /v1/models)", "model", "model_not_found")
             ids = prompt_ids(req, self.tok) if isinstance(req, CompletionRequest) else render_chat(req, self.tok)
             max_len = await self._limits()
-            params = sampling_params(req, len(ids), max_len, 16 if kind == "completion" else self.cfg.chat_max_tokens)
+            params = sampling_params(req, len(ids), max_len, 16 if kind == "completion" else self.cfg.chat_max_tokens,
+                                     self.tok.vocab_size)
             parsed = time.time() - arrival
         except APIError as exc:
             return self._refuse(exc)

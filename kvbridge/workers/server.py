@@ -31,7 +31,7 @@ from starlette.routing import Route
 from ..errors import Action, ConfigError, KVBridgeError, TransferTimeout
 from ..pool import KVPool
 from .engine import Engine, Request, RequestState, Scheduler
-from .http import MAX_WORKER_BODY, BodyError, HTTPServer, bind_socket, error_body, read_json, wait_or_disconnect
+from .http import BodyError, HTTPServer, bind_socket, error_body, read_json, wait_or_disconnect, worker_body_limit
 from .model import PRESETS, CausalLM, load_hf_checkpoint
 from .signals import StopSignals
 from .tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -332,6 +332,12 @@ class EngineWorker:
         """Most tokens (prompt + output) one request may hold: the model's positions, capped by the pool."""
         return min(int(self.model.config.max_position_embeddings), self.pool.num_blocks * self.cfg.block_size)
 
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body this worker reads (:func:`~kvbridge.workers.http.worker_body_limit`
+        of its context, block size and vocabulary): a larger one is refused 413 before it is read."""
+        return worker_body_limit(self.max_model_len, self.cfg.block_size, int(self.model.config.vocab_size))
+
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "role": self.role, "pid": os.getpid(), "model": self.cfg.model,
                 "max_model_len": self.max_model_len, "vocab_size": int(self.model.config.vocab_size),
@@ -342,15 +348,23 @@ class EngineWorker:
         return JSONResponse(self.health())
 
     # -- input checks (before anything is allocated) ----------------------------------------
-    def check_ids(self, ids: Any, name: str) -> list[int]:
-        """``ids`` as a non-empty list of token ids in ``[0, vocab_size)``, or a ``ConfigError`` (400)."""
+    @staticmethod
+    def id_list(ids: Any, name: str) -> list[Any]:
+        """``ids`` as a non-empty list, or a ``ConfigError`` (400); its entries are not looked at:
+        check the request's length (:meth:`check_length`) first, then :meth:`check_ids`."""
         if not isinstance(ids, list) or not ids:
             raise ConfigError(f"{name} must be a non-empty list of token ids")
+        return ids
+
+    def check_ids(self, ids: Any, name: str) -> list[int]:
+        """``ids`` as a non-empty list of token ids in ``[0, vocab_size)``, or a ``ConfigError`` (400).
+        It looks at every id: a request's length is checked before, at no cost."""
+        checked = self.id_list(ids, name)
         vocab = int(self.model.config.vocab_size)
-        for t in ids:
+        for t in checked:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ConfigError(f"{name}: {t!r} is not a token id in the vocabulary [0, {vocab})")
-        return ids
+        return checked
 
     def check_length(self, num_tokens: int, what: str) -> None:
         """Refuse (400) a request that needs more than ``max_model_len`` tokens of context."""
@@ -391,9 +405,8 @@ class EngineWorker:
                 return _error_response(exc, 500)
         return endpoint
 
-    @staticmethod
-    async def body(request: HTTPRequest) -> dict[str, Any]:
-        body = await read_json(request, MAX_WORKER_BODY)
+    async def body(self, request: HTTPRequest) -> dict[str, Any]:
+        body = await read_json(request, self.max_body_bytes)
         if not isinstance(body, dict):
             raise ConfigError("the request body must be a JSON object")
         return body

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from waiting import wait_until
 
-from kvbridge.workers.http import LINGER, BodyError, Deadlines, HTTPServer, bind_socket, read_json
+from kvbridge.workers.http import LINGER, MAX_HEAD, BodyError, Deadlines, HTTPServer, bind_socket, read_json
 
 SHORT = Deadlines(idle=1.0, request=1.0, write=1.0)
 
@@ -492,6 +492,124 @@ def test_a_pipelined_request_waits_for_the_answer_before_it(stall: str) -> None:
         server.close(timeout=5)
 
 
+def _too_large(got: bytes) -> bool:
+    """``got`` is a JSON 431 ``request_header_too_large`` (and nothing after it)."""
+    head, _, body = got.partition(b"\r\n\r\n")
+    return head.startswith(b"HTTP/1.1 431") and json.loads(body)["error"]["code"] == "request_header_too_large"
+
+
+@pytest.mark.timeout(30)
+def test_a_request_head_past_64_kib_is_answered_431() -> None:
+    """A request head is held to ``MAX_HEAD`` (64 KiB) bytes, counted as they arrive: one byte past
+    it is answered 431 (JSON, ``request_header_too_large``) and closed at once, though the client
+    sent nothing more (before: the head was taken whole, whatever its length, until the 10 s
+    request deadline). A head of exactly the limit is served, on a keep-alive connection again and
+    pipelined (each head counts on its own); a pipelined head past it (twice the limit at most: one
+    that begins in the piece of input where the request before it ends is counted from the next)
+    is answered after the answer before it; a chunked body's trailer is held to the limit too (the
+    same way: its handler hears that the client left)."""
+    async def slow(request: HTTPRequest) -> Response:
+        body = await read_json(request, 1 << 20)
+        await asyncio.sleep(1.0)
+        return JSONResponse(body)
+    app = _App()
+    server = HTTPServer(Starlette(routes=app.starlette().routes + [Route("/slow", slow, methods=["POST"])]),
+                        bind_socket("127.0.0.1", 0), name="test")  # the default deadlines: 10 s a request
+
+    def at_limit(n: int, path: str = "/echo", close: bool = False) -> bytes:
+        """A request whose head is ``MAX_HEAD`` bytes, one header line making up the rest."""
+        req = _post(path, b'{"n":%d}' % n, close=close)
+        head, body = req.split(b"\r\n\r\n", 1)
+        return head + b"\r\nX-Big: " + b"a" * (MAX_HEAD - len(head) - 13) + b"\r\n\r\n" + body
+    try:
+        assert len(at_limit(1).split(b"\r\n\r\n")[0]) + 4 == MAX_HEAD
+        with _connect(server) as s:
+            for n in (1, 2):                   # keep-alive: one after the other, then pipelined
+                s.sendall(at_limit(n))
+                got = b""
+                while not got.endswith(b'{"n":%d}' % n):
+                    chunk = s.recv(65536)
+                    assert chunk, got
+                    got += chunk
+                assert got.startswith(b"HTTP/1.1 200"), got[:200]
+            s.sendall(at_limit(3) + at_limit(4) + at_limit(5, close=True))
+            assert _answers(s, 10.0) == [b'HTTP/1.1 200 OK {"n":%d}' % n for n in (3, 4, 5)]
+        with _connect(server) as s:            # one byte past the limit, then nothing
+            s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (MAX_HEAD - 40))
+            closed, got = _closed_within(s, 0.5)
+            assert not closed and not got      # within the limit: the head may go on
+            t0 = time.monotonic()
+            s.sendall(b"a" * 41)
+            closed, got = _closed_within(s, 5.0)
+            assert closed and _too_large(got) and time.monotonic() - t0 < 2.0, got[:300]
+        with _connect(server) as s:            # pipelined behind a slow answer: 431 after it
+            s.sendall(_post("/slow", b'{"n":6}') + b"GET / HTTP/1.1\r\nX-Big: " + b"a" * (2 * MAX_HEAD))
+            closed, got = _closed_within(s, 5.0)
+            first, _, rest = got.partition(b'{"n":6}')
+            assert closed and first.startswith(b"HTTP/1.1 200") and _too_large(rest), got[:300]
+        with _connect(server) as s:            # a chunked body's trailer that goes on
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Transfer-Encoding: chunked\r\n\r\n8\r\n{\"n\": 7}\r\n0\r\nX-T: " + b"a" * (2 * MAX_HEAD))
+            closed, got = _closed_within(s, 5.0)
+            assert closed and _too_large(got), got[:300]
+        assert app.bodies == 5
+    finally:
+        server.close(timeout=5)
+
+
+@pytest.mark.timeout(30)
+def test_endless_request_heads_do_not_stall_the_server() -> None:
+    """Clients sending one header line that never ends, at full speed: the parser took every byte,
+    rebuilding the header whole on each piece (quadratic work), until the 10 s request deadline;
+    one such client took a front door's ``/metrics`` from 3 ms to 3.3 s, eight a completion to
+    10.9 s and its memory from 268 to 437 MiB. Now each is answered 431 and closed within 64 KiB,
+    and the server reads nothing more of it; a legitimate client alongside is served at once."""
+    app = _App()
+    server = HTTPServer(app.starlette(), bind_socket("127.0.0.1", 0), name="test")  # 10 s a request
+    stop = threading.Event()
+    floods: list[tuple[bool, bytes, float]] = []
+
+    def flood() -> None:
+        while not stop.is_set():
+            s = _connect(server)
+            s.sendall(b"GET /forever HTTP/1.1\r\nHost: x\r\nX-Big: ")
+
+            def send() -> None:  # 64 MiB, or until the server closes or its buffers stay full
+                with contextlib.suppress(OSError):
+                    for _ in range(1024):
+                        s.sendall(b"a" * (64 << 10))
+            sender = threading.Thread(target=send)
+            sender.start()
+            t0 = time.monotonic()
+            closed, got = _closed_within(s, 4.0)  # also bounds the sender's waits: the socket's timeout
+            floods.append((closed, got, time.monotonic() - t0))
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            sender.join(10.0)
+            s.close()
+    flooders = [threading.Thread(target=flood) for _ in range(4)]
+    waits = []
+    try:
+        for t in flooders:
+            t.start()
+        with _connect(server) as ok:
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                t0 = time.monotonic()
+                assert _echo(ok, len(waits)).startswith(b"HTTP/1.1 200")
+                waits.append(time.monotonic() - t0)
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in flooders:
+            t.join(15.0)
+        server.close(timeout=5)
+    bad = [(closed, got[:300], round(took, 2)) for closed, got, took in floods
+           if not (closed and _too_large(got) and took < 2.0)]
+    assert len(floods) >= 4 and not bad, (len(floods), bad[:5])
+    assert max(waits) < 1.0, sorted(waits)[-5:]
+
+
 def _get(url: str, path: str, timeout: float = 10.0) -> tuple[int, dict[str, object]]:
     host, port = url.split("//")[1].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=timeout) as s:
@@ -557,3 +675,114 @@ def test_the_proxy_command_takes_its_worker_pool_options() -> None:
         proc.terminate()
         proc.communicate(timeout=15)
         worker.close(timeout=5)
+
+
+def _handle(num_blocks: int, top: int = 0) -> Any:
+    """A signed handle of ``num_blocks`` blocks whose ids and generations are ``top`` and below (0:
+    the widest the format takes), with the text fields a deployment's handles carry."""
+    from kvbridge.handle import KVHandle
+
+    top = top or (1 << 32) - 1
+    return KVHandle(handle_id=b"\x01" * 16, request_id="cmpl-0123456789abcdef01234567-p1-1", layout_hash="0" * 16,
+                    urls=("tcp://prefill-worker-0.example.internal:45678",),
+                    block_ids=tuple(range(top - num_blocks, top)),
+                    generations=(top,) * num_blocks, checksums=((1 << 64) - 1,) * num_blocks, num_tokens=num_blocks,
+                    lease_id="f" * 32, lease_url="redis://lease-server.example.internal:6379/0",
+                    expires_at_ms=(1 << 63) - 1).signed(b"k" * 32)
+
+
+def test_the_worker_body_limit_holds_the_largest_body_the_proxy_sends() -> None:
+    """``worker_body_limit`` against the largest body the front door passes on, for models of
+    several shapes: a decode request of the whole context (prompt and outputs, every id of the
+    most digits), a handle of its blocks at the widest (ids, generations, checksums, lease and
+    URLs), every token of the vocabulary a stop token."""
+    from kvbridge.workers.http import worker_body_limit
+    from kvbridge.workers.sampling import SamplingParams
+
+    for max_len, block_size, vocab in ((256, 4, 258), (8192, 16, 258), (32768, 1, 256_000), (131072, 16, 152_064)):
+        top = vocab - 1
+        body = {"handle": _handle(-(-max_len // block_size)).to_dict(), "prompt_ids": [top] * (max_len - 2),
+                "output_ids": [top] * 2, "sampling": SamplingParams(
+                    max_tokens=3, temperature=0.7, top_k=50, top_p=0.95, seed=(1 << 63) - 1, ignore_eos=True,
+                    stop_token_ids=tuple(range(vocab))).to_dict(),
+                "request_id": "chatcmpl-0123456789abcdef01234567-d9", "stream": True}
+        size = len(json.dumps(body, separators=(",", ":")))
+        limit = worker_body_limit(max_len, block_size, vocab)
+        assert size <= limit < 4 * size + (512 << 10), (max_len, block_size, vocab, size, limit)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_takes_the_bodies_of_its_context_and_no_more(tiny: Any) -> None:
+    """Worker ports took JSON bodies of up to 64 MiB whatever the model's context: a 60 MiB
+    ``/prefill`` (31M token ids) held a worker's ``/health`` up 3.1 s and grew it 342 -> 760 MiB,
+    then was refused for its length -- after every id had been checked. A worker's limit now
+    follows from its context, block size and vocabulary: a larger body is refused 413 by its
+    ``Content-Length`` before it is read, and a prompt past the context is refused for its length
+    before its ids are looked at (prefill and decode). The largest request the front door takes
+    still goes through both workers: a prompt and output of the whole context, every other token
+    of the vocabulary a stop token, each named 400 times (the proxy passes each on once; one
+    outside the vocabulary is refused at the front door)."""
+    from kvbridge.workers.decode import DecodeWorker
+    from kvbridge.workers.prefill import PrefillWorker
+    from kvbridge.workers.proxy import Proxy, ProxyConfig
+    from kvbridge.workers.server import WorkerConfig
+
+    cfg = WorkerConfig(model="tiny", num_blocks=256, block_size=16, chunk_size=512)
+    pw, dw = PrefillWorker(cfg, "tcp", model=tiny), DecodeWorker(cfg, model=tiny)
+    seen: dict[str, int] = {}
+    for name, w in (("prefill", pw), ("decode", dw)):
+        async def spy(request: HTTPRequest, read: Any = w.body, name: str = name) -> dict[str, Any]:
+            seen[name] = max(seen.get(name, 0), int(request.headers["content-length"]))
+            return await read(request)  # type: ignore[no-any-return]
+        w.body = spy  # type: ignore[method-assign]
+    pu, du = pw.serve().url, dw.serve().url
+    proxy = Proxy(ProxyConfig(prefill=[pu], decode=[du], model_name="tiny", worker_timeout=20.0))
+    http = proxy.serve("127.0.0.1", 0)
+    try:
+        max_len, limit, vocab = pw.max_model_len, pw.max_body_bytes, int(tiny.config.vocab_size)
+        # past the limit (a 1 MiB body: no request of a 4,096-token context needs one): 413 from
+        # the Content-Length alone, the body never sent
+        for url, path in ((pu, "/prefill"), (du, "/generate")):
+            for size in (1 << 20, limit + 1):
+                host, port = url.split("//")[1].rsplit(":", 1)
+                with socket.create_connection((host, int(port)), timeout=10) as s:
+                    s.sendall(_post(path, b"", length=size))
+                    closed, got = _closed_within(s, 2.0)
+                head, _, rest = got.partition(b"\r\n\r\n")
+                assert head.startswith(b"HTTP/1.1 413"), (path, size, got[:300])
+                assert f"{limit}-byte limit" in json.loads(rest)["error"]["message"], got
+        assert max_len == 4096 and limit == dw.max_body_bytes < 512 << 10
+        # a body of the whole limit is read; a prompt past the context (its last id not in the
+        # vocabulary) is refused for its length, before a look at its ids
+        too_long = [65] * max_len + [vocab]
+        handle = _handle(1, top=7).to_dict()
+        for url, path, body in ((pu, "/prefill", {"prompt_ids": too_long}),
+                                (du, "/generate", {"handle": handle, "prompt_ids": too_long, "output_ids": [65],
+                                                   "sampling": {"max_tokens": 2}, "stream": False})):
+            raw = json.dumps(body).encode()
+            raw += b" " * (limit - len(raw))
+            host, port = url.split("//")[1].rsplit(":", 1)
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                s.sendall(_post(path, raw, close=True))
+                closed, got = _closed_within(s, 10.0)
+            head, _, rest = got.partition(b"\r\n\r\n")
+            msg = json.loads(rest)["error"]["message"]
+            assert head.startswith(b"HTTP/1.1 400") and "tokens of context" in msg, (path, got[:400])
+        # the largest request: the whole context, every token a stop token but the two it makes
+        seen.clear()
+        prompt = [200 + i % 56 for i in range(max_len - 2)]
+        st, plain = _post_json(http.url, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "ignore_eos": True})
+        assert st == 200, plain
+        made = plain["choices"][0]["token_ids"]  # type: ignore[index]
+        stops = [t for t in range(vocab) if t not in made] * 400
+        st, out = _post_json(http.url, "/v1/completions", {"prompt": prompt, "max_tokens": 2, "ignore_eos": True,
+                                                          "stop_token_ids": stops})
+        assert st == 200 and out["choices"][0]["token_ids"] == made, out  # type: ignore[index]
+        assert len(json.dumps(stops)) > limit and set(seen) == {"prefill", "decode"}, seen
+        assert max(seen.values()) < limit, (seen, limit)
+        st, err = _post_json(http.url, "/v1/completions", {"prompt": "hi", "stop_token_ids": [1, vocab]})
+        assert st == 400 and err["error"]["code"] == "invalid_token_id", err  # type: ignore[index]
+    finally:
+        proxy.close()
+        pw.close()
+        dw.close()
