@@ -89,6 +89,8 @@ class _Done(Exception):
 class ShuttingDown(PeerUnavailable):
     """The front door is stopping; the request may be sent again (to another instance)."""
 
+    hint = "retry the request (this server is stopping)"
+
 
 class Proxy(StatusRoutes):
     """Routes completions to workers and keeps per-request metrics."""
@@ -214,7 +216,8 @@ class Proxy(StatusRoutes):
                 with contextlib.suppress(KVBridgeError):
                     lens.append(int((await self.client.get_json(url + "/health"))["max_model_len"]))
             if not lens:
-                raise PeerUnavailable("no worker answers /health, so the model's context length is unknown")
+                raise PeerUnavailable("no worker answers /health, so the model's context length is unknown",
+                                      hint="retry once the workers are up")
             self._max_len = min(lens)
         return self._max_len
 
@@ -307,7 +310,8 @@ class Proxy(StatusRoutes):
                     raise _Done("length")
                 url = self._pick("decode", failed)
                 if url is None:
-                    raise PeerUnavailable(f"no decode worker left to try ({len(failed)} failed for this request)")
+                    raise PeerUnavailable(f"no decode worker left to try ({len(failed)} failed for this request)",
+                                          hint="retry the request; the server's log names the workers that failed")
                 attempts += 1
                 got = 0
                 try:
