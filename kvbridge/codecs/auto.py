@@ -118,7 +118,8 @@ def measure_codec_speeds(pool: KVPool, block_ids: Sequence[int], names: Optional
                          repeats: int = 3) -> list[CodecSpeed]:
     """Time each codec's encode and decode on blocks of ``pool`` (real KV: ratios depend on the
     data) and return medians over ``repeats`` rounds. Decodes go to a scratch pool of the same
-    layout; codecs whose optional package is missing are left out."""
+    layout; codecs whose optional package is missing, or that cannot code this pool's dtype (the
+    8-bit quantizers offered an fp8 or int8 pool), are left out."""
     scratch = KVPool.allocate(pool.layout, len(block_ids), device=pool.device)
     dst = list(range(len(block_ids)))
     raw_bytes = len(block_ids) * pool.layout.block_nbytes
@@ -131,7 +132,8 @@ def measure_codec_speeds(pool: KVPool, block_ids: Sequence[int], names: Optional
     for name in (names if names is not None else available_codecs()):
         try:
             codec = get_codec(name)
-        except BackendUnavailable:
+            codec.check_layout(pool.layout)    # a quantizer offered an already 8-bit pool: not a choice
+        except (BackendUnavailable, ConfigError):
             continue
         enc_t, dec_t = [], []
         frame = codec.encode(pool, block_ids)

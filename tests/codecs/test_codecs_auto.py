@@ -71,6 +71,29 @@ def test_measured_speeds_feed_the_choice() -> None:
     assert choose_codec(1e-6, speeds, allow_lossy=True).codec != "raw"
 
 
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "int8"])
+def test_auto_on_an_8_bit_pool_leaves_out_the_codecs_that_cannot_code_it(dtype: str) -> None:
+    """On an fp8 or int8 KV pool (vLLM's kv_cache_dtype=fp8) the 8-bit quantizers cannot encode:
+    measuring every codec raised their ConfigError, so the README's measure-then-choose snippet
+    and KVSender(codec="auto") failed instead of choosing among the others."""
+    import torch
+
+    from kvbridge import KVLayout, KVPool, KVReceiver, KVSender
+    L = KVLayout.vllm_flash(2, 2, 16, block_size=4, dtype=dtype)
+    src, dst = KVPool.allocate(L, 8), KVPool.allocate(L, 8)
+    for b in src.buffers:
+        b.view(torch.uint8).copy_(torch.randint(0, 120, b.shape, dtype=torch.uint8).view(torch.uint8))
+    speeds = measure_codec_speeds(src, list(range(4)), repeats=1)
+    names = [sp.name for sp in speeds]
+    assert "raw" in names and "lz4" in names and not {"int8", "fp8", "fp8-block"} & set(names), names
+    assert choose_codec(10.0, speeds, allow_lossy=False).codec in names
+    with KVSender(src, "tcp://127.0.0.1:0", leases=False, codec="auto", link_gbps=0.001, allow_lossy=True) as snd, \
+            KVReceiver(dst, leases=False) as rcv:
+        h = snd.publish("r", src.alloc(2), 8)
+        assert snd.codec_choice is not None and snd.codec_choice.codec in names
+        assert rcv.fetch(h, [0, 1]).ok
+
+
 def test_an_unmeasured_figure_does_not_hide_the_others() -> None:
     """A NaN figure (a failed measurement) came first and stuck as the best (NaN < t is never true),
     so a slow link stayed raw whatever the other codecs measured. It is left out, like a zero one;
