@@ -71,6 +71,13 @@ def scene(own_server: EmbeddedRedis) -> Iterator[tuple[EmbeddedRedis, KVSender, 
         for h in hs[:2]:
             assert rcv.fetch(h, dst.alloc(1)).ok
         assert rcv.claim(hs[2]) is not None
+        # a fetch's release reaches the store after the fetch returns (through the owner): the
+        # scene is still until both are released (else one lands mid-test, as a change the attack made)
+        with RedisLeaseStore(own_server.url, namespace="kvb") as look:
+            deadline = time.monotonic() + 10
+            while any((x := look.get(h.lease_id)) is not None and x.state is not LeaseState.RELEASED
+                      for h in hs[:2]) and time.monotonic() < deadline:
+                time.sleep(0.01)
         yield own_server, snd, [h.lease_id for h in hs]
 
 
