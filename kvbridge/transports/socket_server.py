@@ -110,6 +110,7 @@ class SocketServer(Server):
             raise ConfigError(f"cannot serve {url}: {exc}") from None
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._parked: dict[socket.socket, tuple[float, FrameReader]] = {}   # since, reader
+        self._partial: dict[socket.socket, FrameReader] = {}                 # those holding part of a frame
         self._thread = threading.Thread(target=self._accept_loop, name=f"kvb-accept {url}", daemon=True)
         self._thread.start()
         self._poller = threading.Thread(target=self._poll_loop, name=f"kvb-idle {url}", daemon=True)
@@ -198,10 +199,10 @@ class SocketServer(Server):
         """Parked connections -- new ones, idle ones, and those waiting for the rest of a frame:
         back to a worker when bytes arrive; closed when idle past ``idle_timeout`` or when a
         frame begun is not whole within its deadline (``Timeout.transfer``)."""
-        wait = PARK_LOOK
+        look = idle_look = 0.0
         while not self._closed.is_set():
             try:
-                events = self._sel.select(timeout=wait)
+                events = self._sel.select(timeout=max(0.005, look - time.monotonic()))
             except (OSError, ValueError):
                 if self._closed.is_set():
                     return
@@ -215,15 +216,18 @@ class SocketServer(Server):
                 self._unpark(conn)
                 self._dispatch(conn, key.data)
             now = time.monotonic()
-            wait = PARK_LOOK
-            stale = []
+            if now < look:                          # deadlines are looked at every PARK_LOOK, not per event
+                continue
+            look = now + PARK_LOOK
+            every = now >= idle_look                # idle ones once a second; frames begun every look
+            if every:
+                idle_look = now + 1.0
             with self._lock:
-                for c, (t, r) in self._parked.items():
-                    if r.overdue(now) or now - t > self.idle_timeout(c):
-                        stale.append((c, r))
-                    elif r._since:              # a frame begun: look again at its deadline
-                        wait = min(wait, r._since + r.frame_timeout - now)
-            wait = max(0.01, wait)
+                if every:
+                    stale = [(c, r) for c, (t, r) in self._parked.items()
+                             if r.overdue(now) or now - t > self.idle_timeout(c)]
+                else:
+                    stale = [(c, r) for c, r in self._partial.items() if r.overdue(now)]
             for c, r in stale:
                 self._unpark(c)
                 self._drop(c, reader=r)
@@ -232,16 +236,20 @@ class SocketServer(Server):
         reader.park()
         with self._lock:
             self._parked[conn] = (time.monotonic(), reader)
+            if not reader.empty:
+                self._partial[conn] = reader        # a frame begun: its deadline is looked at often
         try:
             self._sel.register(conn, selectors.EVENT_READ, reader)
         except (KeyError, ValueError, OSError):
             with self._lock:
                 self._parked.pop(conn, None)
+                self._partial.pop(conn, None)
             self._drop(conn, reader=reader)
 
     def _unpark(self, conn: socket.socket) -> None:
         with self._lock:
             self._parked.pop(conn, None)
+            self._partial.pop(conn, None)
         try:
             self._sel.unregister(conn)
         except (KeyError, ValueError, OSError):
