@@ -213,6 +213,10 @@ class SocketServer(Server):
                     return
                 conn = key.fileobj
                 assert isinstance(conn, socket.socket)
+                if key.data.empty and self._closed_by_peer(conn):   # an idle peer left: no thread for that
+                    self._unpark(conn)
+                    self._drop(conn, reader=key.data)
+                    continue
                 self._unpark(conn)
                 self._dispatch(conn, key.data)
             now = time.monotonic()
@@ -231,6 +235,16 @@ class SocketServer(Server):
             for c, r in stale:
                 self._unpark(c)
                 self._drop(c, reader=r)
+
+    @staticmethod
+    def _closed_by_peer(conn: socket.socket) -> bool:
+        """Whether what woke a parked connection is its peer closing it (nothing left to read)."""
+        try:
+            return not conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def _park(self, conn: socket.socket, reader: FrameReader) -> None:
         reader.park()
