@@ -11,7 +11,7 @@ modes are interleaved fetch by fetch (the order alternates), so machine noise hi
 both alike. A leased fetch's critical path has one lease round trip: READ (the owner
 claims on the reader's behalf in Redis as it serves it, and ends the reply with its
 validate-after-read trailer); the release goes to Redis after ``fetch`` has returned,
-from the receiver's release thread (``docs/LEASES.md``). A lease round trip is measured
+through the sender, which makes it for the claim it made (``docs/LEASES.md``). A lease round trip is measured
 here too (``PING`` and a ``validate`` call, single round trips from this process).
 Script calls on the server are counted (``INFO commandstats``): in total per leased fetch,
 and on its critical path (the total less the releases sent after the fetch returned).
@@ -206,7 +206,8 @@ def main() -> None:
                      f"| {v['p90_us']:.1f} | {reps} |")
     ratio = result["added_by_leases_us"]["ratio_median"]
     lines += ["", f"Added by leases: median **{added_med:.1f} µs** (×{ratio:.2f}),"
-              f" p99 {added_p99:.1f} µs; = {result['added_by_leases_us']['in_lease_round_trips']:.1f}"
+              f" difference of the p99s {added_p99:.1f} µs (each p99 is its own mode's tail);"
+              f" = {result['added_by_leases_us']['in_lease_round_trips']:.1f}"
               f" × one lease script round trip. Script calls per leased fetch on the server:"
               f" {critical:.2f} on its critical path (the owner's claim inside the READ; its trailer is"
               f" the validate-after-read), {per_fetch:.2f} in all (the release goes after fetch returns,"
