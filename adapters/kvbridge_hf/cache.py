@@ -60,7 +60,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from kvbridge import KVHandle, KVLayout, KVPool, KVReceiver, KVSender, Transfer
-from kvbridge.errors import ConfigError, LayoutMismatch
+from kvbridge.errors import BadHandle, ConfigError, LayoutMismatch
 from kvbridge.layout import DTYPES, KVOrder, TokenOrder
 
 __all__ = [
@@ -98,6 +98,18 @@ def _geometry(config: Any) -> tuple[int, int, int]:
     kv_heads = getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or int(c.hidden_size) // heads
     return layers, int(kv_heads), int(head_dim)
+
+
+def _config_dtype(config: Any) -> Optional[torch.dtype]:
+    """The dtype a model config names (``dtype``, or ``torch_dtype`` before transformers 5), or None."""
+    c = _text_config(config)
+    for name in ("dtype", "torch_dtype"):
+        d = getattr(c, name, None) or getattr(config, name, None)
+        if isinstance(d, torch.dtype):
+            return d
+        if isinstance(d, str) and isinstance(getattr(torch, d.removeprefix("torch."), None), torch.dtype):
+            return getattr(torch, d.removeprefix("torch."))  # type: ignore[no-any-return]
+    return None
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -299,9 +311,12 @@ class HFKVExporter:
             _check_geometry(self.layout, model_config, "exporter")
 
     def publish(self, request_id: str, cache: Any, num_tokens: Optional[int] = None, *,
-                batch_index: int = 0, ttl: Optional[float] = None) -> KVHandle:
+                batch_index: int = 0, ttl: Optional[float] = None, codec: Optional[str] = None) -> KVHandle:
         """Copy the first ``num_tokens`` (default: all) tokens of ``cache`` into fresh blocks of
-        the sender's pool and publish them. The sender owns (and eventually frees) the blocks."""
+        the sender's pool and publish them. The sender owns (and eventually frees) the blocks.
+        ``codec``: the sender's (default ``raw``) unless given; a lossy one (``int8``, ``fp8``,
+        ``int4``...) makes generation differ from the model's own, token-exact holds for lossless
+        codecs only."""
         layers = cache_layers(cache)
         L = self.layout
         if len(layers) != L.num_layers:
@@ -325,7 +340,8 @@ class HFKVExporter:
         pool.ref(ids)          # our own hold while publishing: no one can free and reuse them under us
         try:
             write_blocks(pool, ids, layers, n, batch_index)
-            h = self.sender.publish(request_id, ids, n, ttl=ttl)
+            h = (self.sender.publish(request_id, ids, n, ttl=ttl) if codec is None
+                 else self.sender.publish(request_id, ids, n, ttl=ttl, codec=codec))
         except BaseException:
             # a refused publish (one that close() overtook too) leaves the blocks ours: both
             # references go, the alloc's and the hold's
@@ -391,7 +407,9 @@ class HFKVImporter:
         self.pool = receiver.pool
         self.model_config = model_config
         self.device = device
-        self.dtype = dtype
+        # the cache's tensors in the model's own dtype where its config says it (a float32 pool
+        # read for a bfloat16 model made generate fail in attention: query and key dtypes differ)
+        self.dtype = dtype if dtype is not None or model_config is None else _config_dtype(model_config)
         if self.pool.layout.latent:
             raise ConfigError("the receiver's pool has an MLA latent layout; HF caches hold K and V")
         if model_config is not None:
@@ -403,8 +421,10 @@ class HFKVImporter:
             h = KVHandle.from_bytes(handle, secret)
         elif isinstance(handle, dict):
             h = KVHandle.from_dict(handle, secret)
-        else:
+        elif isinstance(handle, KVHandle):
             h = handle
+        else:
+            raise BadHandle(f"a handle is a KVHandle, its bytes or its dict, not {type(handle).__name__}")
         if h.layout_hash != self.pool.layout.compat_hash:   # refuse before taking any blocks
             raise LayoutMismatch(
                 f"handle {h.id} of request {h.request_id!r} has layout {h.layout_hash}; this receiver's pool "
@@ -483,11 +503,21 @@ def generate_from_cache(model: Any, input_ids: Union[torch.Tensor, Sequence[int]
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)
     ids = ids.to(model.device)
+    if ids.shape[0] != 1:
+        raise ConfigError(f"generate_from_cache continues one prompt from its cache; input_ids has {ids.shape[0]} rows")
     have = cache.get_seq_length()
     if not 0 < have < ids.shape[1]:
         raise ConfigError(
             f"the cache holds {have} tokens but input_ids has {ids.shape[1]}: generate continues from a cache "
             "of a strict prefix of input_ids (publish prompt[:-1], or pass prompt + [first_token])")
     generate_kwargs.setdefault("attention_mask", torch.ones_like(ids))
+    gc = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    beams = int(generate_kwargs.get("num_beams", getattr(gc, "num_beams", 1) or 1))
+    seqs = int(generate_kwargs.get("num_return_sequences", getattr(gc, "num_return_sequences", 1) or 1))
+    rows = beams if beams > 1 else seqs     # the rows generate expands the prompt to; the cache must match
+    if rows > 1:
+        if cache.get_seq_length() and getattr(cache, "batch_repeat_interleave", None) is None:
+            raise ConfigError("this cache cannot be expanded for beam search or several sequences")
+        cache.batch_repeat_interleave(rows)
     generate_kwargs[cache_kwarg(model)] = cache
     return model.generate(input_ids=ids, **generate_kwargs)

@@ -276,3 +276,63 @@ def test_hf_prefill_feeds_reference_engine_decode(hf_model: Any) -> None:
             engine.pool.free(blocks)
             assert toks == reference(hf_model, p) == engine.generate(p, SamplingParams(max_tokens=NEW_TOKENS))
         wait_all_free(sender)
+
+
+# -- generate's other modes, dtypes, codecs, and what is not a handle -------------------------------
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [dict(num_beams=2), dict(num_beams=3, num_return_sequences=2),
+                                  dict(do_sample=True, top_k=5, num_return_sequences=2)])
+def test_beam_search_and_several_sequences_continue_from_a_handed_off_cache(
+        hf_model: Any, pair: tuple[KVSender, KVReceiver], mode: dict[str, Any]) -> None:
+    """generate expands the prompt to one row per beam (or per sequence); the one-row cache was not
+    expanded with it and generate failed inside torch.cat. Now the same tokens as from scratch."""
+    sender, receiver = pair
+    p = prompts(1, 21, lo=9, hi=14)[0]
+    ids = torch.tensor([p])
+    g = {**GEN, **mode}
+    torch.manual_seed(3)
+    ref = hf_model.generate(ids, attention_mask=torch.ones_like(ids), **g)
+    h = publish_cache(sender, "beams", prefill_for_handoff(hf_model, ids).cache)
+    cache = load_cache(receiver, h, hf_model.config)
+    torch.manual_seed(3)
+    assert torch.equal(generate_from_cache(hf_model, p, cache, **g), ref)
+    with pytest.raises(ConfigError, match="rows"):
+        generate_from_cache(hf_model, torch.tensor([p, p]), cache, **GEN)
+
+
+@pytest.mark.timeout(60)
+def test_a_cache_is_read_in_the_models_dtype_when_the_config_names_it(hf_model: Any) -> None:
+    """A float32 pool read for a bfloat16 model: the cache came back float32 and generate failed in
+    attention (query and key dtypes differ). The model config's dtype is the cache's default."""
+    import copy
+    model = copy.deepcopy(hf_model).to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16              # as a checkpoint saved in bfloat16 says
+    layout = layout_for_model(hf_model, block_size=4, dtype=torch.float32)
+    with KVSender(KVPool.allocate(layout, 32), "inproc://", leases=False) as sender, \
+            KVReceiver(KVPool.allocate(layout, 32), leases=False) as receiver:
+        p = prompts(1, 22, lo=9, hi=14)[0]
+        h = publish_cache(sender, "dt", prefill_for_handoff(hf_model, torch.tensor([p])).cache)
+        cache = load_cache(receiver, h, model.config)
+        assert cache.layers[0].keys.dtype == torch.bfloat16
+        assert generate_from_cache(model, p, cache, **GEN).shape[1] == len(p) + NEW_TOKENS
+
+
+@pytest.mark.timeout(60)
+def test_a_codec_can_be_named_and_a_lossless_one_stays_token_exact(hf_model: Any,
+                                                                   pair: tuple[KVSender, KVReceiver]) -> None:
+    sender, receiver = pair
+    for p in prompts(3, 23, lo=6, hi=20):
+        h = HFKVExporter(sender).publish("lz", prefill_for_handoff(hf_model, torch.tensor([p])).cache, codec="lz4")
+        assert h.codec == "lz4"
+        assert continue_from(hf_model, p, load_cache(receiver, h, hf_model.config)) == reference(hf_model, p)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("bad", ["not-a-handle", None, 7])
+def test_what_is_not_a_handle_is_refused_clearly(pair: tuple[KVSender, KVReceiver], bad: Any) -> None:
+    from kvbridge.errors import BadHandle
+    _, receiver = pair
+    with pytest.raises(BadHandle, match="KVHandle"):
+        load_cache(receiver, bad)
+    assert receiver.pool.num_free == receiver.pool.num_blocks
