@@ -37,6 +37,27 @@ def _port(text: str) -> int:
     return port
 
 
+def _checkpoint_dir(model: str) -> Optional[str]:
+    """The checkpoint directory ``--model`` names, or None for a preset name; a path that is not a
+    directory is an error (the proxy fell back to the byte tokenizer, so a mistyped checkpoint
+    path tokenized every prompt as bytes in front of workers that load the real one)."""
+    if os.path.isdir(model):
+        return model
+    if os.sep in model or model.startswith((".", "~")):
+        raise ConfigError(f"--model {model!r} is not a checkpoint directory")
+    return None
+
+
+def _seed(text: str) -> int:
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= seed < 1 << 63:
+        raise argparse.ArgumentTypeError(f"{seed} is not a seed (0 to 2**63 - 1)")
+    return seed
+
+
 def _positive(kind: type) -> Any:
     def parse(text: str) -> Any:
         try:
@@ -58,7 +79,7 @@ def _engine_args(p: argparse.ArgumentParser, threads: int) -> None:
                         "prefill worker (None: --host; needed when --host is 0.0.0.0)")
     g.add_argument("--port", type=_port, default=0, help="HTTP port (0: any free port)")
     g.add_argument("--model", default="small", help=_MODEL_HELP)
-    g.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+    g.add_argument("--seed", type=_seed, default=0, help="weight seed of a preset model")
     g.add_argument("--chunk-size", type=_positive(int), default=256, help="prefill chunk in tokens")
     g.add_argument("--block-size", type=_positive(int), default=16, help="tokens per KV block")
     g.add_argument("--num-blocks", type=_positive(int), default=2048, help="KV blocks in the pool")
@@ -112,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefill-workers", type=_positive(int), default=1, help="prefill worker processes")
     up.add_argument("--decode-workers", type=_positive(int), default=1, help="decode worker processes")
     up.add_argument("--model", default="small", help=_MODEL_HELP)
-    up.add_argument("--seed", type=int, default=0, help="weight seed of a preset model")
+    up.add_argument("--seed", type=_seed, default=0, help="weight seed of a preset model")
     up.add_argument("--chunk-size", type=_positive(int), default=256, help="prefill chunk, same in both modes")
     up.add_argument("--block-size", type=_positive(int), default=16, help="tokens per KV block")
     up.add_argument("--num-blocks", type=_positive(int), default=2048, help="KV blocks per worker pool")
@@ -205,7 +226,7 @@ def _run_proxy(a: argparse.Namespace) -> int:
                               model_name=a.model, max_body_bytes=a.max_body_bytes,
                               max_connections=a.max_connections, worker_connections=a.worker_connections,
                               worker_pool_timeout=a.worker_pool_timeout),
-                  tokenizer=load_tokenizer(a.model if os.path.isdir(a.model) else None))
+                  tokenizer=load_tokenizer(_checkpoint_dir(a.model)))
     server = proxy.serve(a.host, a.port)
     from .workers.server import freeze_heap
     freeze_heap()

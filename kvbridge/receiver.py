@@ -45,7 +45,7 @@ from .blockcopy import dst_snapshot
 from .errors import AccessDenied, BadHandle, ConfigError, KVBridgeError, LayoutMismatch, PoolError
 from .frames import check_codec
 from .handle import KVHandle, check_secret, check_ttl
-from .lease import Claim, LeaseStore
+from .lease import Claim, LeaseStore, resolve_lease_url
 from .metrics import ReceiverStats
 from .policy import Retry, Timeout, _seconds
 from .pool import KVPool, LandingMark, block_id_list
@@ -90,6 +90,8 @@ class KVReceiver(ReceiverPipeline):
         check_secret("KVReceiver", secret)
         check_ttl("KVReceiver(reservation_ttl)", reservation_ttl)
         check_ttl("KVReceiver(claim_ttl)", claim_ttl)      # 0 or less: every leased fetch lapsed its claim
+        if isinstance(leases, str) and leases:
+            resolve_lease_url(leases)      # a URL no store can take: refused here, not at every fetch
         _seconds("KVReceiver", "clock_margin", clock_margin, zero=True)
         self.pool = pool
         self._closed = False

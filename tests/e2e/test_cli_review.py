@@ -110,3 +110,27 @@ def test_a_swallowed_interrupt_is_raised_again_by_check() -> None:
     i.check()                                        # once
     i(signal.SIGTERM, None)                          # a second signal: ignored
     i.check()
+
+
+@pytest.mark.parametrize("cmd", ["up", "prefill", "decode"])
+@pytest.mark.parametrize("seed", ["99999999999999999999", "-1", "1.5"])
+def test_a_seed_out_of_range_is_one_line(cmd: str, seed: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A seed past int64 ended `kvbridge prefill` in a 24-line traceback from torch."""
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([cmd, "--seed", seed])
+    assert info.value.code == 2 and "--seed" in capsys.readouterr().err
+
+
+def test_a_decode_worker_with_an_unusable_lease_url_does_not_start(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvbridge decode --leases http://x` said it was ready, then answered every request 400
+    with a redacted message; the URL is refused as it starts, in one line."""
+    assert main(["decode", "--model", "tiny", "--leases", "http://x", "--port", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "lease URL must be redis://" in err and "http://x" in err and "Traceback" not in err
+
+
+def test_a_proxy_model_path_that_is_not_a_checkpoint_is_an_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """A mistyped checkpoint path made the proxy tokenize every prompt as bytes, silently."""
+    rc = main(["proxy", "--model", "/no/such/checkpoint", "--prefill", "http://127.0.0.1:9",
+               "--decode", "http://127.0.0.1:9", "--port", "0"])
+    assert rc == 1 and "not a checkpoint directory" in capsys.readouterr().err
