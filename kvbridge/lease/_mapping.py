@@ -82,6 +82,9 @@ def map_redis_error(exc: BaseException, url: str) -> KVBridgeError:
     if isinstance(exc, _UNAVAILABLE + (OSError,)) or (isinstance(exc, rx.ResponseError)
                                                       and str(exc).startswith(_NOT_NOW)):
         return LeaseStoreUnavailable(f"lease server {where} unavailable: {exc}")
+    if isinstance(exc, rx.ResponseError) and "DB index" in str(exc):
+        return ConfigError(f"lease server {where} has no such database: {exc}",
+                           hint="the URL's /db number must be below the server's `databases` setting")
     if isinstance(exc, rx.ResponseError):
         return ConfigError(f"lease server {where} rejected a script: {exc}",
                            hint="needs Redis >= 6.2 or Valkey; keep the namespace's keys for kvbridge")

@@ -275,3 +275,10 @@ def test_an_owner_cut_off_after_a_stalled_publish_frees_only_after_redis_expired
         owner.close()
         claimer.close()
         pool.close()
+
+
+def test_a_database_the_server_does_not_have_is_named_as_such(server: EmbeddedRedis) -> None:
+    """It said 'rejected a script ... needs Redis >= 6.2', pointing at the server's version."""
+    with RedisLeaseStore(server.url.rsplit("/", 1)[0] + "/99") as store:
+        with pytest.raises(ConfigError, match="no such database"):
+            store.get("x")
