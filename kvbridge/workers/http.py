@@ -322,8 +322,9 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self._too_large:  # a pipelined head over the limit waited for this answer to go out
-            self._answer_431()
+        if self._too_large:  # a pipelined head over the limit waited for the answers before it to go out
+            if not self.pipeline and (self.cycle is None or self.cycle.response_complete):
+                self._answer_431()      # (uvicorn has just started the next queued request otherwise)
         elif not self._receiving and not self.transport.is_closing():
             self._set(self.deadlines.idle, self._expired_idle)
 

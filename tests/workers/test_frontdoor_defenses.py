@@ -786,3 +786,61 @@ def test_a_worker_takes_the_bodies_of_its_context_and_no_more(tiny: Any) -> None
         proxy.close()
         pw.close()
         dw.close()
+
+
+def test_a_pipelined_head_past_the_limit_is_answered_after_every_request_before_it() -> None:
+    """Three pipelined requests arriving in one read -- slow, fast, then a head over MAX_HEAD: the
+    431 went out as soon as the first answer was done, while the second's handler ran, whose own
+    answer then failed (write after EOF); the client took the 431 for the second's answer."""
+    import re as _re
+
+    from kvbridge.workers.http import MAX_HEAD
+    served: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                m = await receive()
+                if m["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif m["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["path"] == "/block":          # holds the loop: the next connection's bytes pile up
+            time.sleep(0.5)
+        if scope["path"] == "/slow":
+            await asyncio.sleep(0.3)
+        served.append(scope["path"])
+        body = scope["path"].encode()
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    lsock = bind_socket("127.0.0.1", 0)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    srv = HTTPServer(app, lsock)
+    try:
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        a = socket.create_connection(("127.0.0.1", srv.port))
+        time.sleep(0.2)
+        a.sendall(b"GET /block HTTP/1.1\r\nhost: x\r\n\r\n")
+        time.sleep(0.1)
+        s.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\nGET /fast HTTP/1.1\r\nhost: x\r\n\r\n"
+                  b"GET /big HTTP/1.1\r\nhost: x\r\nx-pad: " + b"a" * (3 * MAX_HEAD) + b"\r\n\r\n")
+        s.settimeout(5)
+        got = b""
+        while True:
+            try:
+                k = s.recv(65536)
+            except (socket.timeout, ConnectionResetError):
+                break
+            if not k:
+                break
+            got += k
+        statuses = [x.split()[1] for x in _re.findall(rb"HTTP/1.1 \d+", got)]
+        assert statuses == [b"200", b"200", b"431"], (statuses, served)
+        assert b"/slow" in got and b"/fast" in got
+        s.close()
+        a.close()
+    finally:
+        srv.close()
