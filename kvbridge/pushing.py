@@ -37,6 +37,8 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
         # and its handle like any other failure, never leaves its blocks pinned until their TTL
         store = snd._push_stores.for_ticket(res)
         if rec is None:
+            if t.cancel_event.is_set():    # cancelled before it started (sender.close(), cancel())
+                raise TransferCancelled(f"push of {res.request_id!r} cancelled")
             raise StaleHandle(f"push of {res.request_id!r}: its blocks were freed before it started")
         if store is not None:
             # Each push is its own claimer: a second push of the same reservation, even from
@@ -93,10 +95,14 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
 
 def _abort_push(snd: "KVSender", res: KVHandle, store: Optional[LeaseStore], claim: Optional[Claim], url: str) -> None:
     """Tell the receiver this writer gives up (best effort: its reservation expires anyway)."""
+    tr, own = snd._transport_after_close(url)
     try:
-        snd._transport(url).abort_write(url, res, claim)
+        tr.abort_write(url, res, claim)
     except KVBridgeError as exc:
         log.info("abort of push %r: %s", res.request_id, exc)
+    finally:
+        if own:
+            tr.close()
     if store is not None and claim is not None:
         try:
             store.abort(res.lease_id, claim.claimer, claim.fence)

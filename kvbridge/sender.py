@@ -136,6 +136,7 @@ class KVSender(SenderServing):
         self.clock_margin = clock_margin
         self._push_stores = StoreCache(leases if leases is not False else None, lease_namespace)
         self._transports: dict[str, Transport] = {}
+        self._transports_taken = False     # close() has closed them: later work makes its own
         self._workers = Workers("kvb-push")
         urls = [listen] if isinstance(listen, str) else list(listen)
         try:
@@ -440,6 +441,19 @@ class KVSender(SenderServing):
                 t = self._transports[scheme] = get_transport_class(scheme)(self.timeout)
         return t
 
+    def _transport_after_close(self, url: str) -> tuple[Transport, bool]:
+        """A transport for work that may run while or after :meth:`close` (a cancelled push
+        telling its receiver), and whether the caller closes it: once close() has taken the
+        transports, a new one is the caller's alone (kept, nothing would ever close it)."""
+        scheme = scheme_of(url)
+        with self._lock:
+            if not self._transports_taken:
+                t = self._transports.get(scheme)
+                if t is None:
+                    t = self._transports[scheme] = get_transport_class(scheme)(self.timeout)
+                return t, False
+        return get_transport_class(scheme)(self.timeout), True
+
     # -- lifetime -------------------------------------------------------------------------
     def renew(self, handle: HandleForm, ttl: float) -> None:
         """Extend a live handle's lifetime (and its lease) by ``ttl`` seconds from now (``handle`` in
@@ -488,6 +502,7 @@ class KVSender(SenderServing):
         with self._lock:
             transports = list(self._transports.values())
             self._transports.clear()
+            self._transports_taken = True
         for t in transports:
             t.close()
         self._push_stores.close()

@@ -212,3 +212,33 @@ def test_a_push_cancelled_before_a_worker_took_it_ends_its_handle_and_tells_the_
         assert not r.ok and rpool.landing() == list(busy_rt.reservation.block_ids)   # the busy one only
         busy.cancel(5)
         assert busy_rt.result(5) is not None
+
+
+def test_close_with_pushes_still_queued_cancels_them_tells_the_receivers_and_leaves_no_transport() -> None:
+    """sender.close() with pushes waiting for a worker: their jobs run cancelled (so each handle
+    ends and its receiver hears the writer give up), but on threads of their own, racing the end
+    of close(): an abort made a new transport after close() had closed them, kept open (with a
+    connection to the receiver) for as long as the sender lived; and they ended FAILED
+    (StaleHandle) rather than CANCELLED."""
+    from kvbridge.transfer import TransferState, Workers
+    spool, rpool = KVPool.allocate(L, 32, allocator="engine"), KVPool.allocate(L, 32)
+    with KVReceiver(rpool, listen="tcp://127.0.0.1:0", leases=False) as rcv:
+        snd = KVSender(spool, "tcp://127.0.0.1:0", leases=False, ttl=60)
+        snd._workers.close()
+        snd._workers = Workers("kvb-push-test", max_workers=1)
+        busy_rt = rcv.reserve(rpool.alloc(1), "busy")
+        snd.push(busy_rt.reservation, [0], layers_ready=0)           # holds the one worker
+        rts, ts = [], []
+        for i in range(6):
+            rt = rcv.reserve(rpool.alloc(2), f"q{i}")
+            rts.append(rt)
+            ts.append(snd.push(rt.reservation, [1 + 2 * i, 2 + 2 * i]))
+        snd.close()
+        for t, rt in zip(ts, rts):
+            t.wait(5)
+            assert t.state is TransferState.CANCELLED, t.state
+            r = rt.result(5)                                           # told, not left to its TTL
+            assert r is not None and not r.ok
+        time.sleep(0.3)                                                 # the last aborts' threads end
+        assert snd._transports == {}
+        assert all(spool.refcount(b) == 0 for b in range(13))
