@@ -101,15 +101,10 @@ def _geometry(config: Any) -> tuple[int, int, int]:
 
 
 def _config_dtype(config: Any) -> Optional[torch.dtype]:
-    """The dtype a model config names (``dtype``, or ``torch_dtype`` before transformers 5), or None."""
+    """The KV dtype a model config names (``dtype``, ``torch_dtype`` in 4.x), or None (none, or "auto")."""
     c = _text_config(config)
-    for name in ("dtype", "torch_dtype"):
-        d = getattr(c, name, None) or getattr(config, name, None)
-        if isinstance(d, torch.dtype):
-            return d
-        if isinstance(d, str) and isinstance(getattr(torch, d.removeprefix("torch."), None), torch.dtype):
-            return getattr(torch, d.removeprefix("torch."))  # type: ignore[no-any-return]
-    return None
+    d = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None)
+    return None if d is None or d == "auto" else DTYPES[_dtype_name(d)]
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -135,10 +130,7 @@ def layout_for_config(config: Any, block_size: int = 16, dtype: Any = None, *, h
     """
     layers, kv_heads, head_dim = _geometry(config)
     if dtype is None:
-        c = _text_config(config)
-        dtype = getattr(c, "dtype", None) or getattr(c, "torch_dtype", None) or "float32"
-        if dtype == "auto":
-            dtype = "float32"
+        dtype = _config_dtype(config) or torch.float32
     order = KVOrder(kv_order)
     if order is KVOrder.LATENT:
         raise ConfigError("transformers caches hold decompressed K and V; use a K/V layout, not LATENT")
