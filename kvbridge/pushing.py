@@ -30,6 +30,7 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
     rec = snd._records.get(h.handle_id)
     store: Optional[LeaseStore] = None
     claim: Optional[Claim] = None
+    own = False    # the transport is one of the push's own (close() took the sender's): closed here
     url = res.urls[0]
     L = snd.pool.layout.num_layers
     try:
@@ -46,7 +47,7 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
             who = f"{snd.owner}/push-{h.id[:12]}"
             lease = snd.retry.call(lambda: store.claim(res.lease_id, who, snd.claim_ttl))
             claim = Claim(who, lease.fence.epoch, lease.fence.counter)
-        transport = snd._transport(url)
+        transport, own = snd._transport_after_close(url)
         done = 0
         idle_until = time.monotonic() + snd.timeout.transfer
         while done < L:
@@ -86,6 +87,9 @@ def run_push(snd: "KVSender", t: Transfer, h: KVHandle, res: KVHandle) -> FetchR
             # telling the receiver is not part of the (perhaps cancelled) push: it runs once the
             # push has ended, so a silent receiver cannot hold cancel() for its timeout
             t._then = lambda: _abort_push(snd, res, store, claim, url)
+    finally:
+        if own:
+            transport.close()
     out.seconds = time.perf_counter() - t0
     if rec is not None:
         snd._end(rec, "pushed" if out.ok else "aborted")

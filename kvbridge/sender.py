@@ -434,17 +434,12 @@ class KVSender(SenderServing):
                 self._read_done(rec)
 
     def _transport(self, url: str) -> Transport:
-        scheme = scheme_of(url)
-        with self._lock:
-            t = self._transports.get(scheme)
-            if t is None:
-                t = self._transports[scheme] = get_transport_class(scheme)(self.timeout)
-        return t
+        return self._transport_after_close(url)[0]
 
     def _transport_after_close(self, url: str) -> tuple[Transport, bool]:
-        """A transport for work that may run while or after :meth:`close` (a cancelled push
-        telling its receiver), and whether the caller closes it: once close() has taken the
-        transports, a new one is the caller's alone (kept, nothing would ever close it)."""
+        """The sender's transport for ``url``'s scheme, and whether the caller must close it: work
+        that may run while or after :meth:`close` (a cancelled push telling its receiver) gets a
+        transport of its own once close() has taken the shared ones (kept, nothing would close it)."""
         scheme = scheme_of(url)
         with self._lock:
             if not self._transports_taken:
