@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvbridge.workers.http import BodyError, Deadlines, HTTPServer, bind_socket, read_json
@@ -32,10 +32,6 @@ MAX_BODY = 16 << 20        # one entry: a reservation names every page of its re
 BUDGET = 256 << 20         # every entry kept and every body being received, together
 ENTRY_COST = 256           # what an entry costs beyond its body (key, tuple, dict slot), counted against BUDGET
 MAX_ROOM_DIGITS = 20       # SGLang's rooms are 63-bit integers
-
-
-def _json(status: int, body: Any, **headers: str) -> Response:
-    return Response(json.dumps(body).encode(), status, headers=headers or None, media_type="application/json")
 
 
 class Mailbox:
@@ -69,14 +65,14 @@ class Mailbox:
     async def _serve(self, request: Request) -> Response:
         kind, room = request.path_params["kind"], request.path_params["room"]
         if not (room.isdecimal() and room.isascii() and len(room) <= MAX_ROOM_DIGITS):
-            return _json(400, {"error": "a room is a decimal integer"})
+            return JSONResponse({"error": "a room is a decimal integer"}, 400)
         if request.method == "DELETE":
             if kind != "room":
-                return _json(400, {"error": "DELETE /kvbridge/room/<room> only"})
+                return JSONResponse({"error": "DELETE /kvbridge/room/<room> only"}, 400)
             self._drop(room)
             return Response(status_code=204)
         if kind not in KINDS:
-            return _json(404, {"error": f"no such kind {kind!r}"})
+            return JSONResponse({"error": f"no such kind {kind!r}"}, 404)
         if request.method == "GET":
             got = self._get((kind, room))
             return Response(status_code=404) if got is None else Response(got, media_type="application/json")
@@ -86,26 +82,26 @@ class Mailbox:
         try:
             n = int(request.headers["content-length"])
         except (KeyError, ValueError):
-            return _json(411, {"error": "a body must declare its Content-Length"})
+            return JSONResponse({"error": "a body must declare its Content-Length"}, 411)
         if not 0 < n <= self.max_body:
-            return _json(413, {"error": f"a body is 1 to {self.max_body} bytes, not {n}"})
+            return JSONResponse({"error": f"a body is 1 to {self.max_body} bytes, not {n}"}, 413)
         cost = n + ENTRY_COST
         with self._lock:
             self._sweep()
             if self._held + cost > self.budget:
-                return _json(503, {"error": "the bootstrap server holds as much as it may; try again"},
-                             **{"Retry-After": "1"})
+                return JSONResponse({"error": "the bootstrap server holds as much as it may; try again"}, 503,
+                                    headers={"Retry-After": "1"})
             self._held += cost          # taken before a byte of the body is read
         try:
             body = await read_json(request, n)
         except BodyError as exc:
             with self._lock:
                 self._held -= cost
-            return _json(exc.status, {"error": exc.message})
+            return JSONResponse({"error": exc.message}, exc.status)
         if not isinstance(body, dict):
             with self._lock:
                 self._held -= cost
-            return _json(400, {"error": "the body must be a JSON object"})
+            return JSONResponse({"error": "the body must be a JSON object"}, 400)
         raw = json.dumps(body).encode()
         with self._lock:
             old = self._data.pop(key, None)
