@@ -92,7 +92,7 @@ def main(argv: Any = None) -> dict[str, Any]:
             assert holder.stdout is not None
             if holder.stdout.readline().strip() != "open":
                 raise RuntimeError("the idle connections did not open")
-            time.sleep(1.0)                           # past PARK_AFTER: all of them parked
+            time.sleep(1.0)                           # every connection accepted (and parked) by now
             held = _proc_stat(pid)
             idle = round_us()
             assert holder.stdin is not None

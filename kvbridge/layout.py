@@ -288,7 +288,7 @@ class KVLayout:
     def check_compatible(self, other: "KVLayout") -> None:
         """Raise :class:`LayoutMismatch` naming every field that differs."""
         a, b = self.compat_key(), other.compat_key()
-        heads = self.num_kv_heads != other.num_kv_heads    # then a one-head side's order was set aside: not named
+        heads = self.num_kv_heads != other.num_kv_heads    # then the heads are named, not the token order
         diff = [f"{k}: {a[k]!r} != {b[k]!r}" for k in _COMPAT_FIELDS
                 if a[k] != b[k] and not (heads and k == "token_order")]
         if diff:

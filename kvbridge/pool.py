@@ -38,7 +38,6 @@ import torch
 from . import blockcopy
 from .errors import ConfigError, LayoutMismatch, PoolError, TransferCancelled
 from .layout import KVLayout, KVOrder
-from .hostlimits import memory_available
 from .segments import SharedSegment, sweep_dead_segments
 
 __all__ = ["KVPool", "SharedSegment", "block_id_list", "whole_number", "retired_during", "sweep_dead_segments"]
@@ -219,13 +218,11 @@ class KVPool:
         nbytes = num_blocks * layout.part_nbytes * parts_per_buffer
         stride = -(-nbytes // _ALIGN) * _ALIGN
         gen_offset = stride * layout.num_buffers          # the generation table follows the buffers
-        need, left = gen_offset + GEN_SIZE * num_blocks, memory_available()
-        if need > _MAX_POOL_NBYTES or (left is not None and need > left):
-            # its pages are reserved at once, and a memfd has no size limit of its own: past what
-            # is left, the kernel's OOM killer ends some process instead of an error
+        need = gen_offset + GEN_SIZE * num_blocks
+        if need > _MAX_POOL_NBYTES:
             raise PoolError(f"cannot allocate {num_blocks} blocks of {layout.block_nbytes} bytes in shared memory "
-                            f"({need} bytes; {left} left to this process)", hint="allocate fewer blocks")
-        seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", need)
+                            f"({need} bytes)", hint="allocate fewer blocks")
+        seg = SharedSegment(f"kvb-{os.getpid()}-{secrets.token_hex(6)}", need)   # past the memory left: PoolError
         bufs, offs = [], []
         for i in range(layout.num_buffers):
             raw = torch.frombuffer(seg.mmap, dtype=torch.uint8, count=nbytes, offset=i * stride)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from .errors import ConfigError, PoolError, ProtocolError, StaleHandle
+from .hostlimits import memory_available
 
 __all__ = ["SharedSegment", "check_segment_name", "close_fds", "peer_cred", "sweep_dead_segments"]
 
@@ -97,6 +98,12 @@ class SharedSegment:
         """A new segment of ``size`` bytes, made by this process (a peer's: :meth:`adopt`)."""
         if not hasattr(os, "memfd_create") or not all(hasattr(fcntl, c) for c in _SEALS):
             raise ConfigError("shared-memory pools need Linux's sealed memfds (os.memfd_create, fcntl.F_ADD_SEALS)")
+        left = memory_available() if size else None
+        if left is not None and size > left:
+            # its pages are reserved at once and a memfd has no size limit of its own: past what is
+            # left, the kernel's OOM killer ends some process instead of an error
+            raise PoolError(f"cannot make shared memory {name} of {size} bytes: {left} left to this process",
+                            hint="allocate fewer blocks")
         self.name = name
         self.writable = True
         self.owner = True

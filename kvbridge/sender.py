@@ -433,9 +433,6 @@ class KVSender(SenderServing):
             if rec is not None:
                 self._read_done(rec)
 
-    def _transport(self, url: str) -> Transport:
-        return self._transport_after_close(url)[0]
-
     def _transport_after_close(self, url: str) -> tuple[Transport, bool]:
         """The sender's transport for ``url``'s scheme, and whether the caller must close it: work
         that may run while or after :meth:`close` (a cancelled push telling its receiver) gets a

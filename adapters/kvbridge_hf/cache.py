@@ -332,8 +332,7 @@ class HFKVExporter:
         pool.ref(ids)          # our own hold while publishing: no one can free and reuse them under us
         try:
             write_blocks(pool, ids, layers, n, batch_index)
-            h = (self.sender.publish(request_id, ids, n, ttl=ttl) if codec is None
-                 else self.sender.publish(request_id, ids, n, ttl=ttl, codec=codec))
+            h = self.sender.publish(request_id, ids, n, ttl=ttl, codec=codec)   # None: the sender's codec
         except BaseException:
             # a refused publish (one that close() overtook too) leaves the blocks ours: both
             # references go, the alloc's and the hold's
@@ -508,7 +507,7 @@ def generate_from_cache(model: Any, input_ids: Union[torch.Tensor, Sequence[int]
     seqs = int(generate_kwargs.get("num_return_sequences", getattr(gc, "num_return_sequences", 1) or 1))
     rows = beams if beams > 1 else seqs     # the rows generate expands the prompt to; the cache must match
     if rows > 1:
-        if cache.get_seq_length() and getattr(cache, "batch_repeat_interleave", None) is None:
+        if getattr(cache, "batch_repeat_interleave", None) is None:
             raise ConfigError("this cache cannot be expanded for beam search or several sequences")
         cache.batch_repeat_interleave(rows)
     generate_kwargs[cache_kwarg(model)] = cache

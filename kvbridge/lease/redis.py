@@ -32,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import secrets
 import threading
 from dataclasses import dataclass
@@ -46,7 +45,7 @@ from redis.retry import Retry as _SyncRedisRetry
 from redis.asyncio.retry import Retry as _AsyncRedisRetry
 
 from ..errors import ConfigError, LeaseError, ProtocolError
-from ..handle import MAX_TTL
+from ..handle import check_ttl
 from .credentials import with_password
 from ..policy import Backoff, Retry
 from . import _scripts
@@ -70,13 +69,10 @@ def _lease(view: str, lease_id: str = "") -> Lease:
 
 
 def _ms(seconds: float, what: str) -> int:
-    """Milliseconds of a TTL, checked before any script runs: a script refused halfway (a TTL
-    too large for PEXPIREAT) left its first writes -- a lease key without expiry -- behind."""
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ConfigError(f"{what} must be > 0 seconds, got {seconds!r}")
-    if seconds > MAX_TTL:
-        raise ConfigError(f"{what} must be at most {MAX_TTL:.0f} seconds, got {seconds!r}")
-    return max(1, int(seconds * 1000))
+    """Milliseconds of a TTL, checked (:func:`~kvbridge.handle.check_ttl`) before any script runs: a
+    script refused halfway (a TTL too large for PEXPIREAT) left its first writes -- a lease key
+    without expiry -- behind."""
+    return max(1, int(check_ttl(what, seconds) * 1000))
 
 
 def _check_name(value: str, what: str) -> str:

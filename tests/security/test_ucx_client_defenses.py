@@ -359,7 +359,7 @@ def test_a_receiver_taking_a_push_slowly_is_dropped(monkeypatch):
         with KVSender(src, "inproc://", leases=False, timeout=Timeout(connect=2, transfer=2),
                       retry=Retry(attempts=1)) as snd:
             res = _handle(fake.url, nb)
-            tr = snd._transport(fake.url)
+            tr = snd._transport_after_close(fake.url)[0]
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout, match="under the minimum"):
                 tr.write(fake.url, res, Spans.of_blocks(src, list(range(nb))), (0, L.num_layers), None, b"", True)
